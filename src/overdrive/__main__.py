@@ -1,0 +1,5 @@
+import sys
+
+from overdrive.cli import main
+
+sys.exit(main())

@@ -1,0 +1,53 @@
+"""`overdrive bench`: the baseline and (optionally) a plan measured at several batch sizes."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from overdrive import devices
+from overdrive.errors import UserError
+from overdrive.plan import Plan
+from overdrive.report import environment, format_bytes, plot_latency_vs_batch, write_results
+from overdrive.session import open_session, sweep
+
+
+def cmd_bench(args) -> int:
+    console = Console()
+    plan = Plan.load(args.plan) if args.plan else None
+    session = open_session(args, batch_size=plan.batch_size if plan and not args.batch_size else None)
+    if plan and plan.device != session.device.type:
+        raise UserError(f"--plan {args.plan} was made for device {plan.device!r}; pass --device {plan.device}")
+    batch_sizes = args.batch_sizes or [session.batch_size]
+    configs = {"baseline (eager fp32)": []}
+    if plan:
+        configs["plan: " + (" + ".join(plan.names) or "baseline")] = plan.steps
+    device_name = devices.describe(session.device)
+    with console.status("measuring") as status:
+        curves = sweep(session, configs, batch_sizes, progress=lambda d: status.update(f"measuring {d}"))
+
+    table = Table(title=f"overdrive bench {session.workload.name} — {device_name}")
+    for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup", "peak memory", "fidelity"):
+        table.add_column(col, justify="left" if col in ("configuration", "fidelity") else "right")
+    base = {b: m for b, m in curves["baseline (eager fp32)"]}
+    key = session.workload.fidelity_key
+    for label, points in curves.items():
+        for b, m in points:
+            fidelity = f"{key} {m.fidelity[key]:.4f}" if key in m.fidelity else ""
+            if m.task_metric:
+                fidelity = f"acc {m.task_metric['accuracy_pct']:.2f}%, " + fidelity
+            table.add_row(label, str(b), f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f} / {m.latency_ms['p99']:.2f}",
+                          f"{m.samples_per_s:,.1f}", f"{m.samples_per_s / base[b].samples_per_s:.2f}×",
+                          format_bytes(m.peak_memory_bytes), fidelity)
+    console.print(table)
+    out = session.out_dir
+    write_results(out / "bench.json", {
+        "workload": session.workload.name, "device": device_name, "environment": environment(),
+        "plan": plan.to_dict() if plan else None,
+        "units": {"latency_ms": "milliseconds per call", "samples_per_s": "rows per second", "peak_memory_bytes": "bytes"},
+        "results": {label: [{"batch_size": b, **m.to_dict()} for b, m in points] for label, points in curves.items()},
+    })
+    if len(batch_sizes) > 1:
+        plot_latency_vs_batch(out / "bench_latency_vs_batch_size.png", curves, title=f"{session.workload.name} on {device_name}")
+    console.print(f"wrote {out / 'bench.json'}")
+    return 0

@@ -1,0 +1,140 @@
+"""`overdrive` command line: optimize, bench, list.
+
+User mistakes (unknown workload, bad path, batch size ≤ 0, absent device) print one line
+`overdrive: error: ...` on stderr and exit with code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from overdrive.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too by default)
+        sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    return [positive_int(part) for part in text.split(",") if part.strip()] or positive_int("")
+
+
+def name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def shape(text: str) -> tuple[int, ...]:
+    return tuple(positive_int(part) for part in text.split(","))
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
+def nonnegative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {value}")
+    return value
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="minilm, digits-cnn, a torchvision name (resnet50), package.module:factory, or a .pt/.pt2 file")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when present)")
+    p.add_argument("--batch-size", type=positive_int, help="rows per call (default: the workload's)")
+    p.add_argument("--num-samples", type=positive_int, help="evaluation samples (default: 512 for text, all otherwise)")
+    p.add_argument("--out", default="out", help="output folder; results go to OUT/<workload>/ (default: out)")
+    p.add_argument("--input-shape", type=shape, help="input shape B,C,H,W... for TorchScript files, which store none")
+    p.add_argument("--input-dtype", default="float32", help="dtype of generated inputs for model files (default float32)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="overdrive", description="Make a PyTorch model run as fast as the hardware allows, and prove it.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    opt = sub.add_parser("optimize", help="measure baseline and techniques, compose the winners, write a plan")
+    _add_workload_args(opt)
+    opt.add_argument("--techniques", type=name_list, help="comma-separated names to try (default: all; see `overdrive list`)")
+    opt.add_argument("--max-accuracy-drop", type=nonnegative, help="task-metric points a technique may lose (workloads with labels)")
+    opt.add_argument("--min-fidelity", type=fraction, default=0.99, help="floor on cosine / agreement with fp32 (default 0.99)")
+    opt.add_argument("--min-gain", type=float, default=1.02, help="throughput ratio a step needs to be kept (default 1.02)")
+    opt.add_argument("--sweep-batch-sizes", type=int_list, help="batch sizes for the report's plot (default: 1, B/4, B, 2B)")
+
+    bench = sub.add_parser("bench", help="measure the baseline and a plan at several batch sizes")
+    _add_workload_args(bench)
+    bench.add_argument("--plan", help="plan.json written by `overdrive optimize` (default: baseline only)")
+    bench.add_argument("--batch-sizes", type=int_list, help="comma-separated batch sizes (default: the plan's)")
+
+    sub.add_parser("list", help="workloads and techniques, with the devices each supports")
+    return parser
+
+
+def cmd_list() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from overdrive.techniques import list_techniques
+    from overdrive.workloads import list_workloads
+
+    console = Console()
+    workloads = Table(title="workloads")
+    workloads.add_column("name")
+    workloads.add_column("what it is")
+    for name, desc in list_workloads().items():
+        workloads.add_row(name, desc)
+    console.print(workloads)
+    techniques = Table(title="techniques (composed in stage order)")
+    for col in ("name", "stage", "devices", "lossless", "what it does"):
+        techniques.add_column(col)
+    for t in list_techniques():
+        techniques.add_row(t.name, t.stage.name.lower(), ", ".join(t.devices), "yes" if t.lossless else "no", t.description)
+    console.print(techniques)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "list":
+            return cmd_list()
+        if args.command == "optimize":
+            from overdrive.optimize import cmd_optimize
+
+            return cmd_optimize(args, argv if argv is not None else sys.argv[1:])
+        if args.command == "bench":
+            from overdrive.bench import cmd_bench
+
+            return cmd_bench(args)
+    except UserError as exc:
+        sys.stderr.write(f"overdrive: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("overdrive: interrupted\n")
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Device resolution and capability checks, with errors that say what is present."""
+
+from __future__ import annotations
+
+import torch
+
+from overdrive.errors import UserError
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """Turn a user's device string into a `torch.device` that exists on this machine.
+
+    Args:
+        name: "cpu", "cuda", "cuda:N", or None/"auto" (CUDA when present, else CPU).
+
+    Returns:
+        The device.
+
+    Raises:
+        UserError: the string is not a device, or the device is not present here.
+    """
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise UserError(f"--device {name!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N'") from exc
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"--device {name} was asked for but no CUDA GPU is present on this machine; "
+                "use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+        return torch.device("cuda", index)
+    raise UserError(f"--device {name}: device type {device.type!r} is not supported; expected 'cpu' or 'cuda'")
+
+
+def supports_bf16(device: torch.device) -> bool:
+    """Whether bf16 arithmetic is native on `device` (CUDA: compute capability ≥ 8.0)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu"
+
+
+def supports_fp16(device: torch.device) -> tuple[bool, str]:
+    """Whether fp16 arithmetic is native on `device`, and why not when it is not.
+
+    On CPU, fp16 autocast exists in PyTorch but runs at fp32 speed or slower unless the
+    CPU has AMX-FP16; we gate on that so the tuner does not measure an emulated path.
+    """
+    if device.type == "cuda":
+        return True, ""
+    amx_fp16 = getattr(torch._C._cpu, "_is_amx_fp16_supported", None)
+    if amx_fp16 is not None and amx_fp16():
+        return True, ""
+    return False, "this CPU has no native fp16 arithmetic (AMX-FP16); fp16 needs a GPU here"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all queued work on `device` (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(device: torch.device) -> str:
+    """A human-readable name for the device, for reports: 'NVIDIA H200', 'cpu (2 threads)'."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"

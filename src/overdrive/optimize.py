@@ -1,0 +1,90 @@
+"""`overdrive optimize`: the main job. Baseline, each technique alone, composition, plan, report."""
+
+from __future__ import annotations
+
+import shlex
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from overdrive import devices
+from overdrive.errors import UserError
+from overdrive.report import environment, plot_latency_vs_batch, render_to_text, rows_table, write_report_md, write_results
+from overdrive.session import open_session, sweep
+from overdrive.techniques import get_technique
+from overdrive.tuner import Guard, Tuner
+
+
+def default_sweep(batch_size: int) -> list[int]:
+    return sorted({1, max(1, batch_size // 4), batch_size, 2 * batch_size})
+
+
+def cmd_optimize(args, argv: list[str]) -> int:
+    console = Console()
+    for name in args.techniques or []:
+        try:
+            get_technique(name)
+        except KeyError as exc:
+            raise UserError(f"--techniques: {exc.args[0]}") from None
+    session = open_session(args)
+    workload = session.workload
+    if args.max_accuracy_drop is not None and not workload.has_task_metric:
+        raise UserError(f"--max-accuracy-drop: workload {workload.name!r} has no task metric; use --min-fidelity")
+    guard = Guard(min_fidelity=args.min_fidelity, max_accuracy_drop=args.max_accuracy_drop, min_gain=args.min_gain)
+    sweep_sizes = args.sweep_batch_sizes or default_sweep(session.batch_size)
+    device_name = devices.describe(session.device)
+    console.print(f"[bold]overdrive optimize {workload.name}[/] on {device_name}, batch size {session.batch_size}, "
+                  f"{session.num_samples} evaluation samples")
+    if not workload.real_weights:
+        console.print("[yellow]random weights: figures are for speed only, not accuracy claims[/]")
+
+    techniques = args.techniques
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        tuner = Tuner(workload=workload, device=session.device, batch_size=session.batch_size, techniques=techniques,
+                      guard=guard, num_samples=session.num_samples, workload_spec=session.spec)
+        num_alone = len(tuner.techniques)
+        task = progress.add_task("baseline", total=1 + 2 * num_alone + 2 * len(sweep_sizes))
+
+        def step(description: str) -> None:
+            progress.update(task, description=f"measuring {description}", advance=1)
+
+        tuner.progress = step
+        result = tuner.run()
+        progress.update(task, total=progress.tasks[0].completed + 2 * len(sweep_sizes))
+        curves = sweep(session, {"baseline (eager fp32)": [], "plan": result.plan.steps}, sweep_sizes, progress=step)
+
+    table = rows_table(result, fidelity_key=workload.fidelity_key,
+                       title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}")
+    console.print(table)
+    out = session.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    result.plan.save(out / "plan.json")
+    plot_name = "latency_vs_batch_size.png"
+    plot_latency_vs_batch(out / plot_name, curves, title=f"{workload.name} on {device_name}")
+    command = "overdrive " + shlex.join(argv)
+    write_results(out / "results.json", {
+        "command": command,
+        "workload": workload.name,
+        "real_weights": workload.real_weights,
+        "device": device_name,
+        "environment": environment(),
+        "batch_size": session.batch_size,
+        "num_samples": session.num_samples,
+        "guard": {"min_fidelity": guard.min_fidelity, "max_accuracy_drop_pt": guard.max_accuracy_drop, "min_gain": guard.min_gain},
+        "fidelity_key": workload.fidelity_key,
+        "flops_per_sample": result.flops_per_sample,
+        "units": {"latency_ms": "milliseconds per call", "samples_per_s": "rows per second",
+                  "peak_memory_bytes": "bytes", "compile_s": "seconds", "warmup_s": "seconds",
+                  "accuracy_pct": "percent", "flops_per_sample": "floating-point operations"},
+        "rows": [r.to_dict() for r in result.rows],
+        "sweep": {label: [{"batch_size": b, **m.to_dict()} for b, m in points] for label, points in curves.items()},
+        "plan": result.plan.to_dict(),
+    })
+    write_report_md(out / "report.md", result=result, workload_name=workload.name, device_name=device_name,
+                    console_table=render_to_text(table), sweep=curves, plot_name=plot_name, command=command,
+                    real_weights=workload.real_weights)
+    console.print(f"plan: [bold]{' + '.join(result.plan.names) or 'baseline'}[/] "
+                  f"({result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s)")
+    console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}, {out / 'report.md'}")
+    return 0

@@ -1,0 +1,157 @@
+"""Output of `optimize` and `bench`: the rich table, results.json, report.md and the plot."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from overdrive.measure import Measurement
+from overdrive.tuner import Row, TuneResult
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_fidelity(m: Measurement | None, key: str) -> str:
+    if m is None:
+        return ""
+    parts = []
+    if m.task_metric:
+        parts.append(f"acc {m.task_metric['accuracy_pct']:.2f}%")
+    if key in m.fidelity:
+        parts.append(f"{key} {m.fidelity[key]:.4f}")
+    for other, value in m.fidelity.items():
+        if other != key and other.startswith("top10"):
+            parts.append(f"{other} {value:.3f}")
+    return ", ".join(parts)
+
+
+def _kept(row: Row) -> str:
+    if row.phase in ("baseline", "plan"):
+        return "—"
+    return "yes" if row.kept else f"no: {row.reason}"
+
+
+def rows_table(result: TuneResult, *, fidelity_key: str, title: str) -> Table:
+    """The per-technique table: technique | kept? | latency p50/p90 | speedup | samples/s | peak memory | fidelity."""
+    table = Table(title=title, show_lines=False)
+    for col, justify in [("technique", "left"), ("kept? (why not)", "left"), ("latency p50/p90 ms", "right"),
+                         ("speedup vs baseline", "right"), ("samples/s", "right"), ("peak memory", "right"),
+                         ("fidelity", "left")]:
+        table.add_column(col, justify=justify, overflow="fold")
+    previous_phase = None
+    for row in result.rows:
+        if previous_phase is not None and row.phase != previous_phase:
+            table.add_section()
+        previous_phase = row.phase
+        m = row.measurement
+        table.add_row(
+            row.label,
+            _kept(row),
+            f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
+            f"{row.speedup:.2f}×" if row.speedup is not None else "",
+            f"{m.samples_per_s:,.1f}" if m else "",
+            format_bytes(m.peak_memory_bytes) if m else "",
+            format_fidelity(m, fidelity_key),
+        )
+    return table
+
+
+def environment() -> dict:
+    import torch
+
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "num_threads": torch.get_num_threads(),
+    }
+
+
+def write_results(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def plot_latency_vs_batch(path: Path, sweep: dict[str, list[tuple[int, Measurement]]], *, title: str) -> None:
+    """Write a PNG of p50 latency (ms, log scale) and samples/s against batch size, one line per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    fig, (ax_lat, ax_tp) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, points in sweep.items():
+        sizes = [b for b, _ in points]
+        ax_lat.plot(sizes, [m.latency_ms["p50"] for _, m in points], marker="o", label=label)
+        ax_tp.plot(sizes, [m.samples_per_s for _, m in points], marker="o", label=label)
+    for ax, ylabel in ((ax_lat, "latency p50 (ms)"), (ax_tp, "samples/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (rows)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax_lat.set_yscale("log")
+    ax_tp.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sweep_markdown(sweep: dict[str, list[tuple[int, Measurement]]]) -> str:
+    lines = ["| configuration | batch size | latency p50 (ms) | latency p90 (ms) | samples/s |", "|---|---:|---:|---:|---:|"]
+    for label, points in sweep.items():
+        for b, m in points:
+            lines.append(f"| {label} | {b} | {m.latency_ms['p50']:.2f} | {m.latency_ms['p90']:.2f} | {m.samples_per_s:,.1f} |")
+    return "\n".join(lines)
+
+
+def write_report_md(path: Path, *, result: TuneResult, workload_name: str, device_name: str, console_table: str,
+                    sweep: dict[str, list[tuple[int, Measurement]]], plot_name: str | None, command: str,
+                    real_weights: bool) -> None:
+    b = result.baseline
+    lines = [
+        f"# overdrive optimize {workload_name}",
+        "",
+        f"- command: `{command}`",
+        f"- device: {device_name}; torch {environment()['torch']}; date {environment()['date']}",
+        f"- batch size {result.plan.batch_size}; {b.num_samples} evaluation samples; "
+        f"FLOPs per sample (eager fp32): {result.flops_per_sample / 1e9:.3f} GFLOP" if result.flops_per_sample
+        else f"- batch size {result.plan.batch_size}; {b.num_samples} evaluation samples",
+        f"- plan: {' + '.join(result.plan.names) or 'baseline (nothing beat it)'}, "
+        f"{result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s",
+    ]
+    if not real_weights:
+        lines.append("- weights are random: the figures are for speed only, not accuracy claims")
+    lines += ["", "## Per-technique table", "", "```", console_table.rstrip(), "```", "",
+              "## Latency vs batch size", ""]
+    if plot_name:
+        lines += [f"![latency vs batch size]({plot_name})", ""]
+    lines += [sweep_markdown(sweep), ""]
+    compile_rows = [r for r in result.rows if r.measurement and r.measurement.compile_s > 1.0]
+    if compile_rows:
+        lines += ["## Compile and warm-up time (apart from the figures above)", ""]
+        lines += [f"- {r.label}: {r.measurement.compile_s:.1f} s" for r in compile_rows]
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def render_to_text(table: Table, width: int = 160) -> str:
+    console = Console(width=width, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(table)
+    return console.export_text()

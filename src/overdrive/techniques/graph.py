@@ -1,0 +1,93 @@
+"""Graph-level rewrites that keep the math: BatchNorm folding and channels_last layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from overdrive.techniques.base import ForwardWrapper, Stage, Technique, TechniqueConfig, register
+from overdrive.workloads.base import Workload
+
+_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def num_batchnorm(model: nn.Module) -> int:
+    return sum(isinstance(m, _BN) for m in model.modules())
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchNormFoldConfig(TechniqueConfig):
+    pass
+
+
+@register
+class BatchNormFold(Technique):
+    """Fold each eval-mode BatchNorm into the convolution that feeds it (W' = W·γ/σ, b' = (b−μ)·γ/σ + β).
+
+    Uses torch.fx tracing and `torch.fx.experimental.optimization.fuse` (which folds only
+    when the conv's output feeds nothing but the BatchNorm). Raises RuntimeError when no pair
+    could be folded, so the tuner reports it rather than keeping a no-op.
+    """
+
+    name = "bn-fold"
+    config_cls = BatchNormFoldConfig
+    stage = Stage.GRAPH
+    lossless = True
+    description = "fold BatchNorm into the preceding conv (eval mode, via torch.fx)"
+
+    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
+        if num_batchnorm(workload.model) == 0:
+            return "not applicable: the model has no BatchNorm layers"
+        return None
+
+    def apply(self, model, config, *, workload, device):
+        from torch.fx.experimental.optimization import fuse
+
+        before = num_batchnorm(model)
+        try:
+            folded = fuse(model.eval(), inplace=False)
+        except Exception as exc:  # fx cannot trace data-dependent control flow
+            raise RuntimeError(f"torch.fx could not trace the model: {type(exc).__name__}: {exc}") from exc
+        after = num_batchnorm(folded)
+        if after == before:
+            raise RuntimeError(f"found {before} BatchNorm layer(s) but none directly after a conv")
+        return folded
+
+
+class ChannelsLastInputs(ForwardWrapper):
+    """Converts 4-D floating-point inputs [N, C, H, W] to channels_last before `inner` runs."""
+
+    def forward(self, *args):
+        args = tuple(
+            a.contiguous(memory_format=torch.channels_last)
+            if isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point()
+            else a
+            for a in args
+        )
+        return self.inner(*args)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChannelsLastConfig(TechniqueConfig):
+    pass
+
+
+@register
+class ChannelsLast(Technique):
+    """NHWC memory layout for conv nets (cuDNN/oneDNN pick faster kernels for it); input conversion is timed."""
+
+    name = "channels-last"
+    config_cls = ChannelsLastConfig
+    stage = Stage.GRAPH
+    lossless = True
+    description = "channels_last (NHWC) weights and inputs for conv nets"
+
+    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
+        if not any(isinstance(m, nn.Conv2d) for m in workload.model.modules()):
+            return "not applicable: the model has no 2-D convolutions"
+        return None
+
+    def apply(self, model, config, *, workload, device):
+        return ChannelsLastInputs(model.to(memory_format=torch.channels_last))

@@ -1,0 +1,219 @@
+"""The tuner: baseline, each technique alone (the attribution table), then greedy composition.
+
+Composition follows the canonical order of `Stage` (batching → prune → precision → graph →
+compile → runtime). Only techniques that were kept alone are tried; of a group of
+alternatives (bf16 / fp16 / int8) the fastest kept one is tried first and the others are
+skipped once one is kept. A step is rolled back when its throughput is not at least
+`Guard.min_gain` × the current best, or when it breaks the accuracy budget; the row says why.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from overdrive import devices
+from overdrive.measure import Measurement, count_flops_per_sample, measure
+from overdrive.plan import Plan, Step, build
+from overdrive.techniques import get_technique, list_techniques
+from overdrive.workloads.base import Workload
+
+
+@dataclass(frozen=True, kw_only=True)
+class Guard:
+    """The accuracy budget and the speed bar.
+
+    Attributes:
+        min_fidelity: floor on the workload's fidelity figure (cosine or agreement), in [0, 1].
+        max_accuracy_drop: most task-metric points a candidate may lose (workloads with labels);
+            None: no task-metric budget beyond the fidelity floor.
+        min_gain: a candidate must reach this × the throughput it is compared with to be kept.
+    """
+
+    min_fidelity: float = 0.99
+    max_accuracy_drop: float | None = None
+    min_gain: float = 1.02
+
+    def __post_init__(self):
+        if not 0.0 <= self.min_fidelity <= 1.0:
+            raise ValueError(f"min_fidelity must be in [0, 1], got {self.min_fidelity}")
+        if self.max_accuracy_drop is not None and self.max_accuracy_drop < 0:
+            raise ValueError(f"max_accuracy_drop must be ≥ 0 points, got {self.max_accuracy_drop}")
+
+    def violation(self, m: Measurement, baseline: Measurement, fidelity_key: str) -> str | None:
+        """The figure that breaks the budget, or None."""
+        value = m.fidelity.get(fidelity_key)
+        if value is not None and value < self.min_fidelity:
+            return f"{fidelity_key} {value:.4f} < {self.min_fidelity} floor"
+        if self.max_accuracy_drop is not None and m.task_metric and baseline.task_metric:
+            drop = baseline.task_metric["accuracy_pct"] - m.task_metric["accuracy_pct"]
+            if drop > self.max_accuracy_drop:
+                return f"accuracy drop {drop:.2f} pt > {self.max_accuracy_drop} pt budget"
+        return None
+
+
+@dataclass(kw_only=True)
+class Row:
+    """One line of the table: a candidate, whether it was kept, why not, and its figures."""
+
+    phase: str  # "baseline", "alone", "compose", "plan"
+    label: str
+    steps: list[str]
+    kept: bool
+    reason: str = ""
+    measurement: Measurement | None = None
+    speedup: float | None = None  # samples/s ÷ baseline samples/s
+
+    def to_dict(self) -> dict:
+        return {
+            "phase": self.phase,
+            "label": self.label,
+            "techniques": self.steps,
+            "kept": self.kept,
+            "reason": self.reason,
+            "speedup_vs_baseline": self.speedup,
+            "measurement": self.measurement.to_dict() if self.measurement else None,
+        }
+
+
+@dataclass(kw_only=True)
+class TuneResult:
+    rows: list[Row]
+    plan: Plan
+    baseline: Measurement
+    flops_per_sample: float | None
+    settings: dict = field(default_factory=dict)
+
+
+Progress = Callable[[str], None]
+
+
+@dataclass(kw_only=True)
+class Tuner:
+    """Runs the optimize flow for one workload on one device.
+
+    Attributes:
+        workload, device, batch_size: what to tune and where.
+        techniques: names to try (default: every registered technique).
+        guard: accuracy budget and speed bar.
+        num_samples: evaluation samples (the first N of the workload's samples).
+        min_timed_calls: timed calls per measurement.
+        progress: called with a description before each measurement.
+    """
+
+    workload: Workload
+    device: torch.device
+    batch_size: int
+    techniques: list[str] | None = None
+    guard: Guard = field(default_factory=Guard)
+    num_samples: int | None = None
+    min_timed_calls: int = 10
+    progress: Progress = lambda _: None
+    workload_spec: str | None = None
+
+    def __post_init__(self):
+        n = len(self.workload.samples) if self.num_samples is None else min(self.num_samples, len(self.workload.samples))
+        self.indices = list(range(n))
+        names = self.techniques if self.techniques is not None else [t.name for t in list_techniques()]
+        self.techniques = [get_technique(n).name for n in names]  # KeyError names the unknown one
+
+    def _measure(self, steps: list[Step], reference: torch.Tensor | None) -> Measurement:
+        model, policy = build(self.workload, steps, self.device)
+        try:
+            m, _ = measure(
+                model, self.workload, device=self.device, batch_size=self.batch_size,
+                indices=self.indices, policy=policy, reference=reference, min_timed_calls=self.min_timed_calls,
+            )
+            return m
+        finally:
+            del model
+            gc.collect()
+            torch._dynamo.reset()  # drop compiled graphs so the next candidate starts clean
+
+    def _try(self, phase, label, steps, reference, baseline, compare_to) -> Row:
+        self.progress(label)
+        names = [s.name for s in steps]
+        try:
+            m = self._measure(steps, reference)
+        except Exception as exc:  # noqa: BLE001 - a failing technique is a row, not a crash
+            return Row(phase=phase, label=label, steps=names, kept=False, reason=f"failed: {type(exc).__name__}: {exc}"[:300])
+        speedup = m.samples_per_s / baseline.samples_per_s
+        row = Row(phase=phase, label=label, steps=names, kept=False, measurement=m, speedup=speedup)
+        violation = self.guard.violation(m, baseline, self.workload.fidelity_key)
+        gain = m.samples_per_s / compare_to.samples_per_s
+        if violation:
+            row.reason = violation
+        elif gain < self.guard.min_gain:
+            row.reason = f"not faster: {gain:.2f}× {'baseline' if compare_to is baseline else 'without it'} (needs ≥ {self.guard.min_gain:.2f}×)"
+        else:
+            row.kept = True
+        return row
+
+    def run(self) -> TuneResult:
+        rows: list[Row] = []
+        self.progress("baseline (eager fp32)")
+        model, _ = build(self.workload, [], self.device)
+        flops = count_flops_per_sample(model, self.workload, device=self.device, indices=self.indices)
+        baseline, reference = measure(
+            model, self.workload, device=self.device, batch_size=self.batch_size,
+            indices=self.indices, min_timed_calls=self.min_timed_calls,
+        )
+        baseline.fidelity = self.workload.fidelity(reference, reference)
+        del model
+        rows.append(Row(phase="baseline", label="baseline (eager fp32)", steps=[], kept=True, measurement=baseline, speedup=1.0))
+
+        # 1. Each technique alone, against the baseline: the attribution table.
+        alone: dict[str, Row] = {}
+        for name in self.techniques:
+            reason = get_technique(name).unsupported_reason(self.workload, self.device)
+            if reason:
+                rows.append(Row(phase="alone", label=name, steps=[name], kept=False, reason=f"skipped: {reason}"))
+                continue
+            row = self._try("alone", name, [Step.default(name)], reference, baseline, baseline)
+            rows.append(row)
+            alone[name] = row
+
+        # 2. Greedy composition of the winners in canonical order.
+        winners = [r for r in alone.values() if r.kept]
+        winners.sort(key=lambda r: (get_technique(r.label).stage, -r.measurement.samples_per_s))
+        current: list[Step] = []
+        current_m = baseline
+        kept_groups: dict[str, str] = {}
+        for row in winners:
+            technique = get_technique(row.label)
+            if technique.group and technique.group in kept_groups:
+                rows.append(Row(phase="compose", label=f"+ {row.label}", steps=[s.name for s in current] + [row.label],
+                                kept=False, reason=f"alternative to {kept_groups[technique.group]}, already kept"))
+                continue
+            if not current:  # the first winner composed with nothing is its alone row
+                step_row = Row(**{**row.__dict__, "phase": "compose", "label": f"+ {row.label}"})
+            else:
+                step_row = self._try("compose", f"+ {row.label}", current + [Step.default(row.label)], reference, baseline, current_m)
+            rows.append(step_row)
+            if step_row.kept:
+                current = current + [Step.default(row.label)]
+                current_m = step_row.measurement
+                if technique.group:
+                    kept_groups[technique.group] = row.label
+
+        names = [s.name for s in current]
+        rows.append(Row(phase="plan", label="plan: " + (" + ".join(names) or "baseline"), steps=names, kept=True,
+                        measurement=current_m, speedup=current_m.samples_per_s / baseline.samples_per_s))
+        plan = Plan(
+            workload=self.workload_spec or self.workload.name,
+            device=self.device.type,
+            batch_size=self.batch_size,
+            steps=current,
+            measured={
+                "samples_per_s": current_m.samples_per_s,
+                "latency_ms": current_m.latency_ms,
+                "speedup_vs_baseline": current_m.samples_per_s / baseline.samples_per_s,
+                "fidelity": current_m.fidelity,
+                "task_metric": current_m.task_metric,
+            },
+            environment={"torch": torch.__version__, "device_name": devices.describe(self.device)},
+        )
+        return TuneResult(rows=rows, plan=plan, baseline=baseline, flops_per_sample=flops)

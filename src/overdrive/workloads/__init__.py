@@ -1,0 +1,73 @@
+"""Workload registry: `list_workloads()` and `create_workload(spec)`.
+
+A spec is a built-in name (`minilm`, `digits-cnn`), a torchvision architecture name
+(`resnet50`), an import path (`package.module:factory`), or a saved model file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from overdrive.errors import UserError
+from overdrive.workloads.base import Workload, embedding_fidelity, logits_fidelity
+
+__all__ = ["Workload", "create_workload", "list_workloads", "embedding_fidelity", "logits_fidelity"]
+
+
+def _minilm() -> Workload:
+    from overdrive.workloads.minilm import build_minilm
+
+    return build_minilm()
+
+
+def _digits() -> Workload:
+    from overdrive.workloads.digits import build_digits_cnn
+
+    return build_digits_cnn()
+
+
+BUILTIN: dict[str, tuple[Callable[[], Workload], str]] = {
+    "minilm": (_minilm, "all-MiniLM-L6-v2 sentence embeddings, real weights, real sentences"),
+    "digits-cnn": (_digits, "small CNN trained on scikit-learn digits, real test accuracy"),
+}
+
+
+def list_workloads() -> dict[str, str]:
+    """Built-in workload names with a one-line description (torchvision names are extra)."""
+    return {name: desc for name, (_, desc) in BUILTIN.items()} | {
+        "<torchvision name>": "any torchvision classifier, e.g. resnet50 (random weights: speed only)",
+        "package.module:factory": "your factory returning a Workload or (model, example_input)",
+        "<file>.pt / .pt2": "a TorchScript or torch.export archive",
+    }
+
+
+def create_workload(
+    spec: str, *, input_shape: tuple[int, ...] | None = None, input_dtype: torch.dtype = torch.float32
+) -> Workload:
+    """Build the workload a user named.
+
+    Raises:
+        UserError: nothing by that name, an import path that fails, or a file that is not a model.
+    """
+    if spec in BUILTIN:
+        return BUILTIN[spec][0]()
+    if ":" in spec and not Path(spec).exists():
+        from overdrive.workloads.user import build_from_import_path
+
+        return build_from_import_path(spec)
+    path = Path(spec)
+    if path.suffix or path.exists():
+        from overdrive.workloads.user import build_from_file
+
+        return build_from_file(path, input_shape=input_shape, input_dtype=input_dtype)
+    from overdrive.workloads.vision import build_torchvision, torchvision_names
+
+    if spec in torchvision_names():
+        return build_torchvision(spec)
+    raise UserError(
+        f"unknown workload {spec!r}; expected one of {', '.join(BUILTIN)}, a torchvision model name "
+        "(e.g. resnet50), 'package.module:factory', or a .pt/.pt2 file (see `overdrive list`)"
+    )

@@ -1,0 +1,121 @@
+"""The Workload: a model plus the real samples, batching and metrics that judge it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+Inputs = tuple[torch.Tensor, ...]
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """A model with the data that measures it.
+
+    Attributes:
+        name: registry or user name, used for the output folder.
+        model: fp32 module in eval mode on the CPU; `model(*inputs)` returns one tensor
+            whose first dimension is the batch, e.g. embeddings [B, 384] or logits [B, C].
+        samples: the evaluation samples, in a fixed order (sentences, image tensors [C, H, W]).
+        collate: turns a list of samples into the model's positional inputs (padding, masks).
+        fidelity: `fidelity(output, reference) -> {figure: value}`; both [N, ...] float32 in
+            sample order; higher is better for `fidelity_key`.
+        fidelity_key: the figure the `--min-fidelity` floor applies to.
+        default_batch_size: rows per batch when the user gives none.
+        labels: int64 [N] class labels aligned with `samples`, for workloads with a task metric.
+        sample_length: token count of a sample, for length bucketing (text workloads only).
+        real_weights: False for random weights: speed figures only, no accuracy claims.
+        train_samples / train_labels: data the model was trained on (never used to judge it).
+        description: one line for `overdrive list`.
+    """
+
+    name: str
+    model: nn.Module
+    samples: Sequence[Any]
+    collate: Callable[[list[Any]], Inputs]
+    fidelity: Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
+    fidelity_key: str
+    default_batch_size: int
+    labels: torch.Tensor | None = None
+    sample_length: Callable[[Any], int] | None = None
+    real_weights: bool = True
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_task_metric(self) -> bool:
+        return self.labels is not None
+
+    @property
+    def is_text(self) -> bool:
+        return self.sample_length is not None
+
+    @property
+    def has_conv(self) -> bool:
+        return any(isinstance(m, nn.modules.conv._ConvNd) for m in self.model.modules())
+
+    def task_metric(self, output: torch.Tensor, indices: Sequence[int] | None = None) -> dict[str, float]:
+        """Top-1 accuracy in percent of `output` logits [N, C] against the labels of the samples.
+
+        Raises:
+            ValueError: the workload has no labels.
+        """
+        if self.labels is None:
+            raise ValueError(f"workload {self.name!r} has no task metric")
+        labels = self.labels if indices is None else self.labels[list(indices)]
+        correct = (output.argmax(dim=-1).cpu() == labels).float().mean().item()
+        return {"accuracy_pct": 100.0 * correct}
+
+
+def embedding_fidelity(output: torch.Tensor, reference: torch.Tensor, *, k: int = 10) -> dict[str, float]:
+    """Agreement of sentence embeddings with the fp32 reference.
+
+    Args:
+        output: float [N, D] embeddings from the candidate.
+        reference: float [N, D] embeddings from eager fp32.
+        k: neighbours compared per row.
+
+    Returns:
+        min_cosine, mean_cosine: cosine similarity of each row to its reference row;
+        top10_agreement: mean overlap fraction of each row's k nearest neighbours by cosine
+        (self excluded) between candidate and reference (1.0 = identical retrieval).
+    """
+    out = nn.functional.normalize(output.float(), dim=-1)
+    ref = nn.functional.normalize(reference.float(), dim=-1)
+    cos = (out * ref).sum(dim=-1)
+    result = {"min_cosine": cos.min().item(), "mean_cosine": cos.mean().item()}
+    n = out.shape[0]
+    k = min(k, n - 1)
+    if k >= 1:
+        eye = torch.eye(n, dtype=torch.bool)
+        nn_out = (out @ out.T).masked_fill(eye, -2).topk(k, dim=-1).indices  # [N, k]
+        nn_ref = (ref @ ref.T).masked_fill(eye, -2).topk(k, dim=-1).indices
+        overlap = (nn_out.unsqueeze(-1) == nn_ref.unsqueeze(-2)).any(-1).float().sum(-1) / k
+        result[f"top{k}_agreement"] = overlap.mean().item()
+    return result
+
+
+def logits_fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    """Agreement of classifier outputs with the fp32 reference.
+
+    Args:
+        output: float [N, C] (or [N, ...], flattened per row) from the candidate.
+        reference: the same from eager fp32.
+
+    Returns:
+        top1_agreement: fraction of rows whose argmax matches the reference (for [N, C]);
+        max_rel_error: max |output − reference| / max |reference|;
+        min_cosine: the smallest per-row cosine similarity.
+    """
+    out = output.float().reshape(output.shape[0], -1)
+    ref = reference.float().reshape(reference.shape[0], -1)
+    result = {
+        "top1_agreement": (out.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+        "max_rel_error": ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item(),
+        "min_cosine": nn.functional.cosine_similarity(out, ref, dim=-1).min().item(),
+    }
+    return result
