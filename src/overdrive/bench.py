@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from rich.console import Console
 from rich.table import Table
 
 from overdrive import devices
 from overdrive.errors import UserError
 from overdrive.plan import Plan
-from overdrive.report import environment, format_bytes, plot_latency_vs_batch, write_results
+from overdrive.report import make_console, environment, format_bytes, plot_latency_vs_batch, write_results
 from overdrive.session import open_session, sweep
 
 
 def cmd_bench(args) -> int:
-    console = Console()
+    console = make_console()
     plan = Plan.load(args.plan) if args.plan else None
     session = open_session(args, batch_size=plan.batch_size if plan and not args.batch_size else None)
     if plan and plan.device != session.device.type:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import shlex
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from overdrive import devices
 from overdrive.errors import UserError
-from overdrive.report import environment, plot_latency_vs_batch, render_to_text, rows_table, write_report_md, write_results
+from overdrive.report import make_console, environment, plot_latency_vs_batch, render_to_text, rows_table, write_report_md, write_results
 from overdrive.session import open_session, sweep
 from overdrive.techniques import get_technique
 from overdrive.tuner import Guard, Tuner
@@ -20,7 +19,7 @@ def default_sweep(batch_size: int) -> list[int]:
 
 
 def cmd_optimize(args, argv: list[str]) -> int:
-    console = Console()
+    console = make_console()
     for name in args.techniques or []:
         try:
             get_technique(name)

@@ -24,18 +24,27 @@ def format_bytes(n: int | None) -> str:
     return f"{n:.1f} GiB"
 
 
+_SHORT = {"min_cosine": "min cos", "top1_agreement": "top-1 agree", "top10_agreement": "top-10 NN"}
+
+
 def format_fidelity(m: Measurement | None, key: str) -> str:
+    """'acc 99.72%, top-1 agree 1.0000' — the task metric, the guarded figure, and retrieval agreement."""
     if m is None:
         return ""
     parts = []
     if m.task_metric:
         parts.append(f"acc {m.task_metric['accuracy_pct']:.2f}%")
     if key in m.fidelity:
-        parts.append(f"{key} {m.fidelity[key]:.4f}")
-    for other, value in m.fidelity.items():
-        if other != key and other.startswith("top10"):
-            parts.append(f"{other} {value:.3f}")
+        parts.append(f"{_SHORT.get(key, key)} {m.fidelity[key]:.4f}")
+    if key != "top10_agreement" and "top10_agreement" in m.fidelity:
+        parts.append(f"top-10 NN {m.fidelity['top10_agreement']:.3f}")
     return ", ".join(parts)
+
+
+def make_console() -> Console:
+    """A console that is wide enough for the table even when stdout is not a terminal (make, CI, pipes)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=170)
 
 
 def _kept(row: Row) -> str:
@@ -46,7 +55,8 @@ def _kept(row: Row) -> str:
 
 def rows_table(result: TuneResult, *, fidelity_key: str, title: str) -> Table:
     """The per-technique table: technique | kept? | latency p50/p90 | speedup | samples/s | peak memory | fidelity."""
-    table = Table(title=title, show_lines=False)
+    memory_kind = "CUDA allocator peak" if result.baseline.peak_memory_kind.startswith("cuda") else "process RSS high-water"
+    table = Table(title=title, show_lines=False, caption=f"peak memory: {memory_kind}; fidelity: against eager fp32 outputs")
     for col, justify in [("technique", "left"), ("kept? (why not)", "left"), ("latency p50/p90 ms", "right"),
                          ("speedup vs baseline", "right"), ("samples/s", "right"), ("peak memory", "right"),
                          ("fidelity", "left")]:

@@ -24,7 +24,7 @@ class BatchNormFoldConfig(TechniqueConfig):
 
 @register
 class BatchNormFold(Technique):
-    """Fold each eval-mode BatchNorm into the convolution that feeds it (W' = W·γ/σ, b' = (b−μ)·γ/σ + β).
+    """Fold each eval-mode BatchNorm into the conv (or Linear) that feeds it: W' = W·γ/σ, b' = (b−μ)·γ/σ + β.
 
     Uses torch.fx tracing and `torch.fx.experimental.optimization.fuse` (which folds only
     when the conv's output feeds nothing but the BatchNorm). Raises RuntimeError when no pair
@@ -52,7 +52,7 @@ class BatchNormFold(Technique):
             raise RuntimeError(f"torch.fx could not trace the model: {type(exc).__name__}: {exc}") from exc
         after = num_batchnorm(folded)
         if after == before:
-            raise RuntimeError(f"found {before} BatchNorm layer(s) but none directly after a conv")
+            raise RuntimeError(f"found {before} BatchNorm layer(s) but none directly after a conv or Linear")
         return folded
 
 

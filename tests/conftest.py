@@ -1,0 +1,113 @@
+"""Tiny workloads built in fixtures, so technique tests run in seconds and compare with fp32 eager."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from overdrive.workloads.base import Workload, embedding_fidelity, logits_fidelity
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class TinyConvNet(nn.Module):
+    """conv-BN-ReLU ×2, a conv whose output feeds two users (must not be folded), pooled, linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))  # [B, 8, H, W]
+        x = torch.relu(self.bn2(self.conv2(x)))  # [B, 16, H, W]
+        return self.head(x.mean(dim=(2, 3)))  # [B, 5]
+
+
+def _randomise_bn(model: nn.Module) -> nn.Module:
+    """Give BatchNorm layers non-trivial running statistics, so folding them is a real test."""
+    g = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.weight.data.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.bias.data.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+    return model.eval()
+
+
+def make_conv_workload(num_samples: int = 24) -> Workload:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(num_samples, 3, 16, 16, generator=g)
+    labels = torch.randint(0, 5, (num_samples,), generator=g)
+    return Workload(
+        name="tiny-conv",
+        model=_randomise_bn(TinyConvNet()),
+        samples=list(images),
+        labels=labels,
+        collate=lambda s: (torch.stack(s),),
+        fidelity=logits_fidelity,
+        fidelity_key="min_cosine",
+        default_batch_size=8,
+        real_weights=False,
+    )
+
+
+def tiny_bert_embedder():
+    """A 2-layer, 32-wide BERT (transformers, random weights) with masked mean pooling:
+    (input_ids [B, S], attention_mask [B, S]) -> [B, 32]. The same module shapes as MiniLM."""
+    from transformers import BertConfig, BertModel
+
+    from overdrive.workloads.minilm import SentenceEmbedder
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    return SentenceEmbedder(BertModel(config)).eval()
+
+
+def pad_collate(samples: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(len(s) for s in samples)
+    ids = torch.zeros(len(samples), length, dtype=torch.int64)
+    mask = torch.zeros(len(samples), length, dtype=torch.int64)
+    for row, s in enumerate(samples):
+        ids[row, : len(s)] = torch.tensor(s)
+        mask[row, : len(s)] = 1
+    return ids, mask
+
+
+def make_text_workload(num_samples: int = 40) -> Workload:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 30, (num_samples,), generator=g).tolist()
+    samples = [torch.randint(1, 50, (n,), generator=g).tolist() for n in lengths]
+    return Workload(
+        name="tiny-text",
+        model=tiny_bert_embedder(),
+        samples=samples,
+        collate=pad_collate,
+        fidelity=embedding_fidelity,
+        fidelity_key="min_cosine",
+        default_batch_size=8,
+        sample_length=len,
+        real_weights=False,
+    )
+
+
+@pytest.fixture
+def conv_workload() -> Workload:
+    return make_conv_workload()
+
+
+@pytest.fixture
+def text_workload() -> Workload:
+    return make_text_workload()

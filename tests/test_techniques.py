@@ -1,0 +1,123 @@
+"""The battery every registered technique gets: apply it to tiny models and compare with fp32 eager.
+
+Lossless techniques must match with assert_close; lossy ones must clear an explicit floor on the
+minimum per-row cosine similarity to the fp32 outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from overdrive.measure import measure
+from overdrive.plan import Step, build
+from overdrive.techniques import BatchingPolicy, Stage, list_techniques
+from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
+
+# Floors for lossy techniques: min cosine to fp32 on the tiny random models.
+LOSSY_FLOOR = {"bf16": 0.99, "fp16": 0.995, "int8-dynamic": 0.95, "compile": 0.9999}
+CPU = torch.device("cpu")
+
+
+def reference_outputs(workload, device=CPU):
+    model, _ = build(workload, [], device)
+    _, ref = measure(model, workload, device=device, batch_size=8, indices=list(range(len(workload.samples))),
+                     min_timed_calls=1, min_timed_s=0.0)
+    return ref
+
+
+@pytest.mark.parametrize("workload_factory", [make_conv_workload, make_text_workload], ids=["conv", "text"])
+@pytest.mark.parametrize("technique", list_techniques(), ids=lambda t: t.name)
+def test_technique_against_fp32(technique, workload_factory):
+    workload = workload_factory()
+    reason = technique.unsupported_reason(workload, CPU)
+    if reason:
+        assert technique.name in ("fp16", "bn-fold", "channels-last", "length-bucketing", "int8-dynamic"), reason
+        pytest.skip(reason)
+    reference = reference_outputs(workload)
+    model, policy = build(workload, [Step.default(technique.name)], CPU)
+    m, out = measure(model, workload, device=CPU, batch_size=8, indices=list(range(len(workload.samples))),
+                     policy=policy, reference=reference, min_timed_calls=1, min_timed_s=0.0)
+    assert out.shape == reference.shape and out.dtype == torch.float32
+    if technique.lossless:
+        torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
+    else:
+        assert m.fidelity["min_cosine"] >= LOSSY_FLOOR[technique.name], m.fidelity
+
+
+def test_every_technique_has_a_floor_or_is_lossless():
+    for t in list_techniques():
+        assert t.lossless or t.name in LOSSY_FLOOR, f"add a fidelity floor for {t.name}"
+        assert isinstance(t.stage, Stage) and t.description
+
+
+def test_bn_fold_removes_batchnorm_and_keeps_the_math(conv_workload):
+    from overdrive.techniques.graph import num_batchnorm
+
+    model, _ = build(conv_workload, [Step.default("bn-fold")], CPU)
+    assert num_batchnorm(conv_workload.model) == 2 and num_batchnorm(model) == 0
+    x = torch.stack(conv_workload.samples[:4])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), conv_workload.model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_bn_fold_refuses_a_model_without_conv_bn_pairs():
+    from overdrive.techniques import get_technique
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.BatchNorm2d(4)).eval()  # BN after ReLU: not foldable
+    with pytest.raises(RuntimeError, match="none directly after a conv"):
+        get_technique("bn-fold").apply(model, None, workload=None, device=CPU)
+
+
+def test_int8_dynamic_replaces_linear_layers(text_workload):
+    model, _ = build(text_workload, [Step.default("int8-dynamic")], CPU)
+    kinds = {type(m).__module__ for m in model.modules()}
+    assert any("quantized" in k for k in kinds), kinds
+
+
+def test_length_bucketing_orders_by_length_and_restores_input_order(text_workload):
+    policy = BatchingPolicy(sort_by_length=True)
+    order = policy.order(text_workload, list(range(len(text_workload.samples))))
+    lengths = [len(text_workload.samples[i]) for i in order]
+    assert lengths == sorted(lengths) and sorted(order) == list(range(len(order)))
+    reference = reference_outputs(text_workload)
+    model, _ = build(text_workload, [], CPU)
+    m, out = measure(model, text_workload, device=CPU, batch_size=8, indices=list(range(len(text_workload.samples))),
+                     policy=policy, reference=reference, min_timed_calls=1, min_timed_s=0.0)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)  # same rows, same order
+    m_plain, _ = measure(model, text_workload, device=CPU, batch_size=8, indices=list(range(len(text_workload.samples))),
+                         min_timed_calls=1, min_timed_s=0.0)
+    assert m.mean_padded_length < m_plain.mean_padded_length  # bucketing pads less
+
+
+def test_channels_last_converts_weights_and_inputs(conv_workload):
+    model, _ = build(conv_workload, [Step.default("channels-last")], CPU)
+    conv = model.inner.conv1
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_compile_config_round_trip_and_validation():
+    from overdrive.techniques.runtime import CompileConfig, CompileMode
+
+    cfg = CompileConfig(mode="max-autotune", dynamic=True)
+    assert cfg.mode is CompileMode.MAX_AUTOTUNE
+    assert CompileConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError):
+        CompileConfig(mode="fastest")
+    with pytest.raises(ValueError, match="unknown field"):
+        CompileConfig.from_dict({"version": 1, "mode": "default", "speed": 11})
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["bf16", "fp16", "channels-last", "bn-fold", "inference-mode"])
+def test_techniques_on_cuda(name):
+    device = torch.device("cuda")
+    workload = make_conv_workload()
+    reference = reference_outputs(workload, device)
+    model, policy = build(workload, [Step.default(name)], device)
+    m, out = measure(model, workload, device=device, batch_size=8, indices=list(range(len(workload.samples))),
+                     policy=policy, reference=reference, min_timed_calls=2, min_timed_s=0.0)
+    assert m.peak_memory_kind == "cuda_max_allocated" and m.peak_memory_bytes > 0
+    assert m.fidelity["min_cosine"] >= LOSSY_FLOOR.get(name, 0.9999)
