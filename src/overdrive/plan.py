@@ -13,7 +13,7 @@ from torch import nn
 
 from overdrive.errors import UserError
 from overdrive.techniques import BatchingPolicy, TechniqueConfig, get_technique
-from overdrive.workloads.base import Workload
+from overdrive.workloads.base import Workload, eval_mode
 
 PLAN_VERSION = 1
 
@@ -47,7 +47,7 @@ def build(workload: Workload, steps: list[Step], device: torch.device) -> tuple[
     Raises:
         RuntimeError: a technique is unsupported here or its transform failed (message says which).
     """
-    model = copy.deepcopy(workload.model).to(device).eval()
+    model = eval_mode(copy.deepcopy(workload.model).to(device))
     policy = BatchingPolicy()
     for step in steps:
         technique = get_technique(step.name)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from overdrive.techniques.base import ForwardWrapper, Stage, Technique, TechniqueConfig, register
-from overdrive.workloads.base import Workload
+from overdrive.workloads.base import Workload, eval_mode
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -47,7 +47,7 @@ class BatchNormFold(Technique):
 
         before = num_batchnorm(model)
         try:
-            folded = fuse(model.eval(), inplace=False)
+            folded = fuse(eval_mode(model), inplace=False)
         except Exception as exc:  # fx cannot trace data-dependent control flow
             raise RuntimeError(f"torch.fx could not trace the model: {type(exc).__name__}: {exc}") from exc
         after = num_batchnorm(folded)

@@ -71,6 +71,15 @@ class Workload:
         return {"accuracy_pct": 100.0 * correct}
 
 
+def eval_mode(model: nn.Module) -> nn.Module:
+    """`model.eval()`, except for modules that refuse it (torch.export's `.module()` raises
+    NotImplementedError; its graph is already fixed in the mode it was exported in)."""
+    try:
+        return model.eval()
+    except NotImplementedError:
+        return model
+
+
 def embedding_fidelity(output: torch.Tensor, reference: torch.Tensor, *, k: int = 10) -> dict[str, float]:
     """Agreement of sentence embeddings with the fp32 reference.
 

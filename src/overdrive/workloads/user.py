@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from overdrive.errors import UserError
-from overdrive.workloads.base import Workload, logits_fidelity
+from overdrive.workloads.base import Workload, eval_mode, logits_fidelity
 
 NUM_SAMPLES = 64
 
@@ -50,7 +50,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
     example = (example,) if isinstance(example, torch.Tensor) else tuple(example)
     if not example or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in example):
         raise UserError(f"{name}: the example input must be a tensor or tuple of tensors with a batch dimension")
-    model = model.eval()
+    model = eval_mode(model)
     try:
         with torch.no_grad():
             out = model(*example)

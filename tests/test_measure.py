@@ -1,0 +1,104 @@
+"""Measurement protocol: percentiles, ordering, throughput arithmetic, peak memory, compile time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from overdrive.measure import measure, percentile
+from overdrive.techniques import BatchingPolicy
+from overdrive.workloads.base import Workload, embedding_fidelity, logits_fidelity
+
+CPU = torch.device("cpu")
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=1, max_size=50))
+def test_percentile_is_bounded_and_monotone(values):
+    p50, p90, p99 = (percentile(values, q) for q in (50, 90, 99))
+    assert min(values) <= p50 <= p90 <= p99 <= max(values)
+
+
+def test_percentile_matches_known_values():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+
+
+class _Sleeper(torch.nn.Module):
+    """Sleeps 1 ms per row; returns row index × 2 so that ordering is checkable."""
+
+    def forward(self, x):
+        time.sleep(1e-3 * x.shape[0])
+        return x * 2
+
+
+def _sleep_workload(n=12):
+    return Workload(name="sleep", model=_Sleeper(), samples=[torch.tensor([float(i)]) for i in range(n)],
+                    collate=lambda s: (torch.stack(s),), fidelity=logits_fidelity, fidelity_key="min_cosine",
+                    default_batch_size=4, sample_length=lambda s: -int(s.item()))
+
+
+def test_measure_times_calls_and_restores_order():
+    w = _sleep_workload()
+    indices = list(range(12))
+    m, out = measure(w.model, w, device=CPU, batch_size=4, indices=indices,
+                     policy=BatchingPolicy(sort_by_length=True), min_timed_calls=6, min_timed_s=0.0)
+    assert torch.equal(out.squeeze(1), torch.arange(12.0) * 2)  # sorted in reverse, returned in input order
+    assert m.num_timed_calls >= 6 and m.num_timed_calls % 3 == 0  # whole passes over 3 batches
+    assert 4.0 <= m.latency_ms["p50"] <= 40.0  # 4 rows × 1 ms sleep, plus overhead
+    assert m.samples_per_s == pytest.approx(4 / (m.latency_ms["p50"] / 1e3), rel=0.5)
+    assert m.samples_per_s < 1000  # cannot beat 1 ms per row
+    assert m.peak_memory_bytes and m.peak_memory_bytes > 10 * 2**20  # a Python process with torch
+
+
+def test_partial_batches_are_judged_but_not_timed():
+    w = _sleep_workload(10)
+    m, out = measure(w.model, w, device=CPU, batch_size=4, indices=list(range(10)), min_timed_calls=4, min_timed_s=0.0)
+    assert out.shape == (10, 1)
+    assert m.num_timed_calls % 2 == 0  # two full batches per pass; the 2-row remainder is not timed
+
+
+def test_compile_time_is_warmup_beyond_steady_state():
+    class _SlowFirst(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            time.sleep(0.3 if self.calls == 1 else 0.001)
+            return x
+
+    w = _sleep_workload(8)
+    m, _ = measure(_SlowFirst(), w, device=CPU, batch_size=4, indices=list(range(8)), min_timed_calls=4, min_timed_s=0.0)
+    assert 0.25 <= m.compile_s <= 0.5
+
+
+def test_measure_rejects_bad_arguments():
+    w = _sleep_workload()
+    with pytest.raises(ValueError):
+        measure(w.model, w, device=CPU, batch_size=0, indices=[0])
+    with pytest.raises(ValueError):
+        measure(w.model, w, device=CPU, batch_size=4, indices=[])
+
+
+def test_embedding_fidelity_detects_damage():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(50, 16, generator=g)
+    same = embedding_fidelity(ref.clone(), ref)
+    assert same["min_cosine"] == pytest.approx(1.0, abs=1e-6) and same["top10_agreement"] == 1.0
+    damaged = ref.clone()
+    damaged[3] = -damaged[3]
+    worse = embedding_fidelity(damaged, ref)
+    assert worse["min_cosine"] == pytest.approx(-1.0, abs=1e-5) and worse["mean_cosine"] < 0.97
+    shuffled = embedding_fidelity(ref[torch.randperm(50, generator=g)], ref)
+    assert shuffled["top10_agreement"] < 0.6
+
+
+def test_logits_fidelity_figures():
+    ref = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 1.0]])
+    out = torch.tensor([[1.0, 2.0, 0.0], [0.0, 3.0, 1.0]])
+    f = logits_fidelity(out, ref)
+    assert f["top1_agreement"] == 0.5
+    assert f["max_rel_error"] == pytest.approx(1.0)

@@ -1,0 +1,136 @@
+"""The tuner's decisions: rejection with the figure that broke the budget, rollback of slow steps,
+alternatives within a group, and the plan it writes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from overdrive.plan import Plan, Step
+from overdrive.techniques import Stage, Technique, TechniqueConfig
+from overdrive.techniques.base import _REGISTRY, ForwardWrapper
+from overdrive.tuner import Guard, Tuner
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _NoConfig(TechniqueConfig):
+    pass
+
+
+class _Noisy(ForwardWrapper):
+    def forward(self, *args):
+        out = self.inner(*args)
+        return out + 0.5 * torch.randn_like(out) * out.abs().mean()
+
+
+class _Slow(ForwardWrapper):
+    def forward(self, *args):
+        time.sleep(0.002)
+        return self.inner(*args)
+
+
+class _Broken(ForwardWrapper):
+    def forward(self, *args):
+        raise RuntimeError("kernel missing")
+
+
+def _technique(name, wrapper, stage=Stage.GRAPH, group=None):
+    return type(name, (Technique,), {
+        "name": name, "config_cls": _NoConfig, "stage": stage, "lossless": False, "group": group,
+        "description": "test", "apply": lambda self, model, config, **_: wrapper(model),
+    })()
+
+
+@pytest.fixture
+def fake_techniques():
+    added = {t.name: t for t in (_technique("t-noisy", _Noisy), _technique("t-slow", _Slow), _technique("t-broken", _Broken))}
+    _REGISTRY.update(added)
+    yield list(added)
+    for name in added:
+        _REGISTRY.pop(name)
+
+
+def _row(result, label):
+    return next(r for r in result.rows if r.label == label)
+
+
+def test_lossy_slow_and_broken_techniques_are_rejected_with_reasons(conv_workload, fake_techniques):
+    result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=fake_techniques + ["channels-last"],
+                   min_timed_calls=3).run()
+    noisy, slow, broken = (_row(result, n) for n in fake_techniques)
+    assert not noisy.kept and noisy.reason.startswith("min_cosine") and "< 0.99 floor" in noisy.reason
+    assert not slow.kept and slow.reason.startswith("not faster")
+    assert not broken.kept and "kernel missing" in broken.reason
+    assert all(n not in result.plan.names for n in fake_techniques)
+    assert result.rows[0].phase == "baseline" and result.rows[-1].phase == "plan"
+
+
+def test_accuracy_budget_rejects_with_the_drop(conv_workload, fake_techniques):
+    guard = Guard(min_fidelity=0.0, max_accuracy_drop=0.0, min_gain=0.0)
+    result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-noisy"], guard=guard,
+                   min_timed_calls=2).run()
+    row = _row(result, "t-noisy")
+    if row.measurement.task_metric["accuracy_pct"] < result.baseline.task_metric["accuracy_pct"]:
+        assert not row.kept and "accuracy drop" in row.reason and "pt budget" in row.reason
+    else:  # noise happened not to flip a label; the row must then be kept (min_gain 0)
+        assert row.kept
+
+
+def test_group_alternatives_compose_at_most_one(conv_workload):
+    guard = Guard(min_fidelity=0.9, min_gain=0.0)  # keep everything that runs
+    _REGISTRY["t-prec-a"] = _technique("t-prec-a", ForwardWrapper, Stage.PRECISION, group="precision")
+    _REGISTRY["t-prec-a"].apply = lambda model, config, **_: model
+    _REGISTRY["t-prec-b"] = _technique("t-prec-b", ForwardWrapper, Stage.PRECISION, group="precision")
+    _REGISTRY["t-prec-b"].apply = lambda model, config, **_: model
+    try:
+        result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-prec-a", "t-prec-b"],
+                       guard=guard, min_timed_calls=2).run()
+    finally:
+        _REGISTRY.pop("t-prec-a"), _REGISTRY.pop("t-prec-b")
+    composed = [r for r in result.rows if r.phase == "compose"]
+    assert len(composed) == 2
+    assert sum(r.kept for r in composed) == 1
+    assert any("alternative to" in r.reason for r in composed)
+    assert len(result.plan.steps) == 1
+
+
+def test_guard_validates():
+    with pytest.raises(ValueError):
+        Guard(min_fidelity=1.5)
+    with pytest.raises(ValueError):
+        Guard(max_accuracy_drop=-1)
+
+
+def test_plan_round_trip_rebuilds_the_same_model(conv_workload, tmp_path):
+    result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["bn-fold", "channels-last"],
+                   guard=Guard(min_gain=0.0), min_timed_calls=2).run()
+    path = tmp_path / "plan.json"
+    result.plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.names == result.plan.names and loaded.batch_size == 8 and loaded.device == "cpu"
+    model, _ = loaded.build(conv_workload, CPU)
+    x = torch.stack(conv_workload.samples[:4])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), conv_workload.model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_plan_rejects_garbage(tmp_path):
+    from overdrive.errors import UserError
+
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"version": 1, "workload": "x", "device": "cpu", "batch_size": 4, "techniques": [{"name": "warp-drive"}]}')
+    with pytest.raises(UserError, match="not an overdrive plan"):
+        Plan.load(bad)
+    with pytest.raises(UserError, match="no such file"):
+        Plan.load(tmp_path / "missing.json")
+
+
+def test_step_default_uses_the_registered_config():
+    step = Step.default("compile")
+    assert step.to_dict()["config"]["mode"] == "default"
+    assert Step.from_dict(step.to_dict()) == step
