@@ -53,7 +53,7 @@ def test_every_technique_has_a_floor_or_is_lossless():
 
 
 def test_bn_fold_removes_batchnorm_and_keeps_the_math(conv_workload):
-    from overdrive.techniques.graph import num_batchnorm
+    from overdrive.techniques.bn_fold import num_batchnorm
 
     model, _ = build(conv_workload, [Step.default("bn-fold")], CPU)
     assert num_batchnorm(conv_workload.model) == 2 and num_batchnorm(model) == 0
@@ -98,7 +98,7 @@ def test_channels_last_converts_weights_and_inputs(conv_workload):
 
 
 def test_compile_config_round_trip_and_validation():
-    from overdrive.techniques.runtime import CompileConfig, CompileMode
+    from overdrive.techniques.torch_compile import CompileConfig, CompileMode
 
     cfg = CompileConfig(mode="max-autotune", dynamic=True)
     assert cfg.mode is CompileMode.MAX_AUTOTUNE

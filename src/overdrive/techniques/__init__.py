@@ -1,6 +1,14 @@
 """Technique registry. Importing this package registers every built-in technique."""
 
-from overdrive.techniques import autocast, graph, int8_dynamic, runtime  # noqa: F401  (registration)
+from overdrive.techniques import (  # noqa: F401  (importing registers)
+    autocast,
+    bn_fold,
+    channels_last,
+    inference_mode,
+    int8_dynamic,
+    length_bucketing,
+    torch_compile,
+)
 from overdrive.techniques.base import (
     BatchingPolicy,
     Stage,

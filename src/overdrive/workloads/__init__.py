@@ -29,9 +29,16 @@ def _digits() -> Workload:
     return build_digits_cnn()
 
 
+def _bert_base_random() -> Workload:
+    from overdrive.workloads.bert_random import build_bert_base_random
+
+    return build_bert_base_random()
+
+
 BUILTIN: dict[str, tuple[Callable[[], Workload], str]] = {
     "minilm": (_minilm, "all-MiniLM-L6-v2 sentence embeddings, real weights, real sentences"),
     "digits-cnn": (_digits, "small CNN trained on scikit-learn digits, real test accuracy"),
+    "bert-base-random": (_bert_base_random, "BERT-base shape, random weights, real sentence lengths (speed only)"),
 }
 
 

@@ -1,42 +1,14 @@
-"""Techniques that change how the model is called, not what it computes: inference_mode,
-torch.compile, and length bucketing of text batches."""
+"""torch.compile with the Inductor backend; compile time is reported apart."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 
 import torch
 
-from overdrive.techniques.base import BatchingPolicy, ForwardWrapper, Stage, Technique, TechniqueConfig, register
+from overdrive.techniques.base import Stage, Technique, TechniqueConfig, register
 from overdrive.workloads.base import Workload
-
-
-class InferenceModeModule(ForwardWrapper):
-    """Runs `inner` under `torch.inference_mode()` (no autograd version counters or views tracking)."""
-
-    def forward(self, *args):
-        with torch.inference_mode():
-            return self.inner(*args)
-
-
-@dataclass(frozen=True, kw_only=True)
-class InferenceModeConfig(TechniqueConfig):
-    pass
-
-
-@register
-class InferenceMode(Technique):
-    name = "inference-mode"
-    config_cls = InferenceModeConfig
-    stage = Stage.RUNTIME
-    lossless = True
-    description = "torch.inference_mode instead of no_grad"
-
-    def apply(self, model, config, *, workload, device):
-        return InferenceModeModule(model)
-
 
 class CompileMode(str, enum.Enum):
     """torch.compile modes (https://pytorch.org/docs/stable/generated/torch.compile.html)."""
@@ -83,28 +55,3 @@ class Compile(Technique):
         if config.mode == CompileMode.REDUCE_OVERHEAD and device.type != "cuda":
             raise RuntimeError("mode reduce-overhead uses CUDA graphs and needs a GPU")
         return torch.compile(model, backend="inductor", mode=config.mode.value, dynamic=dynamic)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LengthBucketingConfig(TechniqueConfig):
-    pass
-
-
-@register
-class LengthBucketing(Technique):
-    """Sort text samples by token length before cutting batches, so each batch pads only to
-    the longest of similar-length neighbours; outputs are returned in input order."""
-
-    name = "length-bucketing"
-    config_cls = LengthBucketingConfig
-    stage = Stage.BATCHING
-    lossless = True
-    description = "sort text by length, pad per batch (batching)"
-
-    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
-        if not workload.is_text:
-            return "not applicable: inputs have a fixed shape (no padding to save)"
-        return None
-
-    def batching(self, policy: BatchingPolicy, config) -> BatchingPolicy:
-        return dataclasses.replace(policy, sort_by_length=True)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# `make gpu-check`: the prepared check for a lent GPU machine (one H200; see DEVELOPERS.md).
+# Uses that machine's own python3 and packages (torch 2.11, transformers, torchvision, ...);
+# installs nothing. Runs in under 8 minutes: the CUDA tests, `optimize resnet50 --device cuda`,
+# and `optimize bert-base-random --device cuda` (BERT-base shape, random weights; the MiniLM
+# package is not on that machine). Figures go to $OUT (the device tool brings them back) or
+# out/gpu-check, flat, for benchmarks/RESULTS.md.
+set -u -o pipefail
+OUT_DIR=${OUT:-out/gpu-check}
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+status=0
+{
+  echo "# gpu-check $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+} 2>&1 | tee "$OUT_DIR/env.txt"
+
+echo "== CUDA tests"
+timeout 150 $PY -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tail -n 30 | tee "$OUT_DIR/cuda_tests.txt" || status=1
+
+for spec in "resnet50 --batch-size 64" "bert-base-random --batch-size 32 --num-samples 1024"; do
+  name=${spec%% *}
+  echo "== optimize $spec --device cuda"
+  # shellcheck disable=SC2086
+  timeout 200 $PY -m overdrive optimize $spec --device cuda --out "$OUT_DIR/runs" 2>&1 | tail -n 60 | tee "$OUT_DIR/optimize_${name}.txt" || status=1
+  cp "$OUT_DIR/runs/$name/results.json" "$OUT_DIR/${name}_results.json" 2>/dev/null || status=1
+done
+rm -rf "$OUT_DIR/runs"  # nested folders do not come back from the device tool; the flat copies do
+exit $status
