@@ -86,8 +86,12 @@ def main() -> int:
         tune_s = 0.0
     else:
         t0 = time.perf_counter()
-        plan = Tuner(workload=workload, device=CPU, batch_size=bs, num_samples=512).run().plan
+        tuned = Tuner(workload=workload, device=CPU, batch_size=bs, num_samples=512).run()
+        plan = tuned.plan
         tune_s = time.perf_counter() - t0
+        for row in tuned.rows:
+            figure = f"{row.measurement.samples_per_s:.1f} sentences/s" if row.measurement else ""
+            print(f"  tuner: {row.label:<28} {figure:>20}  {'kept' if row.kept else row.reason}")
     print(f"plan: {' + '.join(plan.names) or 'baseline'}" + (f" (tuned in {tune_s:.0f} s)" if tune_s else ""))
 
     entries: dict[str, callable] = {
@@ -115,7 +119,7 @@ def main() -> int:
             if reference is None:
                 reference, m.fidelity = out, workload.fidelity(out, out)
             results[label] = m
-            print(f"  {label}: {m.samples_per_s:.1f} sentences/s, min cosine {m.fidelity['min_cosine']:.4f}", flush=True)
+            print(f"  {label}: {m.samples_per_s:.1f} sentences/s, min cosine {m.fidelity['min_cosine']:.5f}", flush=True)
             del model
             torch._dynamo.reset()
 
@@ -123,7 +127,7 @@ def main() -> int:
     print(f"\n| entry | sentences/s | speedup vs eager | min cosine | p50 ms/batch | compile/warm-up s |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, m in results.items():
-        print(f"| {label} | {m.samples_per_s:.1f} | {m.samples_per_s / base:.2f}× | {m.fidelity['min_cosine']:.4f} "
+        print(f"| {label} | {m.samples_per_s:.1f} | {m.samples_per_s / base:.2f}× | {m.fidelity['min_cosine']:.5f} "
               f"| {m.latency_ms['p50']:.1f} | {m.compile_s:.1f} |")
     passing = {k: m.samples_per_s for k, m in results.items() if m.fidelity["min_cosine"] >= FLOOR}
     others = {k: v for k, v in passing.items() if k != "overdrive plan"}

@@ -102,3 +102,15 @@ def test_logits_fidelity_figures():
     f = logits_fidelity(out, ref)
     assert f["top1_agreement"] == 0.5
     assert f["max_rel_error"] == pytest.approx(1.0)
+
+
+def test_batch_larger_than_the_data_cycles_samples_to_fill_it():
+    from overdrive.measure import cycle_indices
+
+    w = _sleep_workload(5)
+    indices = cycle_indices(16, len(w.samples))
+    assert indices[:7] == [0, 1, 2, 3, 4, 0, 1]
+    m, out = measure(w.model, w, device=CPU, batch_size=16, indices=indices, min_timed_calls=2, min_timed_s=0.0,
+                     policy=BatchingPolicy(sort_by_length=True))
+    assert m.batch_size == 16 and m.latency_ms["p50"] >= 16.0  # 16 rows × 1 ms: the batch really was full
+    assert torch.equal(out.squeeze(1), torch.tensor([2.0 * i for i in indices]))

@@ -61,7 +61,7 @@ def _row(result, label):
 
 def test_lossy_slow_and_broken_techniques_are_rejected_with_reasons(conv_workload, fake_techniques):
     result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=fake_techniques + ["channels-last"],
-                   min_timed_calls=3).run()
+                   min_timed_calls=3, min_timed_s=0.2).run()
     noisy, slow, broken = (_row(result, n) for n in fake_techniques)
     assert not noisy.kept and noisy.reason.startswith("min_cosine") and "< 0.99 floor" in noisy.reason
     assert not slow.kept and slow.reason.startswith("not faster")
@@ -73,7 +73,7 @@ def test_lossy_slow_and_broken_techniques_are_rejected_with_reasons(conv_workloa
 def test_accuracy_budget_rejects_with_the_drop(conv_workload, fake_techniques):
     guard = Guard(min_fidelity=0.0, max_accuracy_drop=0.0, min_gain=0.0)
     result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-noisy"], guard=guard,
-                   min_timed_calls=2).run()
+                   min_timed_calls=2, min_timed_s=0.2).run()
     row = _row(result, "t-noisy")
     if row.measurement.task_metric["accuracy_pct"] < result.baseline.task_metric["accuracy_pct"]:
         assert not row.kept and "accuracy drop" in row.reason and "pt budget" in row.reason
@@ -89,7 +89,7 @@ def test_group_alternatives_compose_at_most_one(conv_workload):
     _REGISTRY["t-prec-b"].apply = lambda model, config, **_: model
     try:
         result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-prec-a", "t-prec-b"],
-                       guard=guard, min_timed_calls=2).run()
+                       guard=guard, min_timed_calls=2, min_timed_s=0.2).run()
     finally:
         _REGISTRY.pop("t-prec-a"), _REGISTRY.pop("t-prec-b")
     composed = [r for r in result.rows if r.phase == "compose"]
@@ -108,7 +108,7 @@ def test_guard_validates():
 
 def test_plan_round_trip_rebuilds_the_same_model(conv_workload, tmp_path):
     result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["bn-fold", "channels-last"],
-                   guard=Guard(min_gain=0.0), min_timed_calls=2).run()
+                   guard=Guard(min_gain=0.0), min_timed_calls=2, min_timed_s=0.2).run()
     path = tmp_path / "plan.json"
     result.plan.save(path)
     loaded = Plan.load(path)

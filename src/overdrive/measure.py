@@ -109,12 +109,12 @@ def to_device(inputs: Inputs, device: torch.device) -> Inputs:
 
 @dataclass(kw_only=True)
 class Batch:
-    indices: list[int]
+    positions: list[int]  # rows of the caller's `indices` list this batch holds
     inputs: Inputs
 
     @property
     def num_rows(self) -> int:
-        return len(self.indices)
+        return len(self.positions)
 
 
 def make_batches(
@@ -125,10 +125,16 @@ def make_batches(
     batches = []
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        inputs = workload.collate([workload.samples[i] for i in chunk])
-        batches.append(Batch(indices=chunk, inputs=to_device(inputs, device)))
+        inputs = workload.collate([workload.samples[indices[p]] for p in chunk])
+        batches.append(Batch(positions=chunk, inputs=to_device(inputs, device)))
     synchronize(device)
     return batches
+
+
+def cycle_indices(num_samples: int, num_available: int) -> list[int]:
+    """`num_samples` sample indices, cycling over `num_available` samples when there are fewer,
+    so that a batch of B rows really holds B rows even for a small evaluation set."""
+    return [i % num_available for i in range(num_samples)]
 
 
 class _Timer:
@@ -170,7 +176,8 @@ def measure(
         workload: supplies samples, collate and metrics.
         device: where model and inputs live.
         batch_size: rows per call (> 0).
-        indices: which samples to evaluate, in the order outputs are returned.
+        indices: which samples to evaluate, in the order outputs are returned (may repeat,
+            see `cycle_indices`).
         policy: how samples are grouped into batches.
         reference: fp32 outputs [N, ...] for the same indices; fidelity is computed when given.
         min_timed_calls: at least this many timed calls (whole passes over the full batches).
@@ -190,7 +197,6 @@ def measure(
     reset_peak_memory(device)
 
     # Warm-up pass: compiles, autotunes, and gives the outputs judged for fidelity.
-    position = {index: row for row, index in enumerate(indices)}
     outputs: torch.Tensor | None = None
     warmup_s = 0.0
     for batch in batches:
@@ -199,7 +205,7 @@ def measure(
         out = out.detach().float().cpu()
         if outputs is None:
             outputs = torch.empty((len(indices), *out.shape[1:]), dtype=torch.float32)
-        outputs[[position[i] for i in batch.indices]] = out
+        outputs[batch.positions] = out
 
     # Timed passes over the full batches (all batches when none is full).
     timed = [b for b in batches if b.num_rows == batch_size] or batches

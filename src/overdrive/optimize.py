@@ -56,6 +56,12 @@ def cmd_optimize(args, argv: list[str]) -> int:
     table = rows_table(result, fidelity_key=workload.fidelity_key,
                        title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}")
     console.print(table)
+    compiled = [f"{r.label} {r.measurement.compile_s:.1f} s" for r in result.rows
+                if r.measurement and r.measurement.compile_s >= 1.0 and r.phase != "plan"]
+    if compiled:
+        console.print("compile / warm-up time, apart from the figures above: " + "; ".join(compiled))
+    if result.flops_per_sample:
+        console.print(f"FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP")
     out = session.out_dir
     out.mkdir(parents=True, exist_ok=True)
     result.plan.save(out / "plan.json")

@@ -10,7 +10,7 @@ import torch
 
 from overdrive.devices import resolve_device
 from overdrive.errors import UserError
-from overdrive.measure import Measurement, measure
+from overdrive.measure import Measurement, cycle_indices, measure
 from overdrive.plan import Step, build
 from overdrive.workloads import Workload, create_workload
 
@@ -57,13 +57,14 @@ def open_session(args, *, batch_size: int | None = None) -> Session:
 
 def measure_steps(session: Session, steps: list[Step], *, batch_size: int, reference: torch.Tensor | None = None,
                   num_samples: int | None = None, min_timed_calls: int = 5) -> tuple[Measurement, torch.Tensor]:
-    """Build `steps` on the session's workload and measure them at `batch_size` (on the first
-    `num_samples` samples, default 2 batches' worth, at least the session's count for fidelity)."""
-    n = min(num_samples or max(2 * batch_size, 1), len(session.workload.samples))
+    """Build `steps` on the session's workload and measure them at `batch_size` on the first
+    `num_samples` samples (default: two batches' worth, cycled when the workload has fewer)."""
+    available = len(session.workload.samples)
+    indices = cycle_indices(max(num_samples or 2 * batch_size, batch_size), available)
     model, policy = build(session.workload, steps, session.device)
     try:
         return measure(model, session.workload, device=session.device, batch_size=batch_size,
-                       indices=list(range(n)), policy=policy, reference=reference,
+                       indices=indices, policy=policy, reference=reference,
                        min_timed_calls=min_timed_calls, min_timed_s=0.5)
     finally:
         del model

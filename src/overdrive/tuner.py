@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from overdrive import devices
-from overdrive.measure import Measurement, count_flops_per_sample, measure
+from overdrive.measure import Measurement, count_flops_per_sample, cycle_indices, measure
 from overdrive.plan import Plan, Step, build
 from overdrive.techniques import get_technique, list_techniques
 from overdrive.workloads.base import Workload
@@ -99,8 +99,10 @@ class Tuner:
         workload, device, batch_size: what to tune and where.
         techniques: names to try (default: every registered technique).
         guard: accuracy budget and speed bar.
-        num_samples: evaluation samples (the first N of the workload's samples).
-        min_timed_calls: timed calls per measurement.
+        num_samples: evaluation samples (the first N of the workload's samples; cycled up to
+            one full batch when the workload has fewer).
+        min_timed_calls, min_timed_s: each measurement times at least this many calls and
+            seconds (whole passes), so fast candidates get several passes and a robust median.
         progress: called with a description before each measurement.
     """
 
@@ -111,12 +113,14 @@ class Tuner:
     guard: Guard = field(default_factory=Guard)
     num_samples: int | None = None
     min_timed_calls: int = 10
+    min_timed_s: float = 3.0
     progress: Progress = lambda _: None
     workload_spec: str | None = None
 
     def __post_init__(self):
-        n = len(self.workload.samples) if self.num_samples is None else min(self.num_samples, len(self.workload.samples))
-        self.indices = list(range(n))
+        available = len(self.workload.samples)
+        n = available if self.num_samples is None else min(self.num_samples, available)
+        self.indices = cycle_indices(max(n, self.batch_size), available)
         names = self.techniques if self.techniques is not None else [t.name for t in list_techniques()]
         self.techniques = [get_technique(n).name for n in names]  # KeyError names the unknown one
 
@@ -126,6 +130,7 @@ class Tuner:
             m, _ = measure(
                 model, self.workload, device=self.device, batch_size=self.batch_size,
                 indices=self.indices, policy=policy, reference=reference, min_timed_calls=self.min_timed_calls,
+                min_timed_s=self.min_timed_s,
             )
             return m
         finally:
@@ -159,7 +164,7 @@ class Tuner:
         flops = count_flops_per_sample(model, self.workload, device=self.device, indices=self.indices)
         baseline, reference = measure(
             model, self.workload, device=self.device, batch_size=self.batch_size,
-            indices=self.indices, min_timed_calls=self.min_timed_calls,
+            indices=self.indices, min_timed_calls=self.min_timed_calls, min_timed_s=self.min_timed_s,
         )
         baseline.fidelity = self.workload.fidelity(reference, reference)
         del model

@@ -43,10 +43,11 @@ class BatchingPolicy:
     sort_by_length: bool = False
 
     def order(self, workload: Workload, indices: list[int]) -> list[int]:
-        """The order in which `indices` are cut into batches."""
+        """Positions 0..len(indices)-1 in the order they are cut into batches (indices may repeat)."""
+        positions = list(range(len(indices)))
         if self.sort_by_length and workload.sample_length is not None:
-            return sorted(indices, key=lambda i: workload.sample_length(workload.samples[i]))
-        return list(indices)
+            positions.sort(key=lambda p: workload.sample_length(workload.samples[indices[p]]))
+        return positions
 
 
 @dataclass(frozen=True, kw_only=True)
