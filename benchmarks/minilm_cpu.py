@@ -121,7 +121,7 @@ def main() -> int:
             results[label] = m
             print(f"  {label}: {m.samples_per_s:.1f} sentences/s, min cosine {m.fidelity['min_cosine']:.5f}", flush=True)
             del model
-            torch._dynamo.reset()
+            torch.compiler.reset()
 
     base = results["PyTorch eager fp32"].samples_per_s
     print(f"\n| entry | sentences/s | speedup vs eager | min cosine | p50 ms/batch | compile/warm-up s |")

@@ -136,3 +136,19 @@ def test_optimize_minilm_real_sentences(tmp_path):
     assert rows["length-bucketing"]["measurement"]["mean_padded_length"] < rows["baseline (eager fp32)"]["measurement"]["mean_padded_length"]
     int8 = rows["int8-dynamic"]
     assert int8["kept"] or int8["reason"]  # int8 on MiniLM usually breaks the 0.99 floor; it must say so
+
+
+def test_unwritable_out_fails_before_measuring(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = run_cli("optimize", "digits-cnn", "--out", str(blocker / "sub"))
+    assert result.returncode == 2 and "cannot write results" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bench_refuses_a_plan_for_another_workload(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "workload": "minilm", "device": "cpu", "batch_size": 8,
+                                "techniques": [{"name": "bf16", "config": {"version": 1}}]}))
+    result = run_cli("bench", "digits-cnn", "--plan", str(plan), "--out", str(tmp_path))
+    assert result.returncode == 2 and "was made for workload 'minilm'" in result.stderr

@@ -14,6 +14,9 @@ from overdrive.session import open_session, sweep
 def cmd_bench(args) -> int:
     console = make_console()
     plan = Plan.load(args.plan) if args.plan else None
+    if plan and plan.workload != args.workload:
+        raise UserError(f"--plan {args.plan} was made for workload {plan.workload!r}, not {args.workload!r}; "
+                        f"run `overdrive bench {plan.workload} --plan {args.plan}`")
     session = open_session(args, batch_size=plan.batch_size if plan and not args.batch_size else None)
     if plan and plan.device != session.device.type:
         raise UserError(f"--plan {args.plan} was made for device {plan.device!r}; pass --device {plan.device}")

@@ -8,7 +8,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from overdrive import devices
 from overdrive.errors import UserError
-from overdrive.report import make_console, environment, plot_latency_vs_batch, render_to_text, rows_table, write_report_md, write_results
+from overdrive.report import compile_times, make_console, environment, plot_latency_vs_batch, rows_table, write_report_md, write_results
 from overdrive.session import open_session, sweep
 from overdrive.techniques import get_technique
 from overdrive.tuner import Guard, Tuner
@@ -56,10 +56,10 @@ def cmd_optimize(args, argv: list[str]) -> int:
     table = rows_table(result, fidelity_key=workload.fidelity_key,
                        title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}")
     console.print(table)
-    compiled = [f"{r.label} {r.measurement.compile_s:.1f} s" for r in result.rows
-                if r.measurement and r.measurement.compile_s >= 1.0 and r.phase != "plan"]
+    compiled = compile_times(result)
     if compiled:
-        console.print("compile / warm-up time, apart from the figures above: " + "; ".join(compiled))
+        console.print("compile / warm-up time, apart from the figures above: "
+                      + "; ".join(f"{label} {seconds:.1f} s" for label, seconds in compiled))
     if result.flops_per_sample:
         console.print(f"FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP")
     out = session.out_dir
@@ -87,7 +87,7 @@ def cmd_optimize(args, argv: list[str]) -> int:
         "plan": result.plan.to_dict(),
     })
     write_report_md(out / "report.md", result=result, workload_name=workload.name, device_name=device_name,
-                    console_table=render_to_text(table), sweep=curves, plot_name=plot_name, command=command,
+                    fidelity_key=workload.fidelity_key, sweep=curves, plot_name=plot_name, command=command,
                     real_weights=workload.real_weights)
     console.print(f"plan: [bold]{' + '.join(result.plan.names) or 'baseline'}[/] "
                   f"({result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s)")

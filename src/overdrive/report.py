@@ -79,6 +79,31 @@ def rows_table(result: TuneResult, *, fidelity_key: str, title: str) -> Table:
     return table
 
 
+def rows_markdown(result: TuneResult, *, fidelity_key: str) -> str:
+    """The same table as `rows_table`, as Markdown."""
+    lines = ["| technique | kept? (why not) | latency p50/p90 ms | speedup vs baseline | samples/s | peak memory | fidelity |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for row in result.rows:
+        m = row.measurement
+        cells = [
+            f"**{row.label}**" if row.phase in ("baseline", "plan") else row.label,
+            _kept(row).replace("|", "/"),
+            f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
+            f"{row.speedup:.2f}×" if row.speedup is not None else "",
+            f"{m.samples_per_s:,.1f}" if m else "",
+            format_bytes(m.peak_memory_bytes) if m else "",
+            format_fidelity(m, fidelity_key),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compile_times(result: TuneResult, *, min_s: float = 1.0) -> list[tuple[str, float]]:
+    """(label, compile_s) of the rows whose warm-up took ≥ `min_s` beyond steady state."""
+    return [(r.label, r.measurement.compile_s) for r in result.rows
+            if r.measurement and r.measurement.compile_s >= min_s and r.phase != "plan"]
+
+
 def environment() -> dict:
     import torch
 
@@ -131,37 +156,34 @@ def sweep_markdown(sweep: dict[str, list[tuple[int, Measurement]]]) -> str:
     return "\n".join(lines)
 
 
-def write_report_md(path: Path, *, result: TuneResult, workload_name: str, device_name: str, console_table: str,
+def write_report_md(path: Path, *, result: TuneResult, workload_name: str, device_name: str, fidelity_key: str,
                     sweep: dict[str, list[tuple[int, Measurement]]], plot_name: str | None, command: str,
                     real_weights: bool) -> None:
     b = result.baseline
+    flops = (f"; FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP"
+             if result.flops_per_sample else "")
+    env = environment()
     lines = [
         f"# overdrive optimize {workload_name}",
         "",
         f"- command: `{command}`",
-        f"- device: {device_name}; torch {environment()['torch']}; date {environment()['date']}",
-        f"- batch size {result.plan.batch_size}; {b.num_samples} evaluation samples; "
-        f"FLOPs per sample (eager fp32): {result.flops_per_sample / 1e9:.3f} GFLOP" if result.flops_per_sample
-        else f"- batch size {result.plan.batch_size}; {b.num_samples} evaluation samples",
+        f"- device: {device_name}; torch {env['torch']}; date {env['date']}",
+        f"- batch size {result.plan.batch_size}; {b.num_samples} evaluation samples{flops}",
         f"- plan: {' + '.join(result.plan.names) or 'baseline (nothing beat it)'}, "
         f"{result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s",
     ]
     if not real_weights:
         lines.append("- weights are random: the figures are for speed only, not accuracy claims")
-    lines += ["", "## Per-technique table", "", "```", console_table.rstrip(), "```", "",
+    memory_kind = "CUDA allocator peak" if b.peak_memory_kind.startswith("cuda") else "process RSS high-water mark"
+    lines += ["", "## Per-technique table", "", rows_markdown(result, fidelity_key=fidelity_key), "",
+              f"Peak memory: {memory_kind}. Fidelity: against the eager fp32 outputs of the same samples.", "",
               "## Latency vs batch size", ""]
     if plot_name:
         lines += [f"![latency vs batch size]({plot_name})", ""]
     lines += [sweep_markdown(sweep), ""]
-    compile_rows = [r for r in result.rows if r.measurement and r.measurement.compile_s > 1.0]
-    if compile_rows:
+    compiled = compile_times(result)
+    if compiled:
         lines += ["## Compile and warm-up time (apart from the figures above)", ""]
-        lines += [f"- {r.label}: {r.measurement.compile_s:.1f} s" for r in compile_rows]
+        lines += [f"- {label}: {seconds:.1f} s" for label, seconds in compiled]
         lines.append("")
     path.write_text("\n".join(lines))
-
-
-def render_to_text(table: Table, width: int = 160) -> str:
-    console = Console(width=width, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
-    console.print(table)
-    return console.export_text()

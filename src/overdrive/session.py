@@ -45,13 +45,22 @@ def open_session(args, *, batch_size: int | None = None) -> Session:
     default_n = DEFAULT_TEXT_SAMPLES if workload.is_text else len(workload.samples)
     num_samples = min(args.num_samples or default_n, len(workload.samples))
     safe_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", workload.name).strip("_") or "workload"
+    out_dir = Path(args.out) / safe_name
+    try:  # fail now, not after minutes of measuring
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"--out {args.out}: cannot write results under {out_dir} ({exc.strerror or exc}); "
+                        "expected a writable folder") from None
     return Session(
         workload=workload,
         spec=args.workload,
         device=device,
         batch_size=batch_size or args.batch_size or workload.default_batch_size,
         num_samples=num_samples,
-        out_dir=Path(args.out) / safe_name,
+        out_dir=out_dir,
     )
 
 
@@ -68,7 +77,7 @@ def measure_steps(session: Session, steps: list[Step], *, batch_size: int, refer
                        min_timed_calls=min_timed_calls, min_timed_s=0.5)
     finally:
         del model
-        torch._dynamo.reset()
+        torch.compiler.reset()
 
 
 def sweep(session: Session, configs: dict[str, list[Step]], batch_sizes: list[int],

@@ -136,7 +136,7 @@ class Tuner:
         finally:
             del model
             gc.collect()
-            torch._dynamo.reset()  # drop compiled graphs so the next candidate starts clean
+            torch.compiler.reset()  # drop compiled graphs so the next candidate starts clean
 
     def _try(self, phase, label, steps, reference, baseline, compare_to) -> Row:
         self.progress(label)

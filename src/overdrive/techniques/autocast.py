@@ -62,7 +62,7 @@ class Fp16Autocast(Technique):
     stage = Stage.PRECISION
     lossless = False
     group = "precision"
-    description = "float16 autocast (activations above 65504 overflow to inf)"
+    description = "float16 autocast (GPU; CPU only with AMX-FP16); activations above 65504 overflow to inf"
 
     def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
         ok, why = supports_fp16(device)
