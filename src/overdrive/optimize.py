@@ -43,7 +43,7 @@ def cmd_optimize(args, argv: list[str]) -> int:
         tuner = Tuner(workload=workload, device=session.device, batch_size=session.batch_size, techniques=techniques,
                       guard=guard, num_samples=session.num_samples, workload_spec=session.spec)
         num_alone = len(tuner.techniques)
-        task = progress.add_task("baseline", total=1 + 2 * num_alone + 2 * len(sweep_sizes))
+        task = progress.add_task("baseline", total=2 + 2 * num_alone + 2 * len(sweep_sizes))
 
         def step(description: str) -> None:
             progress.update(task, description=f"measuring {description}", advance=1)
