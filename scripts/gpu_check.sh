@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the prepared check for a lent GPU machine (one H200; see DEVELOPERS.md).
+# `make gpu-check`: the prepared check for a lent GPU machine (one H200, lent to some tasks by chance).
 # Uses that machine's own python3 and packages (torch 2.11, transformers, torchvision, ...);
 # installs nothing. Runs in under 8 minutes: the CUDA tests, `optimize resnet50 --device cuda`,
 # and `optimize bert-base-random --device cuda` (BERT-base shape, random weights; the MiniLM

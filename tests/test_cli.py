@@ -152,3 +152,69 @@ def test_bench_refuses_a_plan_for_another_workload(tmp_path):
                                 "techniques": [{"name": "bf16", "config": {"version": 1}}]}))
     result = run_cli("bench", "digits-cnn", "--plan", str(plan), "--out", str(tmp_path))
     assert result.returncode == 2 and "was made for workload 'minilm'" in result.stderr
+
+
+MORE_BAD_INPUT = [
+    (["optimize", "digits-cnn", "--min-gain", "nan"], "expected a finite ratio > 0"),
+    (["optimize", "digits-cnn", "--min-gain", "-1"], "expected a finite ratio > 0"),
+    (["optimize", "digits-cnn", "--max-accuracy-drop", "nan"], "expected a finite number ≥ 0"),
+    (["optimize", "digits-cnn", "--techniques", ","], "got none"),
+    (["optimize", ""], "the workload is empty"),
+    (["optimize", "tests"], "is a folder"),
+    (["optimize", "tests.fixtures.exits_on_import:build"], "SystemExit"),
+    (["optimize", "tests.fixtures.user_models:scalar_output"], "returned shape ()"),
+    (["optimize", "tests.fixtures.user_models:fixed_batch", "--batch-size", "8"], "accepts only batch size 4"),
+]
+
+
+@pytest.mark.parametrize("args,expected", MORE_BAD_INPUT, ids=[" ".join(a) for a, _ in MORE_BAD_INPUT])
+def test_more_bad_input(args, expected):
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and expected in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("content", ["[1, 2, 3]", '{"version": 1, "workload": "digits-cnn", "device": "cpu", "batch_size": -3, "techniques": []}'])
+def test_malformed_plans(tmp_path, content):
+    plan = tmp_path / "plan.json"
+    plan.write_text(content)
+    for target in (plan, tmp_path):  # a bad plan, and a folder given as the plan
+        result = run_cli("bench", "digits-cnn", "--plan", str(target), "--out", str(tmp_path))
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_torch_save_checkpoint_is_named_for_what_it_is(tmp_path):
+    from tests.fixtures.user_models import build
+
+    torch.save(build()[0], tmp_path / "pickled.pt")
+    result = run_cli("optimize", str(tmp_path / "pickled.pt"))
+    assert result.returncode == 2 and "torch.save checkpoint" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_static_batch_export_runs_at_its_batch_size_only(tmp_path):
+    from tests.fixtures.user_models import build
+
+    model, example = build()
+    torch.export.save(torch.export.export(model, (example,)), tmp_path / "static.pt2")  # batch 4, static
+    result = run_cli("optimize", str(tmp_path / "static.pt2"), "--techniques", "bf16", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    sweep = json.loads((tmp_path / "static" / "results.json").read_text())["sweep"]
+    assert {p["batch_size"] for points in sweep.values() for p in points} == {4}
+    wrong = run_cli("optimize", str(tmp_path / "static.pt2"), "--batch-size", "8")
+    assert wrong.returncode == 2 and "accepts only batch size 4" in wrong.stderr
+
+
+def test_model_failing_at_the_requested_batch_size(tmp_path):
+    """A model that runs on its example but not at the batch size asked for: one line, exit 2."""
+    result = run_cli("optimize", "tests.fixtures.user_models:fixed_batch", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr  # its own batch size (4) works; the sweep is limited to it
+
+
+def test_nan_under_low_precision_is_rejected(tmp_path):
+    result = run_cli("optimize", "tests.fixtures.user_models:nan_when_low_precision", "--techniques", "bf16",
+                     "--min-gain", "0.01", "--out", str(tmp_path), "--sweep-batch-sizes", "4")
+    assert result.returncode == 0, result.stderr
+    rows = {r["label"]: r for r in json.loads((tmp_path / "nan_when_low_precision" / "results.json").read_text())["rows"]}
+    assert not rows["bf16"]["kept"] and "non-finite" in rows["bf16"]["reason"]
+    assert json.loads((tmp_path / "nan_when_low_precision" / "plan.json").read_text())["techniques"] == []

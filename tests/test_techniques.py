@@ -121,3 +121,24 @@ def test_techniques_on_cuda(name):
                      policy=policy, reference=reference, min_timed_calls=2, min_timed_s=0.0)
     assert m.peak_memory_kind == "cuda_max_allocated" and m.peak_memory_bytes > 0
     assert m.fidelity["min_cosine"] >= LOSSY_FLOOR.get(name, 0.9999)
+
+
+def test_bn_fold_reaches_inside_wrappers(conv_workload):
+    from overdrive.techniques.bn_fold import num_batchnorm
+
+    steps = [Step.default("channels-last"), Step.default("bf16"), Step.default("bn-fold")]
+    model, _ = build(conv_workload, steps, CPU)
+    assert num_batchnorm(model) == 0
+    x = torch.stack(conv_workload.samples[:4])
+    with torch.no_grad():
+        cos = torch.nn.functional.cosine_similarity(model(x), conv_workload.model(x), dim=-1)
+    assert cos.min() > 0.99
+
+
+def test_module_rewrites_refuse_torchscript(conv_workload):
+    from overdrive.techniques import get_technique
+
+    conv_workload.model = torch.jit.trace(conv_workload.model, torch.stack(conv_workload.samples[:2]))
+    for name in ("bn-fold", "channels-last", "compile"):
+        assert "TorchScript" in get_technique(name).unsupported_reason(conv_workload, CPU)
+    assert get_technique("bf16").unsupported_reason(conv_workload, CPU) is None

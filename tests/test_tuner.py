@@ -77,7 +77,7 @@ def test_lossy_slow_and_broken_techniques_are_rejected_with_reasons(conv_workloa
 
 
 def test_accuracy_budget_rejects_with_the_drop(conv_workload):
-    guard = Guard(min_fidelity=0.0, max_accuracy_drop=0.0, min_gain=0.0)
+    guard = Guard(min_fidelity=0.0, max_accuracy_drop=0.0, min_gain=1e-6)
     _REGISTRY["t-slightly-noisy"] = _technique("t-slightly-noisy", _SlightlyNoisy)
     try:
         result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-slightly-noisy"], guard=guard,
@@ -88,12 +88,12 @@ def test_accuracy_budget_rejects_with_the_drop(conv_workload):
     assert row.measurement.fidelity["min_cosine"] > 0.0
     if row.measurement.task_metric["accuracy_pct"] < result.baseline.task_metric["accuracy_pct"]:
         assert not row.kept and "accuracy drop" in row.reason and "pt budget" in row.reason
-    else:  # noise happened not to flip a label; the row must then be kept (min_gain 0)
+    else:  # noise happened not to flip a label; the row must then be kept (min_gain ≈ 0)
         assert row.kept
 
 
 def test_group_alternatives_compose_at_most_one(conv_workload):
-    guard = Guard(min_fidelity=0.9, min_gain=0.0)  # keep everything that runs
+    guard = Guard(min_fidelity=0.9, min_gain=1e-6)  # keep everything that runs
     _REGISTRY["t-prec-a"] = _technique("t-prec-a", ForwardWrapper, Stage.PRECISION, group="precision")
     _REGISTRY["t-prec-a"].apply = lambda model, config, **_: model
     _REGISTRY["t-prec-b"] = _technique("t-prec-b", ForwardWrapper, Stage.PRECISION, group="precision")
@@ -119,7 +119,7 @@ def test_guard_validates():
 
 def test_plan_round_trip_rebuilds_the_same_model(conv_workload, tmp_path):
     result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["bn-fold", "channels-last"],
-                   guard=Guard(min_gain=0.0), min_timed_calls=2, min_timed_s=0.2).run()
+                   guard=Guard(min_gain=1e-6), min_timed_calls=2, min_timed_s=0.2).run()
     path = tmp_path / "plan.json"
     result.plan.save(path)
     loaded = Plan.load(path)
@@ -145,3 +145,18 @@ def test_step_default_uses_the_registered_config():
     step = Step.default("compile")
     assert step.to_dict()["config"]["mode"] == "default"
     assert Step.from_dict(step.to_dict()) == step
+
+
+def test_guard_rejects_nan_fidelity_and_nonfinite_outputs():
+    from overdrive.measure import Measurement
+
+    def measurement(**kw):
+        return Measurement(batch_size=1, num_samples=1, num_timed_calls=1, latency_ms={}, samples_per_s=1.0,
+                           peak_memory_bytes=None, peak_memory_kind="process_rss_hwm", warmup_s=0.0, compile_s=0.0, **kw)
+
+    guard, base = Guard(), measurement(fidelity={"min_cosine": 1.0})
+    assert "floor" in guard.violation(measurement(fidelity={"min_cosine": float("nan")}), base, "min_cosine")
+    assert "non-finite" in guard.violation(measurement(fidelity={"min_cosine": 1.0}, nonfinite_outputs=3), base, "min_cosine")
+    assert guard.violation(measurement(fidelity={"min_cosine": 0.995}), base, "min_cosine") is None
+    with pytest.raises(ValueError):
+        Guard(min_gain=float("nan"))

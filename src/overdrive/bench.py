@@ -19,19 +19,21 @@ def cmd_bench(args) -> int:
                         f"run `overdrive bench {plan.workload} --plan {args.plan}`")
     session = open_session(args, batch_size=plan.batch_size if plan and not args.batch_size else None)
     if plan and plan.device != session.device.type:
-        raise UserError(f"--plan {args.plan} was made for device {plan.device!r}; pass --device {plan.device}")
-    batch_sizes = args.batch_sizes or [session.batch_size]
+        raise UserError(f"--plan {args.plan} was tuned on {plan.device!r} and holds only there; run `overdrive optimize "
+                        f"{args.workload} --device {session.device.type}` to make a plan for this device")
+    batch_sizes = session.sweep_sizes(args.batch_sizes or [session.batch_size])
     configs = {"baseline (eager fp32)": []}
     if plan:
         configs["plan: " + (" + ".join(plan.names) or "baseline")] = plan.steps
     device_name = devices.describe(session.device)
+    failures: list[str] = []
     with console.status("measuring") as status:
-        curves = sweep(session, configs, batch_sizes, progress=lambda d: status.update(f"measuring {d}"))
+        curves = sweep(session, configs, batch_sizes, progress=lambda d: status.update(f"measuring {d}"), warn=failures.append)
 
     table = Table(title=f"overdrive bench {session.workload.name} — {device_name}")
     for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup", "peak memory", "fidelity"):
         table.add_column(col, justify="left" if col in ("configuration", "fidelity") else "right")
-    base = {b: m for b, m in curves["baseline (eager fp32)"]}
+    base = dict(curves["baseline (eager fp32)"])
     key = session.workload.fidelity_key
     for label, points in curves.items():
         for b, m in points:
@@ -39,13 +41,17 @@ def cmd_bench(args) -> int:
             if m.task_metric:
                 fidelity = f"acc {m.task_metric['accuracy_pct']:.2f}%, " + fidelity
             table.add_row(label, str(b), f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f} / {m.latency_ms['p99']:.2f}",
-                          f"{m.samples_per_s:,.1f}", f"{m.samples_per_s / base[b].samples_per_s:.2f}×",
+                          f"{m.samples_per_s:,.1f}", f"{m.samples_per_s / base[b].samples_per_s:.2f}×" if b in base else "",
                           format_bytes(m.peak_memory_bytes), fidelity)
     console.print(table)
+    console.print(f"{session.describe_samples()} per measurement")
+    for failure in failures:
+        console.print(f"[yellow]{failure}[/]")
     out = session.out_dir
     write_results(out / "bench.json", {
         "workload": session.workload.name, "device": device_name, "environment": environment(),
         "plan": plan.to_dict() if plan else None,
+        "num_samples": session.num_samples, "num_distinct_samples": session.num_distinct_samples, "failures": failures,
         "units": {"latency_ms": "milliseconds per call", "samples_per_s": "rows per second", "peak_memory_bytes": "bytes"},
         "results": {label: [{"batch_size": b, **m.to_dict()} for b, m in points] for label, points in curves.items()},
     })

@@ -7,6 +7,7 @@ User mistakes (unknown workload, bad path, batch size ≤ 0, absent device) prin
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from overdrive.errors import UserError
@@ -33,7 +34,10 @@ def int_list(text: str) -> list[int]:
 
 
 def name_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))  # dedupe, keep order
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated technique names (see `overdrive list`), got none")
+    return names
 
 
 def shape(text: str) -> tuple[int, ...]:
@@ -45,8 +49,8 @@ def fraction(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
     return value
 
 
@@ -54,9 +58,19 @@ def nonnegative(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a finite number ≥ 0, got {text!r}") from None
+    if not 0 <= value < math.inf:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a finite number ≥ 0, got {text}")
+    return value
+
+
+def ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite ratio > 0 (e.g. 1.02), got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite ratio > 0 (e.g. 1.02), got {text}")
     return value
 
 
@@ -79,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--techniques", type=name_list, help="comma-separated names to try (default: all; see `overdrive list`)")
     opt.add_argument("--max-accuracy-drop", type=nonnegative, help="task-metric points a technique may lose (workloads with labels)")
     opt.add_argument("--min-fidelity", type=fraction, default=0.99, help="floor on cosine / agreement with fp32 (default 0.99)")
-    opt.add_argument("--min-gain", type=float, default=1.02, help="throughput ratio a step needs to be kept (default 1.02)")
+    opt.add_argument("--min-gain", type=ratio, default=1.02, help="throughput ratio a step needs to be kept (default 1.02)")
     opt.add_argument("--sweep-batch-sizes", type=int_list, help="batch sizes for the report's plot (default: 1, B/4, B, 2B)")
 
     bench = sub.add_parser("bench", help="measure the baseline and a plan at several batch sizes")
@@ -128,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_bench(args)
     except UserError as exc:
-        sys.stderr.write(f"overdrive: error: {exc}\n")
+        sys.stderr.write(f"overdrive: error: {' '.join(str(exc).split())}\n")  # always one line
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("overdrive: interrupted\n")

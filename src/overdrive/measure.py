@@ -45,6 +45,7 @@ class Measurement:
         warmup_s: wall time of the warm-up pass, seconds.
         compile_s: warm-up time beyond the steady-state time of the same batches, seconds.
         mean_padded_length: mean padded sequence length per batch (text workloads), tokens.
+        nonfinite_outputs: NaN/inf values among the outputs (overflow detection).
         fidelity: figures against the fp32 reference (see the workload's `fidelity`).
         task_metric: e.g. {"accuracy_pct": 99.2} for workloads with labels.
     """
@@ -59,6 +60,7 @@ class Measurement:
     warmup_s: float
     compile_s: float
     mean_padded_length: float | None = None
+    nonfinite_outputs: int = 0
     fidelity: dict[str, float] = field(default_factory=dict)
     task_metric: dict[str, float] | None = None
 
@@ -244,6 +246,7 @@ def measure(
         warmup_s=warmup_s,
         compile_s=max(0.0, warmup_s - steady_all_s),
         mean_padded_length=sum(padded) / len(padded) if padded else None,
+        nonfinite_outputs=int((~torch.isfinite(outputs)).sum()),
     )
     if reference is not None:
         measurement.fidelity = workload.fidelity(outputs, reference)

@@ -33,38 +33,45 @@ def cmd_optimize(args, argv: list[str]) -> int:
     sweep_sizes = args.sweep_batch_sizes or default_sweep(session.batch_size)
     device_name = devices.describe(session.device)
     console.print(f"[bold]overdrive optimize {workload.name}[/] on {device_name}, batch size {session.batch_size}, "
-                  f"{session.num_samples} evaluation samples")
+                  f"{session.describe_samples()}")
     if not workload.real_weights:
         console.print("[yellow]random weights: figures are for speed only, not accuracy claims[/]")
+    if session.num_distinct_samples < session.batch_size:
+        console.print(f"[yellow]batch size {session.batch_size} exceeds the {session.num_distinct_samples} samples: "
+                      "samples are repeated to fill each batch[/]")
+    sweep_sizes = session.sweep_sizes(sweep_sizes)
+    sweep_warnings: list[str] = []
 
-    techniques = args.techniques
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
-        tuner = Tuner(workload=workload, device=session.device, batch_size=session.batch_size, techniques=techniques,
-                      guard=guard, num_samples=session.num_samples, workload_spec=session.spec)
-        num_alone = len(tuner.techniques)
-        task = progress.add_task("baseline", total=2 + 2 * num_alone + 2 * len(sweep_sizes))
+        tuner = Tuner(workload=workload, device=session.device, batch_size=session.batch_size, techniques=args.techniques,
+                      guard=guard, num_samples=session.num_distinct_samples, workload_spec=session.spec)
+        task = progress.add_task("baseline", total=2 + 2 * len(tuner.techniques) + 2 * len(sweep_sizes))
 
         def step(description: str) -> None:
             progress.update(task, description=f"measuring {description}", advance=1)
+            if not console.is_terminal:  # logs and CI: a line per step instead of a live bar
+                console.print(f"  measuring {description} ({progress.tasks[0].elapsed or 0:.0f} s)", highlight=False)
 
         tuner.progress = step
         result = tuner.run()
+        out = session.out_dir
+        result.plan.save(out / "plan.json")  # before the sweep: the plan is the main result
         progress.update(task, total=progress.tasks[0].completed + 2 * len(sweep_sizes))
-        curves = sweep(session, {"baseline (eager fp32)": [], "plan": result.plan.steps}, sweep_sizes, progress=step)
+        curves = sweep(session, {"baseline (eager fp32)": [], "plan": result.plan.steps}, sweep_sizes,
+                       progress=step, warn=sweep_warnings.append)
 
     table = rows_table(result, fidelity_key=workload.fidelity_key,
                        title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}")
     console.print(table)
     compiled = compile_times(result)
     if compiled:
-        console.print("compile / warm-up time, apart from the figures above: "
-                      + "; ".join(f"{label} {seconds:.1f} s" for label, seconds in compiled))
+        console.print("warm-up beyond steady state (compilation, autotuning, lazy loading), apart from the figures "
+                      "above: " + "; ".join(f"{label} {seconds:.1f} s" for label, seconds in compiled))
     if result.flops_per_sample:
         console.print(f"FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP")
-    out = session.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    result.plan.save(out / "plan.json")
+    for warning in sweep_warnings:
+        console.print(f"[yellow]batch-size sweep: {warning}[/]")
     plot_name = "latency_vs_batch_size.png"
     plot_latency_vs_batch(out / plot_name, curves, title=f"{workload.name} on {device_name}")
     command = "overdrive " + shlex.join(argv)
@@ -76,6 +83,8 @@ def cmd_optimize(args, argv: list[str]) -> int:
         "environment": environment(),
         "batch_size": session.batch_size,
         "num_samples": session.num_samples,
+        "num_distinct_samples": session.num_distinct_samples,
+        "sweep_warnings": sweep_warnings,
         "guard": {"min_fidelity": guard.min_fidelity, "max_accuracy_drop_pt": guard.max_accuracy_drop, "min_gain": guard.min_gain},
         "fidelity_key": workload.fidelity_key,
         "flops_per_sample": result.flops_per_sample,

@@ -92,8 +92,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Raises ValueError (or KeyError/TypeError) for anything that is not a valid plan."""
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         if data.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {data.get('version')!r} is not {PLAN_VERSION}")
+        if not isinstance(data.get("batch_size"), int) or data["batch_size"] < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {data.get('batch_size')!r}")
+        if data.get("device") not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {data.get('device')!r}")
         return cls(
             workload=data["workload"],
             device=data["device"],
@@ -118,6 +125,8 @@ class Plan:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except FileNotFoundError:
             raise UserError(f"--plan {path}: no such file; expected a plan.json written by `overdrive optimize`") from None
+        except (IsADirectoryError, UnicodeDecodeError, OSError) as exc:
+            raise UserError(f"--plan {path} cannot be read as a plan.json ({type(exc).__name__})") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise UserError(f"--plan {path} is not an overdrive plan ({type(exc).__name__}: {exc})") from None
 

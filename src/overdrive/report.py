@@ -24,11 +24,13 @@ def format_bytes(n: int | None) -> str:
     return f"{n:.1f} GiB"
 
 
-_SHORT = {"min_cosine": "min cos", "top1_agreement": "top-1 agree", "top10_agreement": "top-10 NN"}
+_SHORT = {"min_cosine": "min cos", "top1_agreement": "top-1 agree", "top10_agreement": "top-10 NN",
+          "max_rel_error": "max rel err"}
+_SHOWN = ("top1_agreement", "top10_agreement", "max_rel_error")  # shown besides the guarded figure
 
 
 def format_fidelity(m: Measurement | None, key: str) -> str:
-    """'acc 99.72%, top-1 agree 1.0000' — the task metric, the guarded figure, and retrieval agreement."""
+    """'acc 99.72%, min cos 0.9999, top-1 agree 1.000' — task metric, the guarded figure first, then the others."""
     if m is None:
         return ""
     parts = []
@@ -36,8 +38,10 @@ def format_fidelity(m: Measurement | None, key: str) -> str:
         parts.append(f"acc {m.task_metric['accuracy_pct']:.2f}%")
     if key in m.fidelity:
         parts.append(f"{_SHORT.get(key, key)} {m.fidelity[key]:.4f}")
-    if key != "top10_agreement" and "top10_agreement" in m.fidelity:
-        parts.append(f"top-10 NN {m.fidelity['top10_agreement']:.3f}")
+    for other in _SHOWN:
+        if other != key and other in m.fidelity:
+            value = m.fidelity[other]
+            parts.append(f"{_SHORT[other]} {value:.1e}" if other == "max_rel_error" else f"{_SHORT[other]} {value:.3f}")
     return ", ".join(parts)
 
 

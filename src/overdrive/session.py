@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from overdrive.devices import resolve_device
-from overdrive.errors import UserError
+from overdrive.errors import UserError, one_line
 from overdrive.measure import Measurement, cycle_indices, measure
 from overdrive.plan import Step, build
 from overdrive.workloads import Workload, create_workload
@@ -23,8 +23,20 @@ class Session:
     spec: str
     device: torch.device
     batch_size: int
-    num_samples: int
+    num_samples: int  # rows evaluated per measurement (≥ batch_size)
+    num_distinct_samples: int  # of which distinct; fewer when samples repeat to fill a batch
     out_dir: Path
+
+    def describe_samples(self) -> str:
+        if self.num_distinct_samples < self.num_samples:
+            return (f"{self.num_samples} evaluation rows ({self.num_distinct_samples} distinct samples, repeated "
+                    f"to fill batch size {self.batch_size})")
+        return f"{self.num_samples} evaluation samples"
+
+    def sweep_sizes(self, requested: list[int]) -> list[int]:
+        """The batch sizes a sweep can use: only the fixed one for static-batch models."""
+        fixed = self.workload.fixed_batch_size
+        return [fixed] if fixed else requested
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -42,8 +54,14 @@ def open_session(args, *, batch_size: int | None = None) -> Session:
     """
     device = resolve_device(args.device)
     workload = create_workload(args.workload, input_shape=args.input_shape, input_dtype=parse_dtype(args.input_dtype))
+    batch_size = batch_size or args.batch_size or workload.fixed_batch_size or workload.default_batch_size
+    if workload.fixed_batch_size and batch_size != workload.fixed_batch_size:
+        raise UserError(f"{args.workload} accepts only batch size {workload.fixed_batch_size} (it was exported with a "
+                        f"static batch dimension); pass --batch-size {workload.fixed_batch_size}, or export it with "
+                        "a dynamic batch (torch.export.Dim)")
     default_n = DEFAULT_TEXT_SAMPLES if workload.is_text else len(workload.samples)
-    num_samples = min(args.num_samples or default_n, len(workload.samples))
+    distinct = min(args.num_samples or default_n, len(workload.samples))
+    num_samples = max(distinct, batch_size)  # a batch is always full; samples repeat when there are too few
     safe_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", workload.name).strip("_") or "workload"
     out_dir = Path(args.out) / safe_name
     try:  # fail now, not after minutes of measuring
@@ -58,18 +76,18 @@ def open_session(args, *, batch_size: int | None = None) -> Session:
         workload=workload,
         spec=args.workload,
         device=device,
-        batch_size=batch_size or args.batch_size or workload.default_batch_size,
+        batch_size=batch_size,
         num_samples=num_samples,
+        num_distinct_samples=distinct,
         out_dir=out_dir,
     )
 
 
 def measure_steps(session: Session, steps: list[Step], *, batch_size: int, reference: torch.Tensor | None = None,
-                  num_samples: int | None = None, min_timed_calls: int = 5) -> tuple[Measurement, torch.Tensor]:
-    """Build `steps` on the session's workload and measure them at `batch_size` on the first
-    `num_samples` samples (default: two batches' worth, cycled when the workload has fewer)."""
-    available = len(session.workload.samples)
-    indices = cycle_indices(max(num_samples or 2 * batch_size, batch_size), available)
+                  min_timed_calls: int = 5) -> tuple[Measurement, torch.Tensor]:
+    """Build `steps` on the session's workload and measure them at `batch_size` on the same
+    samples `optimize` judged (cycled up to one full batch when there are fewer)."""
+    indices = cycle_indices(max(session.num_distinct_samples, batch_size), len(session.workload.samples))
     model, policy = build(session.workload, steps, session.device)
     try:
         return measure(model, session.workload, device=session.device, batch_size=batch_size,
@@ -81,8 +99,11 @@ def measure_steps(session: Session, steps: list[Step], *, batch_size: int, refer
 
 
 def sweep(session: Session, configs: dict[str, list[Step]], batch_sizes: list[int],
-          progress=lambda _: None) -> dict[str, list[tuple[int, Measurement]]]:
+          progress=lambda _: None, warn=lambda _: None) -> dict[str, list[tuple[int, Measurement]]]:
     """Measure each configuration at each batch size; fidelity against the baseline at that size.
+
+    A configuration that fails at a batch size is reported through `warn` and left out of
+    that point; the rest of the sweep goes on.
 
     Returns:
         {label: [(batch_size, measurement), ...]} in the order given.
@@ -92,7 +113,11 @@ def sweep(session: Session, configs: dict[str, list[Step]], batch_sizes: list[in
         reference = None
         for label, steps in configs.items():
             progress(f"{label} @ batch {b}")
-            m, outputs = measure_steps(session, steps, batch_size=b, reference=reference)
+            try:
+                m, outputs = measure_steps(session, steps, batch_size=b, reference=reference)
+            except Exception as exc:  # noqa: BLE001 - one failing point must not lose the others
+                warn(f"{label} at batch size {b} failed: {one_line(exc)}")
+                continue
             if reference is None and not steps:
                 reference = outputs
                 m.fidelity = session.workload.fidelity(outputs, outputs)

@@ -10,12 +10,14 @@ skipped once one is kept. A step is rolled back when its throughput is not at le
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from overdrive import devices
+from overdrive.errors import UserError, one_line
 from overdrive.measure import Measurement, count_flops_per_sample, cycle_indices, measure
 from overdrive.plan import Plan, Step, build
 from overdrive.techniques import get_technique, list_techniques
@@ -40,13 +42,17 @@ class Guard:
     def __post_init__(self):
         if not 0.0 <= self.min_fidelity <= 1.0:
             raise ValueError(f"min_fidelity must be in [0, 1], got {self.min_fidelity}")
-        if self.max_accuracy_drop is not None and self.max_accuracy_drop < 0:
-            raise ValueError(f"max_accuracy_drop must be ≥ 0 points, got {self.max_accuracy_drop}")
+        if self.max_accuracy_drop is not None and not 0 <= self.max_accuracy_drop < math.inf:
+            raise ValueError(f"max_accuracy_drop must be a finite number ≥ 0 points, got {self.max_accuracy_drop}")
+        if not 0 < self.min_gain < math.inf:
+            raise ValueError(f"min_gain must be a finite ratio > 0, got {self.min_gain}")
 
     def violation(self, m: Measurement, baseline: Measurement, fidelity_key: str) -> str | None:
-        """The figure that breaks the budget, or None."""
+        """The figure that breaks the budget, or None. Non-finite outputs (fp16 overflow) always do."""
+        if m.nonfinite_outputs:
+            return f"{m.nonfinite_outputs} non-finite output values (overflow?) where fp32 has none"
         value = m.fidelity.get(fidelity_key)
-        if value is not None and value < self.min_fidelity:
+        if value is not None and not value >= self.min_fidelity:  # NaN fails too
             return f"{fidelity_key} {value:.4f} < {self.min_fidelity} floor"
         if self.max_accuracy_drop is not None and m.task_metric and baseline.task_metric:
             drop = baseline.task_metric["accuracy_pct"] - m.task_metric["accuracy_pct"]
@@ -145,7 +151,7 @@ class Tuner:
         try:
             m = self._measure(steps, reference)
         except Exception as exc:  # noqa: BLE001 - a failing technique is a row, not a crash
-            return Row(phase=phase, label=label, steps=names, kept=False, reason=f"failed: {type(exc).__name__}: {exc}"[:300])
+            return Row(phase=phase, label=label, steps=names, kept=False, reason=f"failed: {one_line(exc)}")
         return Row(phase=phase, label=label, steps=names, kept=False, measurement=m)
 
     def _judge(self, row: Row, baseline: Measurement, compare_to: Measurement) -> Row:
@@ -159,18 +165,27 @@ class Tuner:
         if violation:
             row.reason = violation
         elif gain < self.guard.min_gain:
-            row.reason = f"not faster: {gain:.2f}× {'baseline' if compare_to is baseline else 'without it'} (needs ≥ {self.guard.min_gain:.2f}×)"
+            versus = "baseline" if compare_to is baseline else "the throughput without it"
+            row.reason = f"not faster: {gain:.2f}× {versus} (needs ≥ {self.guard.min_gain:.2f}×)"
         else:
             row.kept = True
         return row
 
     def _measure_baseline(self) -> tuple[Measurement, torch.Tensor]:
+        """Measure eager fp32. Raises UserError when the user's model fails or gives non-finite outputs."""
         model, _ = build(self.workload, [], self.device)
         try:
-            return measure(model, self.workload, device=self.device, batch_size=self.batch_size, indices=self.indices,
-                           min_timed_calls=self.min_timed_calls, min_timed_s=self.min_timed_s)
+            m, out = measure(model, self.workload, device=self.device, batch_size=self.batch_size, indices=self.indices,
+                             min_timed_calls=self.min_timed_calls, min_timed_s=self.min_timed_s)
+        except Exception as exc:  # noqa: BLE001 - the user's model, at the user's batch size
+            raise UserError(f"{self.workload.name}: the eager fp32 model failed at batch size {self.batch_size}: "
+                            f"{one_line(exc)}") from None
         finally:
             del model
+        if m.nonfinite_outputs:
+            raise UserError(f"{self.workload.name}: the eager fp32 model gives {m.nonfinite_outputs} non-finite output "
+                            "values (NaN/inf) on its samples, so no technique can be judged against it")
+        return m, out
 
     def run(self) -> TuneResult:
         rows: list[Row] = []

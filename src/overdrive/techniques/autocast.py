@@ -46,10 +46,10 @@ class Bf16Autocast(Technique):
     group = "precision"
     description = "bfloat16 autocast (fp32 range, 8-bit mantissa)"
 
-    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if not supports_bf16(device):
             return "this GPU has no native bf16 (needs compute capability ≥ 8.0)"
-        return super().unsupported_reason(workload, device)
+        return None
 
     def apply(self, model, config, *, workload, device):
         return AutocastModule(model, device_type=device.type, dtype=torch.bfloat16)
@@ -64,7 +64,7 @@ class Fp16Autocast(Technique):
     group = "precision"
     description = "float16 autocast (GPU; CPU only with AMX-FP16); activations above 65504 overflow to inf"
 
-    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
         ok, why = supports_fp16(device)
         return None if ok else why
 

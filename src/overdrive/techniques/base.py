@@ -85,6 +85,7 @@ class Technique:
             assert_close); False when a fidelity floor judges it.
         group: techniques sharing a group are alternatives; composition keeps at most one.
         devices: device types it can run on.
+        rewrites_modules: True when it rewrites nn.Module internals (not possible on TorchScript).
     """
 
     name: ClassVar[str]
@@ -93,12 +94,19 @@ class Technique:
     lossless: ClassVar[bool]
     group: ClassVar[str | None] = None
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    rewrites_modules: ClassVar[bool] = False  # needs nn.Module internals, which TorchScript hides
     description: ClassVar[str] = ""
 
     def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
-        """Why this technique cannot run here, or None when it can."""
+        """Why this technique cannot run on this workload and device, or None when it can."""
         if device.type not in self.devices:
             return f"runs on {'/'.join(self.devices)} only"
+        if self.rewrites_modules and workload.is_torchscript:
+            return "not applicable: TorchScript hides the modules this rewrites (save the model with torch.export instead)"
+        return self.applicability(workload, device)
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        """Subclass hook: a reason this technique does not apply (no such layers, no support here)."""
         return None
 
     def apply(self, model: nn.Module, config: TechniqueConfig, *, workload: Workload, device: torch.device) -> nn.Module:

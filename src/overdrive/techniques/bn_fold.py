@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from overdrive.techniques.base import Stage, Technique, TechniqueConfig, register
+from overdrive.errors import one_line
+from overdrive.techniques.base import ForwardWrapper, Stage, Technique, TechniqueConfig, register
 from overdrive.workloads.base import Workload, eval_mode
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -35,21 +36,25 @@ class BatchNormFold(Technique):
     config_cls = BatchNormFoldConfig
     stage = Stage.GRAPH
     lossless = True
+    rewrites_modules = True
     description = "fold BatchNorm into the preceding conv (eval mode, via torch.fx)"
 
-    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if num_batchnorm(workload.model) == 0:
             return "not applicable: the model has no BatchNorm layers"
         return None
 
     def apply(self, model, config, *, workload, device):
+        if isinstance(model, ForwardWrapper):  # fold inside autocast / layout wrappers, which fx cannot trace
+            model.inner = self.apply(model.inner, config, workload=workload, device=device)
+            return model
         from torch.fx.experimental.optimization import fuse
 
         before = num_batchnorm(model)
         try:
             folded = fuse(eval_mode(model), inplace=False)
         except Exception as exc:  # fx cannot trace data-dependent control flow
-            raise RuntimeError(f"torch.fx could not trace the model: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"torch.fx could not trace the model: {one_line(exc)}") from None
         after = num_batchnorm(folded)
         if after == before:
             raise RuntimeError(f"found {before} BatchNorm layer(s) but none directly after a conv or Linear")

@@ -36,9 +36,10 @@ class ChannelsLast(Technique):
     config_cls = ChannelsLastConfig
     stage = Stage.GRAPH
     lossless = True
+    rewrites_modules = True
     description = "channels_last (NHWC) weights and inputs for conv nets"
 
-    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if not any(isinstance(m, nn.Conv2d) for m in workload.model.modules()):
             return "not applicable: the model has no 2-D convolutions"
         return None

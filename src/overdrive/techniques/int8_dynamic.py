@@ -25,12 +25,11 @@ class Int8Dynamic(Technique):
     stage = Stage.PRECISION
     lossless = False
     group = "precision"
-    devices = ("cpu",)
+    devices = ("cpu",)  # torch.ao dynamic quantization has CPU kernels only
+    rewrites_modules = True
     description = "int8 dynamic quantization of nn.Linear (weights int8, activations per batch)"
 
-    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
-        if device.type != "cpu":
-            return "torch.ao dynamic quantization has CPU kernels only"
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if not any(isinstance(m, nn.Linear) for m in workload.model.modules()):
             return "not applicable: the model has no nn.Linear layers"
         return None

@@ -26,7 +26,7 @@ class LengthBucketing(Technique):
     lossless = True
     description = "sort text by length, pad per batch (batching)"
 
-    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if not workload.is_text:
             return "not applicable: inputs have a fixed shape (no padding to save)"
         return None

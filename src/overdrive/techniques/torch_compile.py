@@ -45,9 +45,9 @@ class Compile(Technique):
     lossless = False  # Inductor reorders float math; judged by the fidelity floor
     description = "torch.compile (Inductor); compile time reported apart"
 
-    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
-        if isinstance(workload.model, torch.jit.ScriptModule):
-            return "not applicable: TorchScript modules cannot be compiled with torch.compile"
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        if workload.is_torchscript:
+            return "not applicable: torch.compile cannot trace TorchScript modules"
         return None
 
     def apply(self, model, config, *, workload, device):

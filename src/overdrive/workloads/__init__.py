@@ -59,6 +59,8 @@ def create_workload(
     Raises:
         UserError: nothing by that name, an import path that fails, or a file that is not a model.
     """
+    if not spec.strip():
+        raise UserError("the workload is empty; expected a name (see `overdrive list`), 'package.module:factory' or a model file")
     if spec in BUILTIN:
         return BUILTIN[spec][0]()
     if ":" in spec and not Path(spec).exists():

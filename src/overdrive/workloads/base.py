@@ -28,9 +28,11 @@ class Workload:
         default_batch_size: rows per batch when the user gives none.
         labels: int64 [N] class labels aligned with `samples`, for workloads with a task metric.
         sample_length: token count of a sample, for length bucketing (text workloads only).
+        fixed_batch_size: the only batch size the model accepts (e.g. a torch.export program
+            exported without a dynamic batch dimension); None when any batch size works.
         real_weights: False for random weights: speed figures only, no accuracy claims.
-        train_samples / train_labels: data the model was trained on (never used to judge it).
         description: one line for `overdrive list`.
+        extra: workload-specific objects (tokenizer, training split, model path).
     """
 
     name: str
@@ -42,6 +44,7 @@ class Workload:
     default_batch_size: int
     labels: torch.Tensor | None = None
     sample_length: Callable[[Any], int] | None = None
+    fixed_batch_size: int | None = None
     real_weights: bool = True
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -49,6 +52,10 @@ class Workload:
     @property
     def has_task_metric(self) -> bool:
         return self.labels is not None
+
+    @property
+    def is_torchscript(self) -> bool:
+        return isinstance(self.model, torch.jit.ScriptModule)
 
     @property
     def is_text(self) -> bool:

@@ -9,13 +9,14 @@ per-row shape and dtype, and judges candidates by agreement with the fp32 output
 from __future__ import annotations
 
 import importlib
+import warnings
 import zipfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from overdrive.errors import UserError
+from overdrive.errors import UserError, one_line
 from overdrive.workloads.base import Workload, eval_mode, logits_fidelity
 
 NUM_SAMPLES = 64
@@ -36,28 +37,44 @@ def _random_like_rows(example: tuple[torch.Tensor, ...], num_rows: int) -> list[
     return [tuple(col[i] for col in columns) for i in range(num_rows)]
 
 
+def _accepts_other_batch_sizes(model: nn.Module, example: tuple[torch.Tensor, ...]) -> bool:
+    rows = _random_like_rows(example, example[0].shape[0] + 1)
+    try:
+        with torch.no_grad():
+            model(*(torch.stack(col) for col in zip(*rows)))
+    except Exception:  # noqa: BLE001 - a static-shape model (e.g. torch.export without Dim) refuses
+        return False
+    return True
+
+
 def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...]) -> Workload:
     """Wrap a model and one example batch into a Workload with seeded samples of the same shape.
 
     Args:
         name: the workload name (used for the output folder).
-        model: any module whose forward takes the example's tensors positionally and returns a tensor.
+        model: any module whose forward takes the example's tensors positionally and returns
+            one tensor [B, ...] with the example's batch size B.
         example: a tensor or tuple of tensors, each [B, ...].
 
     Raises:
-        UserError: the example is not tensors, or the model does not run on it or return a tensor.
+        UserError: the example is not tensors, or the model does not run on it or does not
+            return a [B, ...] tensor.
     """
     example = (example,) if isinstance(example, torch.Tensor) else tuple(example)
     if not example or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in example):
         raise UserError(f"{name}: the example input must be a tensor or tuple of tensors with a batch dimension")
     model = eval_mode(model)
+    batch = int(example[0].shape[0])
     try:
         with torch.no_grad():
             out = model(*example)
     except Exception as exc:  # noqa: BLE001 - any failure here is the user's model
-        raise UserError(f"{name}: the model failed on its example input: {type(exc).__name__}: {exc}") from exc
+        raise UserError(f"{name}: the model failed on its example input of shape {tuple(example[0].shape)}: {one_line(exc)}") from None
     if not isinstance(out, torch.Tensor):
         raise UserError(f"{name}: the model must return one tensor [B, ...]; it returned {type(out).__name__}")
+    if out.dim() == 0 or out.shape[0] != batch:
+        raise UserError(f"{name}: the model must return a tensor [B, ...] with B = {batch} rows; it returned shape {tuple(out.shape)}")
+    fixed = None if _accepts_other_batch_sizes(model, example) else batch
     return Workload(
         name=name,
         model=model,
@@ -65,7 +82,8 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         collate=lambda rows: tuple(torch.stack(col) for col in zip(*rows)),
         fidelity=logits_fidelity,
         fidelity_key="min_cosine",
-        default_batch_size=max(1, int(example[0].shape[0])),
+        default_batch_size=batch,
+        fixed_batch_size=fixed,
         real_weights=False,
         description="user model with seeded inputs of its example's shape (speed only)",
     )
@@ -83,15 +101,15 @@ def build_from_import_path(spec: str) -> Workload:
         raise UserError(f"{spec!r} is not an import path; expected 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - report whatever the import raised
-        raise UserError(f"cannot import {module_name!r} (from {spec!r}): {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - report whatever the import raised, sys.exit too
+        raise UserError(f"cannot import {module_name!r} (from {spec!r}): {one_line(exc)}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UserError(f"{module_name!r} has no callable {attr!r}; expected 'package.module:factory'")
     try:
         made = factory()
-    except Exception as exc:  # noqa: BLE001
-        raise UserError(f"{spec}() failed: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
+        raise UserError(f"{spec}() failed: {one_line(exc)}") from None
     name = attr if attr != "build" else module_name.rsplit(".", 1)[-1]
     if isinstance(made, Workload):
         return made
@@ -100,29 +118,51 @@ def build_from_import_path(spec: str) -> Workload:
     raise UserError(f"{spec}() returned {type(made).__name__}; expected an overdrive Workload or a (model, example_input) pair")
 
 
+def archive_kind(path: Path) -> str:
+    """'export' (torch.export.save), 'torchscript' (torch.jit.save), 'pickle' (torch.save) or 'unknown'."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return "unknown"
+    if any(n.endswith("/archive_format") or "/models/" in n for n in names):
+        return "export"
+    if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
+        return "torchscript"
+    if any(n.endswith("/data.pkl") for n in names):
+        return "pickle"
+    return "unknown"
+
+
 def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dtype: torch.dtype) -> Workload:
-    """Load a TorchScript archive (torch.jit.save) or a torch.export program (torch.export.save).
+    """Load a torch.export program (torch.export.save, .pt2) or a TorchScript archive (torch.jit.save).
 
     Args:
         path: the file.
-        input_shape: the per-batch input shape [B, ...] for TorchScript, which stores none;
+        input_shape: the input shape [B, ...]; needed for TorchScript, which stores none;
             .pt2 files carry their example inputs.
-        input_dtype: dtype of the generated inputs for TorchScript files.
+        input_dtype: dtype of the generated inputs when `input_shape` is given.
 
     Raises:
-        UserError: the file is missing or is not one of the two formats, or a TorchScript
+        UserError: the file is missing, a folder, not one of the two formats, or a TorchScript
             file was given without --input-shape.
     """
+    if path.is_dir():
+        raise UserError(f"{path} is a folder; expected a model file (.pt2 from torch.export.save, .pt from torch.jit.save)")
     if not path.is_file():
         raise UserError(f"{path}: no such file; expected a workload name, an import path or a model file")
-    if not zipfile.is_zipfile(path):
-        raise UserError(f"{path} is not a model file; expected a TorchScript (.pt) or torch.export (.pt2) archive")
+    kind = archive_kind(path)
     name = path.stem
-    try:
-        program = torch.export.load(str(path))
-    except Exception:  # noqa: BLE001 - not a torch.export archive; try TorchScript next
-        program = None
-    if program is not None:
+    if kind == "pickle":
+        raise UserError(f"{path} is a torch.save checkpoint (weights or a pickled module), which carries no graph; "
+                        "save the model with torch.export.save (.pt2) or torch.jit.save, or give a factory")
+    if kind == "unknown":
+        raise UserError(f"{path} is not a model file; expected a torch.export (.pt2) or TorchScript (.pt) archive")
+    if kind == "export":
+        try:
+            program = torch.export.load(str(path))
+        except Exception as exc:  # noqa: BLE001
+            raise UserError(f"{path}: torch.export.load failed: {one_line(exc)}") from None
         example_args = getattr(program, "example_inputs", None)
         example = tuple(example_args[0]) if example_args and example_args[0] else None
         if input_shape is not None:
@@ -130,13 +170,12 @@ def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dt
         if not example:
             raise UserError(f"{path} carries no example inputs; pass --input-shape B,C,H,W (for example)")
         return workload_from_model(name, program.module(), example)
-    try:
-        model = torch.jit.load(str(path), map_location="cpu")
-    except Exception as exc:  # noqa: BLE001
-        raise UserError(
-            f"{path} is not a model file overdrive can load ({type(exc).__name__}); "
-            "expected a TorchScript (.pt) or torch.export (.pt2) archive"
-        ) from exc
     if input_shape is None:
         raise UserError(f"{path} is TorchScript, which stores no input shape; pass --input-shape B,C,H,W (for example)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated in favour of torch.export
+        try:
+            model = torch.jit.load(str(path), map_location="cpu")
+        except Exception as exc:  # noqa: BLE001
+            raise UserError(f"{path}: torch.jit.load failed: {one_line(exc)}") from None
     return workload_from_model(name, model, torch.zeros(input_shape, dtype=input_dtype))
