@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from overdrive.workloads.base import Workload, embedding_fidelity, logits_fidelity
+from overdrive.workloads.base import Workload, embedding_fidelity, logits_fidelity, pad_token_ids
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -75,16 +75,6 @@ def tiny_bert_embedder():
     return SentenceEmbedder(BertModel(config)).eval()
 
 
-def pad_collate(samples: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    length = max(len(s) for s in samples)
-    ids = torch.zeros(len(samples), length, dtype=torch.int64)
-    mask = torch.zeros(len(samples), length, dtype=torch.int64)
-    for row, s in enumerate(samples):
-        ids[row, : len(s)] = torch.tensor(s)
-        mask[row, : len(s)] = 1
-    return ids, mask
-
-
 def make_text_workload(num_samples: int = 40) -> Workload:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
@@ -94,7 +84,7 @@ def make_text_workload(num_samples: int = 40) -> Workload:
         name="tiny-text",
         model=tiny_bert_embedder(),
         samples=samples,
-        collate=pad_collate,
+        collate=pad_token_ids,
         fidelity=embedding_fidelity,
         fidelity_key="min_cosine",
         default_batch_size=8,

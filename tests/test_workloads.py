@@ -50,3 +50,14 @@ def test_torchvision_by_name_has_random_weights_flagged():
     w = create_workload("resnet18")
     assert not w.real_weights and w.fidelity_key == "min_cosine"
     assert w.collate(list(w.samples[:2]))[0].shape == (2, 3, 224, 224)
+
+
+def test_bert_base_random_tokens_follow_the_real_sentences():
+    w = create_workload("bert-base-random")
+    assert not w.real_weights and len(w.samples) == 2048
+    ids, mask = w.collate(list(w.samples[:4]))
+    assert ids.shape == mask.shape and ids.dtype == torch.int64
+    assert mask.sum(-1).tolist() == [w.sample_length(s) for s in w.samples[:4]]
+    assert (ids[:, 0] == 101).all()  # [CLS]
+    with torch.no_grad():
+        assert w.model(ids, mask).shape == (4, 768)

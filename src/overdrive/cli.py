@@ -44,34 +44,26 @@ def shape(text: str) -> tuple[int, ...]:
     return tuple(positive_int(part) for part in text.split(","))
 
 
-def fraction(text: str) -> float:
+def _number(text: str, accept, expected: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not accept(value):  # NaN fails every comparison, so it is refused too
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
     return value
+
+
+def fraction(text: str) -> float:
+    return _number(text, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
 
 def nonnegative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number ≥ 0, got {text!r}") from None
-    if not 0 <= value < math.inf:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected a finite number ≥ 0, got {text}")
-    return value
+    return _number(text, lambda v: 0.0 <= v < math.inf, "a finite number ≥ 0")
 
 
 def ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite ratio > 0 (e.g. 1.02), got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite ratio > 0 (e.g. 1.02), got {text}")
-    return value
+    return _number(text, lambda v: 0.0 < v < math.inf, "a finite ratio > 0 (e.g. 1.02)")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:

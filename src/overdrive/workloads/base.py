@@ -78,6 +78,17 @@ class Workload:
         return {"accuracy_pct": 100.0 * correct}
 
 
+def pad_token_ids(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token-id lists to the longest: (input_ids, attention_mask), both int64 [B, S]."""
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
+    mask = torch.zeros(len(rows), length, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
 def eval_mode(model: nn.Module) -> nn.Module:
     """`model.eval()`, except for modules that refuse it (torch.export's `.module()` raises
     NotImplementedError; its graph is already fixed in the mode it was exported in)."""

@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from overdrive.workloads.base import Workload, embedding_fidelity
+from overdrive.workloads.base import Workload, embedding_fidelity, pad_token_ids
 from overdrive.workloads.sentences import python_doc_sentences
 
 VOCAB_SIZE = 30522
@@ -31,14 +31,7 @@ def hash_tokenize(sentence: str) -> list[int]:
 
 def collate(sentences: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad to the longest in the batch: input_ids, attention_mask int64 [B, S]."""
-    rows = [hash_tokenize(s) for s in sentences]
-    length = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), length, dtype=torch.int64)
-    mask = torch.zeros(len(rows), length, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    return ids, mask
+    return pad_token_ids([hash_tokenize(s) for s in sentences])
 
 
 def build_bert_base_random(num_sentences: int = 2048) -> Workload:
