@@ -124,7 +124,7 @@ def main() -> int:
             torch.compiler.reset()
 
     base = results["PyTorch eager fp32"].samples_per_s
-    print(f"\n| entry | sentences/s | speedup vs eager | min cosine | p50 ms/batch | compile/warm-up s |")
+    print("\n| entry | sentences/s | speedup vs eager | min cosine | p50 ms/batch | compile/warm-up s |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, m in results.items():
         print(f"| {label} | {m.samples_per_s:.1f} | {m.samples_per_s / base:.2f}× | {m.fidelity['min_cosine']:.5f} "

@@ -7,7 +7,7 @@ from rich.table import Table
 from overdrive import devices
 from overdrive.errors import UserError
 from overdrive.plan import Plan
-from overdrive.report import make_console, environment, format_bytes, plot_latency_vs_batch, write_results
+from overdrive.report import environment, format_bytes, format_fidelity, make_console, plot_latency_vs_batch, write_results
 from overdrive.session import open_session, sweep
 
 
@@ -17,6 +17,8 @@ def cmd_bench(args) -> int:
     if plan and plan.workload != args.workload:
         raise UserError(f"--plan {args.plan} was made for workload {plan.workload!r}, not {args.workload!r}; "
                         f"run `overdrive bench {plan.workload} --plan {args.plan}`")
+    if plan and args.device == "auto":
+        args.device = plan.device  # a plan holds on the device type it was tuned on
     session = open_session(args, batch_size=plan.batch_size if plan and not args.batch_size else None)
     if plan and plan.device != session.device.type:
         raise UserError(f"--plan {args.plan} was tuned on {plan.device!r} and holds only there; run `overdrive optimize "
@@ -37,12 +39,9 @@ def cmd_bench(args) -> int:
     key = session.workload.fidelity_key
     for label, points in curves.items():
         for b, m in points:
-            fidelity = f"{key} {m.fidelity[key]:.4f}" if key in m.fidelity else ""
-            if m.task_metric:
-                fidelity = f"acc {m.task_metric['accuracy_pct']:.2f}%, " + fidelity
             table.add_row(label, str(b), f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f} / {m.latency_ms['p99']:.2f}",
                           f"{m.samples_per_s:,.1f}", f"{m.samples_per_s / base[b].samples_per_s:.2f}×" if b in base else "",
-                          format_bytes(m.peak_memory_bytes), fidelity)
+                          format_bytes(m.peak_memory_bytes), format_fidelity(m, key))
     console.print(table)
     console.print(f"{session.describe_samples()} per measurement")
     for failure in failures:

@@ -7,6 +7,7 @@ User mistakes (unknown workload, bad path, batch size ≤ 0, absent device) prin
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 
@@ -122,6 +123,8 @@ def cmd_list() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # torch.compile on a CUDA build without a GPU logs "No CUDA runtime is found" once; it is not ours to act on.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         if args.command == "list":
             return cmd_list()

@@ -8,7 +8,15 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from overdrive import devices
 from overdrive.errors import UserError
-from overdrive.report import compile_times, make_console, environment, plot_latency_vs_batch, rows_table, write_report_md, write_results
+from overdrive.report import (
+    compile_times,
+    environment,
+    make_console,
+    plot_latency_vs_batch,
+    rows_table,
+    write_report_md,
+    write_results,
+)
 from overdrive.session import open_session, sweep
 from overdrive.techniques import get_technique
 from overdrive.tuner import Guard, Tuner

@@ -10,6 +10,7 @@ from torch import nn
 from overdrive.techniques.base import ForwardWrapper, Stage, Technique, TechniqueConfig, register
 from overdrive.workloads.base import Workload
 
+
 class ChannelsLastInputs(ForwardWrapper):
     """Converts 4-D floating-point inputs [N, C, H, W] to channels_last before `inner` runs."""
 

@@ -8,6 +8,7 @@ import torch
 
 from overdrive.techniques.base import ForwardWrapper, Stage, Technique, TechniqueConfig, register
 
+
 class InferenceModeModule(ForwardWrapper):
     """Runs `inner` under `torch.inference_mode()` (no autograd version counters or views tracking)."""
 

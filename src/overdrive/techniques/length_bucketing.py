@@ -10,6 +10,7 @@ import torch
 from overdrive.techniques.base import BatchingPolicy, Stage, Technique, TechniqueConfig, register
 from overdrive.workloads.base import Workload
 
+
 @dataclass(frozen=True, kw_only=True)
 class LengthBucketingConfig(TechniqueConfig):
     pass

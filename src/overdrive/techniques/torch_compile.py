@@ -10,6 +10,7 @@ import torch
 from overdrive.techniques.base import Stage, Technique, TechniqueConfig, register
 from overdrive.workloads.base import Workload
 
+
 class CompileMode(str, enum.Enum):
     """torch.compile modes (https://pytorch.org/docs/stable/generated/torch.compile.html)."""
 
