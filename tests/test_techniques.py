@@ -17,6 +17,8 @@ from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
 # Floors for lossy techniques: min cosine to fp32 on the tiny random models.
 LOSSY_FLOOR = {"bf16": 0.99, "fp16": 0.995, "int8-dynamic": 0.95, "compile": 0.9999}
+# Lossy until a recovery fine-tune: checked for running and shape here, structurally in test_pruning.py.
+SHAPE_ONLY = {"prune-channels"}
 CPU = torch.device("cpu")
 
 
@@ -33,14 +35,16 @@ def test_technique_against_fp32(technique, workload_factory):
     workload = workload_factory()
     reason = technique.unsupported_reason(workload, CPU)
     if reason:
-        assert technique.name in ("fp16", "bn-fold", "channels-last", "length-bucketing", "int8-dynamic"), reason
+        assert technique.name in ("fp16", "bn-fold", "channels-last", "length-bucketing", "int8-dynamic", "prune-channels"), reason
         pytest.skip(reason)
     reference = reference_outputs(workload)
     model, policy = build(workload, [Step.default(technique.name)], CPU)
     m, out = measure(model, workload, device=CPU, batch_size=8, indices=list(range(len(workload.samples))),
                      policy=policy, reference=reference, min_timed_calls=1, min_timed_s=0.0)
     assert out.shape == reference.shape and out.dtype == torch.float32
-    if technique.lossless:
+    if technique.name in SHAPE_ONLY:
+        assert torch.isfinite(out).all()
+    elif technique.lossless:
         torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
     else:
         assert m.fidelity["min_cosine"] >= LOSSY_FLOOR[technique.name], m.fidelity
@@ -48,7 +52,7 @@ def test_technique_against_fp32(technique, workload_factory):
 
 def test_every_technique_has_a_floor_or_is_lossless():
     for t in list_techniques():
-        assert t.lossless or t.name in LOSSY_FLOOR, f"add a fidelity floor for {t.name}"
+        assert t.lossless or t.name in LOSSY_FLOOR or t.name in SHAPE_ONLY, f"add a fidelity floor for {t.name}"
         assert isinstance(t.stage, Stage) and t.description
 
 

@@ -103,7 +103,7 @@ class Tuner:
 
     Attributes:
         workload, device, batch_size: what to tune and where.
-        techniques: names to try (default: every registered technique).
+        techniques: names to try (default: every registered technique that is not opt-in).
         guard: accuracy budget and speed bar.
         num_samples: evaluation samples (the first N of the workload's samples; cycled up to
             one full batch when the workload has fewer).
@@ -127,7 +127,7 @@ class Tuner:
         available = len(self.workload.samples)
         n = available if self.num_samples is None else min(self.num_samples, available)
         self.indices = cycle_indices(max(n, self.batch_size), available)
-        names = self.techniques if self.techniques is not None else [t.name for t in list_techniques()]
+        names = self.techniques if self.techniques is not None else [t.name for t in list_techniques() if not t.opt_in]
         self.techniques = [get_technique(n).name for n in names]  # KeyError names the unknown one
 
     def _measure(self, steps: list[Step], reference: torch.Tensor | None) -> Measurement:

@@ -7,6 +7,7 @@ from overdrive.techniques import (  # noqa: F401  (importing registers)
     inference_mode,
     int8_dynamic,
     length_bucketing,
+    prune_channels,
     torch_compile,
 )
 from overdrive.techniques.base import (

@@ -86,6 +86,8 @@ class Technique:
         group: techniques sharing a group are alternatives; composition keeps at most one.
         devices: device types it can run on.
         rewrites_modules: True when it rewrites nn.Module internals (not possible on TorchScript).
+        opt_in: True when the tuner tries it only if the user names it (lossy without a
+            follow-up step, or slow to apply).
     """
 
     name: ClassVar[str]
@@ -95,6 +97,7 @@ class Technique:
     group: ClassVar[str | None] = None
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     rewrites_modules: ClassVar[bool] = False  # needs nn.Module internals, which TorchScript hides
+    opt_in: ClassVar[bool] = False  # tried only when named in --techniques
     description: ClassVar[str] = ""
 
     def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
