@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-check`: the prepared check for a lent GPU machine (one H200, lent to some tasks by chance).
 # Uses that machine's own python3 and packages (torch 2.11, transformers, torchvision, ...);
-# installs nothing. Runs in under 8 minutes: the CUDA tests, `optimize resnet50 --device cuda`,
+# installs nothing. Runs in under 8 minutes (90 s + 2 × 180 s caps): the CUDA tests, `optimize resnet50 --device cuda`,
 # and `optimize bert-base-random --device cuda` (BERT-base shape, random weights; the MiniLM
 # package is not on that machine). Figures go to $OUT (the device tool brings them back) or
 # out/gpu-check, flat, for benchmarks/RESULTS.md.
@@ -18,13 +18,13 @@ status=0
 } 2>&1 | tee "$OUT_DIR/env.txt"
 
 echo "== CUDA tests"
-timeout 150 $PY -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tail -n 30 | tee "$OUT_DIR/cuda_tests.txt" || status=1
+timeout 90 $PY -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tail -n 30 | tee "$OUT_DIR/cuda_tests.txt" || status=1
 
 for spec in "resnet50 --batch-size 64" "bert-base-random --batch-size 32 --num-samples 1024"; do
   name=${spec%% *}
   echo "== optimize $spec --device cuda"
   # shellcheck disable=SC2086
-  timeout 200 $PY -m overdrive optimize $spec --device cuda --out "$OUT_DIR/runs" 2>&1 | tail -n 60 | tee "$OUT_DIR/optimize_${name}.txt" || status=1
+  timeout 180 $PY -m overdrive optimize $spec --device cuda --out "$OUT_DIR/runs" 2>&1 | tail -n 60 | tee "$OUT_DIR/optimize_${name}.txt" || status=1
   cp "$OUT_DIR/runs/$name/results.json" "$OUT_DIR/${name}_results.json" 2>/dev/null || status=1
 done
 rm -rf "$OUT_DIR/runs"  # nested folders do not come back from the device tool; the flat copies do
