@@ -146,3 +146,18 @@ def test_module_rewrites_refuse_torchscript(conv_workload):
     for name in ("bn-fold", "channels-last", "compile"):
         assert "TorchScript" in get_technique(name).unsupported_reason(conv_workload, CPU)
     assert get_technique("bf16").unsupported_reason(conv_workload, CPU) is None
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_tuner_on_cuda_times_with_events_and_reads_the_allocator():
+    from overdrive.tuner import Guard, Tuner
+
+    workload = make_conv_workload()
+    result = Tuner(workload=workload, device=torch.device("cuda"), batch_size=8, guard=Guard(min_gain=1e-6),
+                   techniques=["bf16", "channels-last", "compile"], min_timed_calls=3, min_timed_s=0.1).run()
+    measured = [r for r in result.rows if r.measurement]
+    assert all(r.measurement.peak_memory_kind == "cuda_max_allocated" for r in measured)
+    assert all(r.measurement.latency_ms["p50"] > 0 for r in measured)
+    assert next(r for r in result.rows if r.label == "compile").measurement.compile_s > 0.1
+    assert result.plan.device == "cuda"
