@@ -205,10 +205,19 @@ def test_static_batch_export_runs_at_its_batch_size_only(tmp_path):
     assert wrong.returncode == 2 and "accepts only batch size 4" in wrong.stderr
 
 
-def test_model_failing_at_the_requested_batch_size(tmp_path):
-    """A model that runs on its example but not at the batch size asked for: one line, exit 2."""
+def test_fixed_batch_model_runs_at_its_own_batch_size(tmp_path):
+    """A model that runs only at its example's batch size: optimize holds itself (and the sweep) to it."""
     result = run_cli("optimize", "tests.fixtures.user_models:fixed_batch", "--out", str(tmp_path))
-    assert result.returncode == 0, result.stderr  # its own batch size (4) works; the sweep is limited to it
+    assert result.returncode == 0, result.stderr
+    sweep = json.loads((tmp_path / "fixed_batch" / "results.json").read_text())["sweep"]
+    assert {p["batch_size"] for points in sweep.values() for p in points} == {4}
+
+
+def test_model_failing_during_the_baseline_is_one_line(tmp_path):
+    result = run_cli("optimize", "tests.fixtures.user_models:fails_later", "--out", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "eager fp32 model failed at batch size 4" in result.stderr and "device-side assert" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_nan_under_low_precision_is_rejected(tmp_path):

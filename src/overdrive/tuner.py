@@ -171,9 +171,14 @@ class Tuner:
             row.kept = True
         return row
 
-    def _measure_baseline(self) -> tuple[Measurement, torch.Tensor]:
-        """Measure eager fp32. Raises UserError when the user's model fails or gives non-finite outputs."""
+    def _measure_baseline(self, *, count_flops: bool) -> tuple[Measurement, torch.Tensor, float | None]:
+        """Measure eager fp32 and (when asked) count its FLOPs per sample.
+
+        Raises:
+            UserError: the user's model fails at this batch size or gives non-finite outputs.
+        """
         model, _ = build(self.workload, [], self.device)
+        flops = count_flops_per_sample(model, self.workload, device=self.device, indices=self.indices) if count_flops else None
         try:
             m, out = measure(model, self.workload, device=self.device, batch_size=self.batch_size, indices=self.indices,
                              min_timed_calls=self.min_timed_calls, min_timed_s=self.min_timed_s)
@@ -185,15 +190,12 @@ class Tuner:
         if m.nonfinite_outputs:
             raise UserError(f"{self.workload.name}: the eager fp32 model gives {m.nonfinite_outputs} non-finite output "
                             "values (NaN/inf) on its samples, so no technique can be judged against it")
-        return m, out
+        return m, out, flops
 
     def run(self) -> TuneResult:
         rows: list[Row] = []
         self.progress("baseline (eager fp32)")
-        model, _ = build(self.workload, [], self.device)
-        flops = count_flops_per_sample(model, self.workload, device=self.device, indices=self.indices)
-        del model
-        baseline, reference = self._measure_baseline()
+        baseline, reference, flops = self._measure_baseline(count_flops=True)
 
         # 1. Each technique alone: the attribution table.
         alone: dict[str, Row] = {}
@@ -209,7 +211,7 @@ class Tuner:
         # against, so drift on a shared machine cannot make a technique look better than it is.
         if alone:
             self.progress("baseline (eager fp32), again")
-            again, _ = self._measure_baseline()
+            again, _, _ = self._measure_baseline(count_flops=False)
             if again.samples_per_s > baseline.samples_per_s:
                 baseline = again
         baseline.fidelity = self.workload.fidelity(reference, reference)
