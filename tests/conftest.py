@@ -63,15 +63,15 @@ def make_conv_workload(num_samples: int = 24) -> Workload:
 
 
 def tiny_bert_embedder():
-    """A 2-layer, 32-wide BERT (transformers, random weights) with masked mean pooling:
-    (input_ids [B, S], attention_mask [B, S]) -> [B, 32]. The same module shapes as MiniLM."""
+    """A 2-layer, 32-wide BERT with 4 heads of 8 and FFN width 128 (transformers, random weights) with
+    masked mean pooling: (input_ids [B, S], attention_mask [B, S]) -> [B, 32]. MiniLM's module layout."""
     from transformers import BertConfig, BertModel
 
     from overdrive.workloads.minilm import SentenceEmbedder
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64)
     return SentenceEmbedder(BertModel(config)).eval()
 
 

@@ -63,6 +63,20 @@ def nonnegative(text: str) -> float:
     return _number(text, lambda v: 0.0 <= v < math.inf, "a finite number ≥ 0")
 
 
+def open_fraction(text: str) -> float:
+    return _number(text, lambda v: 0.0 < v < 1.0, "a fraction strictly between 0 and 1 (e.g. 0.5)")
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {value}")
+    return value
+
+
 def ratio(text: str) -> float:
     return _number(text, lambda v: 0.0 < v < math.inf, "a finite ratio > 0 (e.g. 1.02)")
 
@@ -87,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--max-accuracy-drop", type=nonnegative, help="task-metric points a technique may lose (workloads with labels)")
     opt.add_argument("--min-fidelity", type=fraction, default=0.99, help="floor on cosine / agreement with fp32 (default 0.99)")
     opt.add_argument("--min-gain", type=ratio, default=1.02, help="throughput ratio a step needs to be kept (default 1.02)")
+    opt.add_argument("--prune-ratio", type=open_fraction,
+                     help="fraction of channels / heads / FFN width the named pruning techniques remove (default: "
+                          "0.5 for prune-channels, 1/3 for prune-heads and prune-ffn)")
+    opt.add_argument("--finetune-steps", type=nonnegative_int,
+                     help="recovery fine-tune steps after pruning (default 300; 0: none)")
     opt.add_argument("--sweep-batch-sizes", type=int_list, help="batch sizes for the report's plot (default: 1, B/4, B, 2B)")
 
     bench = sub.add_parser("bench", help="measure the baseline and a plan at several batch sizes")

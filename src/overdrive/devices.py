@@ -56,8 +56,7 @@ def supports_fp16(device: torch.device) -> tuple[bool, str]:
     """
     if device.type == "cuda":
         return True, ""
-    amx_fp16 = getattr(torch._C._cpu, "_is_amx_fp16_supported", None)
-    if amx_fp16 is not None and amx_fp16():
+    if _cpu_feature("_is_amx_fp16_supported"):
         return True, ""
     return False, "this CPU has no native fp16 arithmetic (AMX-FP16); fp16 needs a GPU here"
 
@@ -73,3 +72,14 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _cpu_feature(probe: str) -> bool:
+    """A `torch.cpu._is_*_supported` probe; False where this torch version lacks it."""
+    check = getattr(torch.cpu, probe, None)
+    return bool(check()) if check is not None else False
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic instructions (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    return _cpu_feature("_is_avx512_bf16_supported") or _cpu_feature("_is_amx_tile_supported")

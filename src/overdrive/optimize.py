@@ -8,8 +8,10 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from overdrive import devices
 from overdrive.errors import UserError
+from overdrive.plan import save_checkpoints
 from overdrive.report import (
     compile_times,
+    detail_lines,
     environment,
     make_console,
     plot_latency_vs_batch,
@@ -26,6 +28,31 @@ def default_sweep(batch_size: int) -> list[int]:
     return sorted({1, max(1, batch_size // 4), batch_size, 2 * batch_size})
 
 
+def technique_configs(args) -> dict:
+    """Configs built from --prune-ratio / --finetune-steps for the named pruning techniques.
+
+    Raises:
+        UserError: a pruning flag is given but no pruning technique is named in --techniques.
+    """
+    from overdrive.techniques.recovery import PruningTechnique
+
+    overrides = {"ratio": args.prune_ratio, "finetune_steps": args.finetune_steps}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not overrides:
+        return {}
+    pruning = [n for n in args.techniques or [] if isinstance(get_technique(n), PruningTechnique)]
+    if not pruning:
+        flags = " and ".join({"ratio": "--prune-ratio", "finetune_steps": "--finetune-steps"}[k] for k in overrides)
+        raise UserError(f"{flags} apply to pruning techniques; name one in --techniques "
+                        "(prune-channels, prune-heads, prune-ffn)")
+    configs = {}
+    for name in pruning:
+        config_cls = get_technique(name).config_cls
+        fields = {k: v for k, v in overrides.items() if k in config_cls.__dataclass_fields__}
+        configs[name] = config_cls(**fields)
+    return configs
+
+
 def cmd_optimize(args, argv: list[str]) -> int:
     console = make_console()
     for name in args.techniques or []:
@@ -33,6 +60,7 @@ def cmd_optimize(args, argv: list[str]) -> int:
             get_technique(name)
         except KeyError as exc:
             raise UserError(f"--techniques: {exc.args[0]}") from None
+    configs = technique_configs(args)
     session = open_session(args)
     workload = session.workload
     if args.max_accuracy_drop is not None and not workload.has_task_metric:
@@ -53,8 +81,9 @@ def cmd_optimize(args, argv: list[str]) -> int:
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         tuner = Tuner(workload=workload, device=session.device, batch_size=session.batch_size, techniques=args.techniques,
-                      guard=guard, num_samples=session.num_distinct_samples, workload_spec=session.spec)
-        task = progress.add_task("baseline", total=2 + 2 * len(tuner.techniques) + 2 * len(sweep_sizes))
+                      guard=guard, num_samples=session.num_distinct_samples, workload_spec=session.spec,
+                      configs=configs)
+        task = progress.add_task("baseline", total=2 + 2 * len(tuner.techniques) + len(configs) + 2 * len(sweep_sizes))
 
         def step(description: str) -> None:
             progress.update(task, description=f"measuring {description}", advance=1)
@@ -64,6 +93,7 @@ def cmd_optimize(args, argv: list[str]) -> int:
         tuner.progress = step
         result = tuner.run()
         out = session.out_dir
+        result.plan.steps = save_checkpoints(result.plan.steps, workload, session.device, out)
         result.plan.save(out / "plan.json")  # before the sweep: the plan is the main result
         progress.update(task, total=progress.tasks[0].completed + 2 * len(sweep_sizes))
         curves = sweep(session, {"baseline (eager fp32)": [], "plan": result.plan.steps}, sweep_sizes,
@@ -72,6 +102,8 @@ def cmd_optimize(args, argv: list[str]) -> int:
     table = rows_table(result, fidelity_key=workload.fidelity_key,
                        title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}")
     console.print(table)
+    for line in detail_lines(result, fidelity_key=workload.fidelity_key):
+        console.print(line, highlight=False)
     compiled = compile_times(result)
     if compiled:
         console.print("warm-up beyond steady state (compilation, autotuning, lazy loading), apart from the figures "

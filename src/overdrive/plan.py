@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +39,13 @@ class Step:
         return cls(name=data["name"], config=technique.config_cls.from_dict(data.get("config", {})))
 
 
-def build(workload: Workload, steps: list[Step], device: torch.device) -> tuple[nn.Module, BatchingPolicy]:
+def build(workload: Workload, steps: list[Step], device: torch.device,
+          reports: list[dict[str, Any]] | None = None) -> tuple[nn.Module, BatchingPolicy]:
     """Apply `steps` in order to a private copy of the workload's fp32 model on `device`.
+
+    Args:
+        reports: when given, receives the report of each step that leaves one (pruning:
+            parameters, FLOPs and metrics before and after, the fine-tune).
 
     Returns:
         (model ready to call, batching policy).
@@ -55,8 +61,28 @@ def build(workload: Workload, steps: list[Step], device: torch.device) -> tuple[
         if reason:
             raise RuntimeError(f"{step.name}: {reason}")
         model = technique.apply(model, step.config, workload=workload, device=device)
+        report = model.__dict__.pop("overdrive_report", None)  # set by the technique on its own output
+        if report is not None and reports is not None:
+            reports.append(report)
         policy = technique.batching(policy, step.config)
     return model, policy
+
+
+def save_checkpoints(steps: list[Step], workload: Workload, device: torch.device, folder: Path) -> list[Step]:
+    """Write the weights of each pruning step to `folder/<technique>.pt` and return the steps
+    with `checkpoint` set, so that reloading the plan reuses the pruned, recovered model
+    instead of pruning and fine-tuning again."""
+    from overdrive.techniques.recovery import PruningTechnique, save_checkpoint
+
+    out: list[Step] = []
+    for step in steps:
+        if isinstance(get_technique(step.name), PruningTechnique) and not step.config.checkpoint:
+            model, _ = build(workload, out + [step], device)  # cached: reshapes and loads, no new fine-tune
+            path = Path(folder) / f"{step.name}.pt"
+            save_checkpoint(model, path)
+            step = Step(name=step.name, config=dataclasses.replace(step.config, checkpoint=str(path)))
+        out.append(step)
+    return out
 
 
 @dataclass(kw_only=True)
@@ -111,8 +137,16 @@ class Plan:
         )
 
     def save(self, path: Path) -> None:
+        """Write the plan as JSON; checkpoint files beside it are referenced by relative paths."""
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        folder = path.parent.resolve()
+
+        def relative(p: Path) -> str:
+            return str(p.resolve().relative_to(folder)) if p.resolve().is_relative_to(folder) else str(p)
+
+        data = dataclasses.replace(self, steps=_map_checkpoints(self.steps, relative)).to_dict()
+        path.write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> Plan:
@@ -122,7 +156,9 @@ class Plan:
             UserError: the file is missing, not JSON, or not a plan.
         """
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            plan = cls.from_dict(json.loads(Path(path).read_text()))
+            plan.steps = _map_checkpoints(plan.steps, lambda p: str(Path(path).parent / p))  # relative to the plan
+            return plan
         except FileNotFoundError:
             raise UserError(f"--plan {path}: no such file; expected a plan.json written by `overdrive optimize`") from None
         except (IsADirectoryError, UnicodeDecodeError, OSError) as exc:
@@ -136,3 +172,14 @@ class Plan:
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.steps]
+
+
+def _map_checkpoints(steps: list[Step], fn) -> list[Step]:
+    """Steps whose config names a `checkpoint` file, with `fn(Path)` applied to that path."""
+    out = []
+    for step in steps:
+        checkpoint = getattr(step.config, "checkpoint", None)
+        if checkpoint:
+            step = Step(name=step.name, config=dataclasses.replace(step.config, checkpoint=fn(Path(checkpoint))))
+        out.append(step)
+    return out

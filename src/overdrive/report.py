@@ -54,6 +54,8 @@ def make_console() -> Console:
 def _kept(row: Row) -> str:
     if row.phase in ("baseline", "plan"):
         return "—"
+    if row.phase == "without":
+        return row.reason or "—"
     return "yes" if row.kept else f"no: {row.reason}"
 
 
@@ -100,6 +102,21 @@ def rows_markdown(result: TuneResult, *, fidelity_key: str) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def detail_lines(result: TuneResult, *, fidelity_key: str) -> list[str]:
+    """One line per technique report (pruning: params, FLOPs, metric before / after pruning / after
+    recovery, the fine-tune), for the step each row adds; repeated reports are shown once."""
+    from overdrive.techniques.recovery import describe
+
+    lines: list[str] = []
+    for row in result.rows:
+        for report in row.details:
+            if row.phase in ("alone", "compose") and report.get("technique") == row.steps[-1]:
+                line = describe(report, fidelity_key)
+                if line not in lines:
+                    lines.append(line)
+    return lines
 
 
 def compile_times(result: TuneResult, *, min_s: float = 1.0) -> list[tuple[str, float]]:
@@ -185,6 +202,9 @@ def write_report_md(path: Path, *, result: TuneResult, workload_name: str, devic
     if plot_name:
         lines += [f"![latency vs batch size]({plot_name})", ""]
     lines += [sweep_markdown(sweep), ""]
+    details = detail_lines(result, fidelity_key=fidelity_key)
+    if details:
+        lines += ["## Pruning: structure, metric and recovery", ""] + [f"- {line}" for line in details] + [""]
     compiled = compile_times(result)
     if compiled:
         lines += ["## Compile and warm-up time (apart from the figures above)", ""]

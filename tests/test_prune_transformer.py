@@ -1,0 +1,147 @@
+"""prune-heads and prune-ffn on a tiny BERT with MiniLM's module layout (tests/conftest.py).
+
+Removing a head is exactly zeroing its columns of the attention output projection, and removing
+an FFN neuron is exactly zeroing its column of the output Linear; the tests compare the pruned
+model against that masked model, check the parameter counts and the config, prune in several
+steps, reload the pruned weights into a fresh model, and export the pruned model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from overdrive.plan import Step, build
+from overdrive.techniques import get_technique
+from overdrive.techniques.prune_ffn import PruneFFNConfig
+from overdrive.techniques.prune_heads import PruneHeadsConfig
+from overdrive.techniques.recovery import num_parameters
+from overdrive.techniques.transformer_blocks import find_blocks, kept_count
+from overdrive.workloads.base import pad_token_ids
+from tests.conftest import make_conv_workload, make_text_workload
+
+CPU = torch.device("cpu")
+HIDDEN, HEADS, HEAD_SIZE, FFN, LAYERS = 32, 4, 8, 128, 2
+
+
+def _inputs(workload, n=8):
+    return pad_token_ids(workload.samples[:n])
+
+
+def _kept_rows(pruned: torch.Tensor, original: torch.Tensor) -> list[int]:
+    return [int((original == row).all(1).nonzero()[0]) for row in pruned]
+
+
+def _apply(name, model, config, workload):
+    out = get_technique(name).apply(model, config, workload=workload, device=CPU)
+    return out, out.__dict__.pop("overdrive_report")
+
+
+def test_prune_heads_matches_masking_the_removed_heads():
+    workload = make_text_workload()
+    model = workload.model
+    pruned, report = _apply("prune-heads", copy.deepcopy(model), PruneHeadsConfig(ratio=0.5, finetune_steps=0), workload)
+    masked = copy.deepcopy(model)
+    for block, original, masked_block in zip(find_blocks(pruned), find_blocks(model), find_blocks(masked)):
+        assert block.num_heads == 2 and block.attention.num_attention_heads == 2 and block.attention.all_head_size == 16
+        rows = _kept_rows(block.attention.query.weight, original.attention.query.weight)
+        heads = sorted({r // HEAD_SIZE for r in rows})
+        assert len(heads) == 2 and rows == [h * HEAD_SIZE + i for h in heads for i in range(HEAD_SIZE)]
+        drop = torch.ones(HEADS * HEAD_SIZE, dtype=torch.bool)
+        drop[rows] = False
+        with torch.no_grad():
+            masked_block.attention_output.weight[:, drop] = 0.0
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(*_inputs(workload)), masked(*_inputs(workload)), rtol=1e-5, atol=1e-5)
+    removed_per_layer = 3 * (HIDDEN * 16 + 16) + HIDDEN * 16  # q/k/v rows with bias, output columns
+    assert num_parameters(model) - num_parameters(pruned) == LAYERS * removed_per_layer
+    assert report["params_after"] == num_parameters(pruned)
+    config = pruned.encoder.config
+    assert config.num_attention_heads == 2 and config.head_dim == HEAD_SIZE
+    assert config.overdrive_pruning["heads_per_layer"] == [2, 2]
+
+
+def test_prune_ffn_matches_masking_the_removed_neurons_and_rounds_the_width():
+    workload = make_text_workload()
+    model = workload.model
+    config = PruneFFNConfig(ratio=0.4, round_to=16, finetune_steps=0)
+    pruned, _ = _apply("prune-ffn", copy.deepcopy(model), config, workload)
+    masked = copy.deepcopy(model)
+    width = kept_count(FFN, 0.4, 16)
+    assert width == 80
+    for block, original, masked_block in zip(find_blocks(pruned), find_blocks(model), find_blocks(masked)):
+        assert block.intermediate.out_features == width and block.output.in_features == width
+        rows = _kept_rows(block.intermediate.weight, original.intermediate.weight)
+        drop = torch.ones(FFN, dtype=torch.bool)
+        drop[rows] = False
+        with torch.no_grad():
+            masked_block.output.weight[:, drop] = 0.0
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(*_inputs(workload)), masked(*_inputs(workload)), rtol=1e-5, atol=1e-5)
+    assert num_parameters(model) - num_parameters(pruned) == LAYERS * (FFN - width) * (2 * HIDDEN + 1)
+    assert pruned.encoder.config.intermediate_size == width
+
+
+def test_heads_pruned_over_several_steps():
+    workload = make_text_workload()
+    model = copy.deepcopy(workload.model)
+    counts = []
+    for _ in range(3):
+        model, _ = _apply("prune-heads", model, PruneHeadsConfig(ratio=0.3, finetune_steps=0), workload)
+        counts.append([b.num_heads for b in find_blocks(model)])
+    assert counts == [[3, 3], [2, 2], [1, 1]]
+    with torch.no_grad():
+        assert model(*_inputs(workload)).shape == (8, HIDDEN)
+    assert model.encoder.config.num_attention_heads == 1
+
+
+def test_pruned_encoder_reloads_from_a_checkpoint_and_exports(tmp_path):
+    workload = make_text_workload()
+    steps = [Step(name="prune-heads", config=PruneHeadsConfig(ratio=0.5, finetune_steps=0)),
+             Step(name="prune-ffn", config=PruneFFNConfig(ratio=0.5, round_to=8, finetune_steps=0))]
+    # a step's checkpoint is the model after it (as `plan.save_checkpoints` writes them)
+    paths = []
+    for k in (1, 2):
+        model, _ = build(workload, steps[:k], CPU)
+        paths.append(tmp_path / f"after_{k}.pt")
+        torch.save(model.state_dict(), paths[-1])
+    pruned = model
+    fresh = copy.deepcopy(workload.model)
+    for (name, config_cls), path in zip((("prune-heads", PruneHeadsConfig), ("prune-ffn", PruneFFNConfig)), paths):
+        fresh, report = _apply(name, fresh, config_cls(checkpoint=str(path)), workload)
+        assert report["source"] == f"checkpoint {path}"
+    inputs = _inputs(workload)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(*inputs), pruned(*inputs))
+    exported = torch.export.export(fresh, inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(*inputs), pruned(*inputs))
+
+
+def test_prune_heads_runs_its_distillation_recovery():
+    workload = make_text_workload()
+    g = torch.Generator().manual_seed(1)
+    workload.train_samples = [torch.randint(1, 50, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (200,), generator=g)]
+    config = PruneHeadsConfig(ratio=0.5, finetune_steps=60, learning_rate=3e-3, finetune_batch_size=16)
+    _, report = _apply("prune-heads", copy.deepcopy(workload.model), config, workload)
+    assert report["fine_tune"]["objective"].startswith("distillation")
+    assert report["fine_tune"]["last_loss"] < report["fine_tune"]["first_loss"]
+    assert report["fine_tune"]["steps"] == 60 and report["after_recovery"]["mean_cosine"] > 0.99
+
+
+def test_transformer_pruning_refuses_a_conv_net():
+    workload = make_conv_workload()
+    for name in ("prune-heads", "prune-ffn"):
+        assert "no BERT-style encoder layers" in get_technique(name).unsupported_reason(workload, CPU)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        PruneHeadsConfig(ratio=0.0)
+    with pytest.raises(ValueError):
+        PruneFFNConfig(round_to=0)
+    with pytest.raises(ValueError):
+        PruneFFNConfig(finetune_steps=-1)
+    assert PruneHeadsConfig.from_dict(PruneHeadsConfig(importance="taylor").to_dict()).importance.value == "taylor"
