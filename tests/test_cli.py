@@ -98,6 +98,34 @@ def test_optimize_then_bench_digits(tmp_path):
     assert len(data["results"]) == 2 and all(len(points) == 2 for points in data["results"].values())
 
 
+def test_optimize_prune_then_bench_reuses_the_pruned_weights(tmp_path):
+    """Pruning through the tuner: its report line, the checkpoint beside the plan, and `bench`
+    reloading that checkpoint (no second pruning) with the pruned model's speed and accuracy."""
+    result = run_cli("optimize", "digits-cnn", "--techniques", "prune-channels,bf16", "--prune-ratio", "0.5",
+                     "--finetune-steps", "200", "--max-accuracy-drop", "1.5", "--out", str(tmp_path),
+                     "--sweep-batch-sizes", "256")
+    assert result.returncode == 0, result.stderr
+    assert "prune-channels: params 94,186 → 24,058" in result.stdout and "after recovery: accuracy" in result.stdout
+    out = tmp_path / "digits-cnn"
+    results = json.loads((out / "results.json").read_text())
+    alone = next(r for r in results["rows"] if r["phase"] == "alone" and r["label"] == "prune-channels")
+    (report,) = alone["details"]
+    assert report["fine_tune"]["steps"] == 200 and report["after_recovery"]["accuracy_pct"] > 97
+    assert "## Pruning: structure, metric and recovery" in (out / "report.md").read_text()
+    plan = json.loads((out / "plan.json").read_text())
+    steps = {s["name"]: s["config"] for s in plan["techniques"]}
+    # kept (3-4× faster at batch 256 on a CPU); its weights are saved beside the plan
+    assert steps["prune-channels"]["checkpoint"] == "prune-channels.pt" and (out / "prune-channels.pt").exists()
+    assert steps["prune-channels"]["ratio"] == 0.5
+    bench = run_cli("bench", "digits-cnn", "--plan", str(out / "plan.json"), "--batch-sizes", "256", "--out",
+                    str(tmp_path))
+    assert bench.returncode == 0, bench.stderr
+    assert "prune-channels: weights loaded from checkpoint" in bench.stdout  # not pruned and fine-tuned again
+    plan_row = json.loads((out / "bench.json").read_text())["results"]
+    (point,) = next(points for label, points in plan_row.items() if label.startswith("plan"))
+    assert point["task_metric"]["accuracy_pct"] > 97
+
+
 def test_optimize_user_factory(tmp_path):
     result = run_cli("optimize", "tests.fixtures.user_models:build", "--batch-size", "16",
                      "--techniques", "inference-mode,bf16", "--out", str(tmp_path), "--sweep-batch-sizes", "16")
@@ -164,6 +192,10 @@ MORE_BAD_INPUT = [
     (["optimize", "tests.fixtures.exits_on_import:build"], "SystemExit"),
     (["optimize", "tests.fixtures.user_models:scalar_output"], "returned shape ()"),
     (["optimize", "tests.fixtures.user_models:fixed_batch", "--batch-size", "8"], "accepts only batch size 4"),
+    (["optimize", "digits-cnn", "--prune-ratio", "1.0"], "a fraction strictly between 0 and 1"),
+    (["optimize", "digits-cnn", "--finetune-steps", "-5"], "expected an integer ≥ 0, got -5"),
+    (["optimize", "digits-cnn", "--prune-ratio", "0.5"], "--prune-ratio apply to pruning techniques; name one"),
+    (["optimize", "digits-cnn", "--techniques", "bf16", "--finetune-steps", "10"], "name one in --techniques"),
 ]
 
 

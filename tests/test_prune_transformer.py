@@ -84,6 +84,46 @@ def test_prune_ffn_matches_masking_the_removed_neurons_and_rounds_the_width():
     assert pruned.encoder.config.intermediate_size == width
 
 
+def _with_training_samples(workload, n=64):
+    g = torch.Generator().manual_seed(1)
+    workload.train_samples = [torch.randint(1, 50, (int(k),), generator=g).tolist() for k in torch.randint(2, 30, (n,), generator=g)]
+    return workload
+
+
+def test_activation_importance_drops_a_head_that_adds_nothing():
+    # Head 2 of each layer has zero output-projection columns: it writes nothing to the residual
+    # stream, so activation importance (‖context‖ × ‖W_out columns‖) must drop it first, while its
+    # q/k/v weights would still give it a large L2 norm.
+    workload = _with_training_samples(make_text_workload())
+    with torch.no_grad():
+        for block in find_blocks(workload.model):
+            block.attention_output.weight[:, 2 * HEAD_SIZE:3 * HEAD_SIZE] = 0.0
+            block.attention.query.weight[2 * HEAD_SIZE:3 * HEAD_SIZE] *= 10.0
+    pruned, report = _apply("prune-heads", copy.deepcopy(workload.model), PruneHeadsConfig(ratio=0.25, finetune_steps=0),
+                            workload)
+    assert report["importance"] == "activation"
+    for block, original in zip(find_blocks(pruned), find_blocks(workload.model)):
+        rows = _kept_rows(block.attention.query.weight, original.attention.query.weight)
+        assert sorted({r // HEAD_SIZE for r in rows}) == [0, 1, 3]
+    _, l2_report = _apply("prune-heads", copy.deepcopy(workload.model), PruneHeadsConfig(ratio=0.25, importance="l2",
+                                                                                          finetune_steps=0), workload)
+    assert l2_report["importance"] == "l2"
+
+
+def test_activation_importance_drops_dead_ffn_neurons():
+    workload = _with_training_samples(make_text_workload())
+    dead = torch.arange(0, FFN, 2)  # every other neuron never reaches the output
+    with torch.no_grad():
+        for block in find_blocks(workload.model):
+            block.output.weight[:, dead] = 0.0
+    pruned, report = _apply("prune-ffn", copy.deepcopy(workload.model),
+                            PruneFFNConfig(ratio=0.5, round_to=16, finetune_steps=0), workload)
+    assert report["importance"] == "activation"
+    for block, original in zip(find_blocks(pruned), find_blocks(workload.model)):
+        rows = _kept_rows(block.intermediate.weight, original.intermediate.weight)
+        assert rows == list(range(1, FFN, 2))
+
+
 def test_heads_pruned_over_several_steps():
     workload = make_text_workload()
     model = copy.deepcopy(workload.model)
@@ -121,9 +161,7 @@ def test_pruned_encoder_reloads_from_a_checkpoint_and_exports(tmp_path):
 
 
 def test_prune_heads_runs_its_distillation_recovery():
-    workload = make_text_workload()
-    g = torch.Generator().manual_seed(1)
-    workload.train_samples = [torch.randint(1, 50, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (200,), generator=g)]
+    workload = _with_training_samples(make_text_workload(), n=200)
     config = PruneHeadsConfig(ratio=0.5, finetune_steps=60, learning_rate=3e-3, finetune_batch_size=16)
     _, report = _apply("prune-heads", copy.deepcopy(workload.model), config, workload)
     assert report["fine_tune"]["objective"].startswith("distillation")

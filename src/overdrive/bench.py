@@ -9,6 +9,7 @@ from overdrive.errors import UserError
 from overdrive.plan import Plan
 from overdrive.report import environment, format_bytes, format_fidelity, make_console, plot_latency_vs_batch, write_results
 from overdrive.session import open_session, sweep
+from overdrive.techniques.recovery import describe
 
 
 def cmd_bench(args) -> int:
@@ -29,8 +30,10 @@ def cmd_bench(args) -> int:
         configs["plan: " + (" + ".join(plan.names) or "baseline")] = plan.steps
     device_name = devices.describe(session.device)
     failures: list[str] = []
+    reports: dict[str, list[dict]] = {}
     with console.status("measuring") as status:
-        curves = sweep(session, configs, batch_sizes, progress=lambda d: status.update(f"measuring {d}"), warn=failures.append)
+        curves = sweep(session, configs, batch_sizes, progress=lambda d: status.update(f"measuring {d}"), warn=failures.append,
+                       reports=reports)
 
     table = Table(title=f"overdrive bench {session.workload.name} — {device_name}")
     for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup", "peak memory", "fidelity"):
@@ -44,6 +47,8 @@ def cmd_bench(args) -> int:
                           format_bytes(m.peak_memory_bytes), format_fidelity(m, key))
     console.print(table)
     console.print(f"{session.describe_samples()} per measurement")
+    for report in (r for label_reports in reports.values() for r in label_reports):
+        console.print(describe(report, key), highlight=False)
     for failure in failures:
         console.print(f"[yellow]{failure}[/]")
     out = session.out_dir

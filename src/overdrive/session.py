@@ -84,11 +84,12 @@ def open_session(args, *, batch_size: int | None = None) -> Session:
 
 
 def measure_steps(session: Session, steps: list[Step], *, batch_size: int, reference: torch.Tensor | None = None,
-                  min_timed_calls: int = 5) -> tuple[Measurement, torch.Tensor]:
+                  min_timed_calls: int = 5, reports: list[dict] | None = None) -> tuple[Measurement, torch.Tensor]:
     """Build `steps` on the session's workload and measure them at `batch_size` on the same
-    samples `optimize` judged (cycled up to one full batch when there are fewer)."""
+    samples `optimize` judged (cycled up to one full batch when there are fewer). Technique
+    reports (pruning) are appended to `reports` when given."""
     indices = cycle_indices(max(session.num_distinct_samples, batch_size), len(session.workload.samples))
-    model, policy = build(session.workload, steps, session.device)
+    model, policy = build(session.workload, steps, session.device, reports)
     try:
         return measure(model, session.workload, device=session.device, batch_size=batch_size,
                        indices=indices, policy=policy, reference=reference,
@@ -99,8 +100,10 @@ def measure_steps(session: Session, steps: list[Step], *, batch_size: int, refer
 
 
 def sweep(session: Session, configs: dict[str, list[Step]], batch_sizes: list[int],
-          progress=lambda _: None, warn=lambda _: None) -> dict[str, list[tuple[int, Measurement]]]:
+          progress=lambda _: None, warn=lambda _: None,
+          reports: dict[str, list[dict]] | None = None) -> dict[str, list[tuple[int, Measurement]]]:
     """Measure each configuration at each batch size; fidelity against the baseline at that size.
+    `reports`, when given, receives each configuration's technique reports from its first build.
 
     A configuration that fails at a batch size is reported through `warn` and left out of
     that point; the rest of the sweep goes on.
@@ -114,7 +117,10 @@ def sweep(session: Session, configs: dict[str, list[Step]], batch_sizes: list[in
         for label, steps in configs.items():
             progress(f"{label} @ batch {b}")
             try:
-                m, outputs = measure_steps(session, steps, batch_size=b, reference=reference)
+                collected: list[dict] = []
+                m, outputs = measure_steps(session, steps, batch_size=b, reference=reference, reports=collected)
+                if reports is not None:
+                    reports.setdefault(label, collected)
             except Exception as exc:  # noqa: BLE001 - one failing point must not lose the others
                 warn(f"{label} at batch size {b} failed: {one_line(exc)}")
                 continue

@@ -6,7 +6,8 @@ Two objectives, chosen by the workload's training data:
   the labels, with the model in train mode (BatchNorm statistics adapt to the new widths);
 - distillation (no labels): mean squared error between the model's outputs and a teacher's
   (the unmodified model) on the training samples, as in Reimers & Gurevych, "Making
-  Monolingual Sentence Embeddings Multilingual using Knowledge Distillation" (EMNLP 2020).
+  Monolingual Sentence Embeddings Multilingual using Knowledge Distillation" (EMNLP 2020),
+  plus the cosine distance between them, optionally plus the MSE of intermediate layer outputs.
   The student stays in eval mode (no dropout), so it learns to match the deterministic
   teacher it is judged against.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -94,6 +96,8 @@ def fine_tune(
     teacher: nn.Module | None = None,
     precision: str = "auto",
     seed: int = 0,
+    hints: Sequence[tuple[nn.Module, nn.Module]] = (),
+    cosine_weight: float = 1.0,
 ) -> FineTuneReport:
     """Fine-tune `model` in place on the workload's training samples; leaves it in eval mode.
 
@@ -108,6 +112,12 @@ def fine_tune(
             it is not modified.
         precision: "auto", "bf16", "fp16" or "fp32" (see `training_precision`).
         seed: order of the training samples.
+        hints: (student module, teacher module) pairs whose outputs are also matched with MSE
+            under distillation (intermediate-layer distillation, as in TinyBERT, Jiao et al.
+            2020, and CoFi pruning, Xia et al. 2022): e.g. each encoder layer's output.
+        cosine_weight: weight of the mean cosine distance (1 − cos) between output and teacher
+            rows, added to the MSE under distillation (the direction is what embeddings are
+            judged by); 0 for MSE alone.
 
     Returns:
         A FineTuneReport.
@@ -136,6 +146,9 @@ def fine_tune(
     model.train(classification)
     if teacher is not None:
         teacher.eval()
+    captured: dict[tuple[int, int], torch.Tensor] = {}
+    handles = [module.register_forward_hook(_capture(captured, (i, side)))
+               for i, pair in enumerate(hints if not classification else ()) for side, module in enumerate(pair)]
     start = time.perf_counter()
     try:
         for _ in range(steps):
@@ -151,6 +164,11 @@ def fine_tune(
                     with torch.no_grad():
                         target = teacher(*inputs)
                     loss = nn.functional.mse_loss(output.float(), target.float())
+                    if cosine_weight:
+                        cosine = nn.functional.cosine_similarity(output.float().flatten(1), target.float().flatten(1), dim=-1)
+                        loss = loss + cosine_weight * (1.0 - cosine).mean()
+                    for i in range(len(handles) // 2):
+                        loss = loss + nn.functional.mse_loss(captured[i, 0].float(), captured[i, 1].float())
             optimizer.zero_grad(set_to_none=True)
             if scaler is not None:
                 scaler.scale(loss).backward()
@@ -166,15 +184,28 @@ def fine_tune(
             losses.append(loss.item())
     finally:
         model.eval()
+        for handle in handles:
+            handle.remove()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     tenth = max(1, steps // 10)
+    objective = ("cross-entropy on the training labels" if classification else
+                 f"distillation (MSE{' + cosine' if cosine_weight else ''}) toward the unpruned model")
+    if handles:
+        objective += f" and its {len(handles) // 2} layer outputs"
     return FineTuneReport(
-        objective="cross-entropy on the training labels" if classification else "distillation (MSE) toward the unpruned model",
+        objective=objective,
         steps=steps, batch_size=batch_size, learning_rate=learning_rate, precision=f"{dtype_name} autocast" if autocast_dtype else "fp32",
         seconds=time.perf_counter() - start, first_loss=sum(losses[:tenth]) / tenth, last_loss=sum(losses[-tenth:]) / tenth,
         num_train_samples=n,
     )
+
+
+def _capture(store: dict, key):
+    def hook(_module, _inputs, output):
+        store[key] = output[0] if isinstance(output, tuple) else output
+
+    return hook
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

@@ -10,6 +10,8 @@ from overdrive.techniques import (  # noqa: F401  (importing registers)
     prune_channels,
     prune_ffn,
     prune_heads,
+    prune_unstructured,
+    sparsity_24,
     torch_compile,
 )
 from overdrive.techniques.base import (

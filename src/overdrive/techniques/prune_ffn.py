@@ -2,7 +2,10 @@
 
 Each layer keeps the same number of intermediate neurons, (1 − ratio) × width rounded to a
 multiple of `round_to` (64 by default, a tensor-core and SIMD friendly width), chosen by
-importance: the L2 norm of the neuron's input row (with bias) and output column, or
+importance: `activation` (the default when the workload has training samples; else `l2`),
+the L2 norm of the neuron's activation over the tokens of
+training batches × the L2 norm of its output column (Wanda's |W|·‖X‖, Sun et al., ICLR 2024,
+per neuron); `l2`, the norm of its input row (with bias) and output column; or `taylor`,
 first-order Taylor |w · ∂L/∂w| on labelled training batches (Molchanov et al., CVPR 2019).
 The intermediate Linear loses rows, the output Linear columns, and the config's
 `intermediate_size` is updated. Recovery is `recovery.PruningTechnique`'s.
@@ -17,13 +20,24 @@ import torch
 
 from overdrive.techniques.base import register
 from overdrive.techniques.recovery import PruningConfig, PruningTechnique, importance_gradients
-from overdrive.techniques.transformer_blocks import EncoderBlock, find_blocks, keep_ffn, kept_count, update_config
+from overdrive.techniques.transformer_blocks import (
+    EncoderBlock,
+    activation_norms,
+    calibration_batches,
+    find_blocks,
+    keep_ffn,
+    kept_count,
+    layer_hints,
+    update_config,
+)
 from overdrive.workloads.base import Workload
 
 
 class NeuronImportance(str, enum.Enum):
+    AUTO = "auto"  # activation when the workload has training samples to calibrate on, else l2
     L2 = "l2"
     TAYLOR = "taylor"
+    ACTIVATION = "activation"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +49,7 @@ class PruneFFNConfig(PruningConfig):
     """
 
     ratio: float = 1 / 3
-    importance: NeuronImportance = NeuronImportance.L2
+    importance: NeuronImportance = NeuronImportance.AUTO
     round_to: int = 64
 
     def __post_init__(self):
@@ -47,8 +61,10 @@ class PruneFFNConfig(PruningConfig):
             raise ValueError(f"PruneFFNConfig.round_to must be ≥ 1, got {self.round_to}")
 
 
-def neuron_scores(block: EncoderBlock, taylor: bool) -> torch.Tensor:
+def neuron_scores(block: EncoderBlock, taylor: bool, activation_norms: torch.Tensor | None = None) -> torch.Tensor:
     """Importance of each intermediate neuron of `block`, float [width]."""
+    if activation_norms is not None:
+        return activation_norms * block.output.weight.detach().float().pow(2).sum(0).sqrt()
 
     def score(t: torch.Tensor) -> torch.Tensor:
         if taylor:
@@ -74,17 +90,27 @@ class PruneFFN(PruningTechnique):
 
     def prune(self, model, config, *, workload, device):
         blocks = find_blocks(model)
-        taylor = config.importance is NeuronImportance.TAYLOR
+        importance = config.importance
+        if importance is NeuronImportance.AUTO:
+            importance = NeuronImportance.ACTIVATION if workload.train_samples else NeuronImportance.L2
+        taylor = importance is NeuronImportance.TAYLOR
         if taylor:
             importance_gradients(model, workload, device)
-        for block in blocks:
+        norms = [None] * len(blocks)
+        if importance is NeuronImportance.ACTIVATION:
+            _, norms = activation_norms(model, blocks, calibration_batches(workload, device))
+        for block, ffn_norms in zip(blocks, norms):
             width = block.intermediate.out_features
             keep = kept_count(width, config.ratio, config.round_to)
             if keep >= width:
                 continue
-            keep_ffn(block, neuron_scores(block, taylor).topk(keep).indices.sort().values)
+            keep_ffn(block, neuron_scores(block, taylor, ffn_norms).topk(keep).indices.sort().values)
         model.zero_grad(set_to_none=True)
         update_config(model, blocks)
+        return {"importance": importance.value}
+
+    def distillation_hints(self, model, teacher):
+        return layer_hints(model, teacher)
 
     def shrink_to(self, model, state, *, workload, device):
         blocks = find_blocks(model)

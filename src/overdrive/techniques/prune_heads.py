@@ -1,10 +1,15 @@
 """Attention-head pruning for BERT-style encoders: whole heads removed from every layer.
 
 Each layer keeps the same number of heads, round((1 − ratio) × heads) (at least one), chosen
-by importance: the L2 norm of a head's query/key/value rows and output-projection columns
-(a magnitude criterion), or first-order Taylor |w · ∂L/∂w| summed over the same weights on
-labelled training batches (Michel et al., "Are Sixteen Heads Really Better than One?",
-NeurIPS 2019, rank heads by the loss gradient; Molchanov et al. 2019 give the Taylor form).
+by importance:
+- `activation` (the default when the workload has training samples; else `l2`): the L2 norm of the head's context output over the tokens of
+  training batches × the Frobenius norm of its output-projection columns — the size of what the
+  head adds to the residual stream, the structured form of Wanda's |W|·‖X‖ (Sun et al., "A
+  Simple and Effective Pruning Approach for Large Language Models", ICLR 2024);
+- `l2`: the L2 norm of the head's query/key/value rows and output-projection columns (weights only);
+- `taylor`: first-order Taylor |w · ∂L/∂w| summed over those weights on labelled training
+  batches (Michel et al., "Are Sixteen Heads Really Better than One?", NeurIPS 2019, rank
+  heads by the loss gradient; Molchanov et al. 2019 give the Taylor form).
 The q/k/v Linear layers lose the heads' rows and the output projection their columns, so the
 matmuls really shrink; the attention modules' `num_attention_heads` / `all_head_size` and the
 model config are updated (`transformer_blocks.update_config`). Recovery (distillation toward
@@ -20,13 +25,23 @@ import torch
 
 from overdrive.techniques.base import register
 from overdrive.techniques.recovery import PruningConfig, PruningTechnique, importance_gradients
-from overdrive.techniques.transformer_blocks import EncoderBlock, find_blocks, keep_heads, update_config
+from overdrive.techniques.transformer_blocks import (
+    EncoderBlock,
+    activation_norms,
+    calibration_batches,
+    find_blocks,
+    keep_heads,
+    layer_hints,
+    update_config,
+)
 from overdrive.workloads.base import Workload
 
 
 class HeadImportance(str, enum.Enum):
+    AUTO = "auto"  # activation when the workload has training samples to calibrate on, else l2
     L2 = "l2"
     TAYLOR = "taylor"
+    ACTIVATION = "activation"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +52,7 @@ class PruneHeadsConfig(PruningConfig):
     """
 
     ratio: float = 1 / 3
-    importance: HeadImportance = HeadImportance.L2
+    importance: HeadImportance = HeadImportance.AUTO
 
     def __post_init__(self):
         super().__post_init__()
@@ -46,9 +61,13 @@ class PruneHeadsConfig(PruningConfig):
             raise ValueError(f"PruneHeadsConfig.ratio must be in (0, 1), got {self.ratio}")
 
 
-def head_scores(block: EncoderBlock, taylor: bool) -> torch.Tensor:
-    """Importance of each head of `block`, float [heads]: Σ w² (or Σ |w · grad|) over its weights."""
+def head_scores(block: EncoderBlock, taylor: bool, context_norms: torch.Tensor | None = None) -> torch.Tensor:
+    """Importance of each head of `block`, float [heads]: Σ w² (or Σ |w · grad|) over its weights,
+    or, given the context norms [heads × head_size], ‖context_h‖ × ‖W_out[:, h]‖_F."""
     size, heads = block.head_size, block.num_heads
+    if context_norms is not None:
+        out_norm = block.attention_output.weight.detach().float().pow(2).reshape(-1, heads, size).sum((0, 2)).sqrt()
+        return context_norms.reshape(heads, size).pow(2).sum(1).sqrt() * out_norm
 
     def score(t: torch.Tensor) -> torch.Tensor:
         if taylor:
@@ -77,18 +96,28 @@ class PruneHeads(PruningTechnique):
 
     def prune(self, model, config, *, workload, device):
         blocks = find_blocks(model)
-        taylor = config.importance is HeadImportance.TAYLOR
+        importance = config.importance
+        if importance is HeadImportance.AUTO:
+            importance = HeadImportance.ACTIVATION if workload.train_samples else HeadImportance.L2
+        taylor = importance is HeadImportance.TAYLOR
         if taylor:
             importance_gradients(model, workload, device)
-        for block in blocks:
+        norms = [None] * len(blocks)
+        if importance is HeadImportance.ACTIVATION:
+            norms, _ = activation_norms(model, blocks, calibration_batches(workload, device))
+        for block, context_norms in zip(blocks, norms):
             heads = block.num_heads
             keep = max(1, round(heads * (1.0 - config.ratio)))
             if keep >= heads:
                 continue
-            kept = head_scores(block, taylor).topk(keep).indices.sort().values
+            kept = head_scores(block, taylor, context_norms).topk(keep).indices.sort().values
             keep_heads(block, kept)
         model.zero_grad(set_to_none=True)
         update_config(model, blocks)
+        return {"importance": importance.value}
+
+    def distillation_hints(self, model, teacher):
+        return layer_hints(model, teacher)
 
     def shrink_to(self, model, state, *, workload, device):
         blocks = find_blocks(model)

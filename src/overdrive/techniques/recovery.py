@@ -141,6 +141,15 @@ class PruningTechnique(Technique):
     opt_in = True
     rewrites_modules = True
     group = None
+    shrinks_layers: bool = True  # False: weights are zeroed in place (unstructured), shapes stay
+
+    def distillation_hints(self, model: nn.Module, teacher: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+        """(student, teacher) module pairs whose outputs distillation also matches (none by default)."""
+        return []
+
+    def finalize(self, model: nn.Module) -> dict[str, Any] | None:
+        """After recovery: make the pruning permanent (e.g. remove re-masking hooks); may return
+        figures for the report."""
 
     def prune(self, model: nn.Module, config: TechniqueConfig, *, workload: Workload,
               device: torch.device) -> dict[str, Any] | None:
@@ -211,7 +220,7 @@ class PruningTechnique(Technique):
         if shape != expected:  # the guard: same output shapes, or no pruning
             raise RuntimeError(f"{self.name}: the pruned model returns shape {shape}, expected {expected}")
         report["params_after"] = num_parameters(model)
-        if report["params_after"] >= report["params_before"]:
+        if self.shrinks_layers and report["params_after"] >= report["params_before"]:
             raise RuntimeError(f"{self.name}: nothing could be pruned (every prunable layer is coupled to a kept one)")
         report["flops_per_sample_after"] = count_flops_per_sample(model, workload, device=device, indices=flop_indices)
         report["after_pruning"] = evaluate(model, workload, device, reference)[1]
@@ -222,15 +231,25 @@ class PruningTechnique(Technique):
         elif config.finetune_steps:
             lr = config.learning_rate or default_learning_rate(workload)
             ft = fine_tune(model, workload, device=device, steps=config.finetune_steps, learning_rate=lr,
-                           batch_size=config.finetune_batch_size, teacher=teacher)
+                           batch_size=config.finetune_batch_size, teacher=teacher,
+                           hints=self.distillation_hints(model, teacher))
             report["fine_tune"] = ft.to_dict()
             report["after_recovery"] = evaluate(model, workload, device, reference)[1]
+        report.update(self.finalize(model) or {})
         del teacher
         return report
 
 
 def describe(report: dict[str, Any], fidelity_key: str) -> str:
     """One line: parameters and FLOPs before → after, the metric before / after pruning / after recovery."""
+    if "layers" in report:  # sparsity-2:4: the per-layer speed gate
+        dense = [e for e in report["layers"] if e["kept_dense"]]
+        text = (f"{report['technique']}: {report['converted']} of {len(report['layers'])} Linear layers made 2:4 sparse "
+                f"({report['dtype']})")
+        if dense:
+            text += "; kept dense: " + ", ".join(f"{e['layer']} ({e['reason']})" for e in dense[:6])
+            text += f" and {len(dense) - 6} more" if len(dense) > 6 else ""
+        return text
     if "params_before" not in report:
         return f"{report.get('technique', 'pruning')}: weights loaded from {report.get('source', 'cache')}"
 
@@ -247,7 +266,14 @@ def describe(report: dict[str, Any], fidelity_key: str) -> str:
     fb, fa = report.get("flops_per_sample_before"), report.get("flops_per_sample_after")
     if fb and fa:
         parts.append(f"FLOPs/sample {fb / 1e6:,.2f} → {fa / 1e6:,.2f} M ({fa / fb:.2f}×)")
-    parts.append(f"before: {metric(report['before'])}")
+    if "weight_sparsity" in report:
+        parts.append(f"{report['weight_sparsity']:.0%} of weights zero; zlib-compressed weights "
+                     f"{report['compressed_weight_bytes_before'] / 1e6:,.2f} → {report['compressed_weight_bytes_after'] / 1e6:,.2f} MB; "
+                     "dense kernels are not faster on zeros (size only)")
+    if report.get("left_unpruned"):
+        parts.append("left unpruned: " + ", ".join(f"{name} ({why})" for name, why in report["left_unpruned"].items()))
+    if report["before"]:
+        parts.append(f"before: {metric(report['before'])}")
     parts.append(f"after pruning: {metric(report['after_pruning'])}")
     if report.get("fine_tune"):
         ft = report["fine_tune"]

@@ -26,6 +26,7 @@ class EncoderBlock:
     """One encoder layer's prunable parts; `name` is its path in `model.named_modules()`."""
 
     name: str
+    layer: nn.Module  # the whole encoder layer (its output is a distillation hint)
     attention: nn.Module  # has query, key, value, num_attention_heads, attention_head_size
     attention_output: nn.Linear
     intermediate: nn.Linear
@@ -46,7 +47,7 @@ def find_blocks(model: nn.Module) -> list[EncoderBlock]:
     for name, module in model.named_modules():
         try:
             attention = module.attention.self
-            block = EncoderBlock(name=name, attention=attention, attention_output=module.attention.output.dense,
+            block = EncoderBlock(name=name, layer=module, attention=attention, attention_output=module.attention.output.dense,
                                  intermediate=module.intermediate.dense, output=module.output.dense)
         except AttributeError:
             continue
@@ -111,3 +112,51 @@ def kept_count(current: int, ratio: float, round_to: int) -> int:
     keep = current * (1.0 - ratio)
     keep = max(round_to, int(round(keep / round_to)) * round_to)
     return min(current, keep)
+
+
+def layer_hints(student: nn.Module, teacher: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(student layer, teacher layer) pairs for intermediate-layer distillation."""
+    return [(s.layer, t.layer) for s, t in zip(find_blocks(student), find_blocks(teacher), strict=True)]
+
+
+@torch.no_grad()
+def activation_norms(model: nn.Module, blocks: list[EncoderBlock], inputs: list[tuple[torch.Tensor, ...]],
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, the L2 norm over all tokens of each input feature of the attention output
+    projection (heads × head_size context features) and of the FFN output Linear (intermediate
+    neurons), accumulated over the batches `inputs`.
+
+    Returns:
+        (context norms: float [heads × head_size] per block, FFN norms: float [intermediate] per block).
+    """
+    context = [torch.zeros(b.attention_output.in_features, device=b.attention_output.weight.device) for b in blocks]
+    ffn = [torch.zeros(b.output.in_features, device=b.output.weight.device) for b in blocks]
+
+    def accumulate(store: torch.Tensor):
+        def hook(_module, args):
+            store.add_(args[0].float().reshape(-1, args[0].shape[-1]).pow(2).sum(0))
+        return hook
+
+    handles = [b.attention_output.register_forward_pre_hook(accumulate(c)) for b, c in zip(blocks, context)]
+    handles += [b.output.register_forward_pre_hook(accumulate(f)) for b, f in zip(blocks, ffn)]
+    try:
+        for batch in inputs:
+            model(*batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return [c.sqrt() for c in context], [f.sqrt() for f in ffn]
+
+
+def calibration_batches(workload, device: torch.device, *, batches: int = 8, batch_size: int = 32) -> list[tuple]:
+    """Collated batches of the workload's training samples (evaluation samples when it has none
+    would leak them, so it raises instead).
+
+    Raises:
+        ValueError: the workload has no training samples.
+    """
+    if not workload.train_samples:
+        raise ValueError("activation importance needs training samples to calibrate on; use l2 here")
+    samples = list(workload.train_samples[: batches * batch_size])
+    return [tuple(t.to(device) for t in workload.collate(samples[i:i + batch_size]))
+            for i in range(0, len(samples), batch_size)]
