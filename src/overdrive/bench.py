@@ -48,7 +48,7 @@ def cmd_bench(args) -> int:
     console.print(table)
     console.print(f"{session.describe_samples()} per measurement")
     for report in (r for label_reports in reports.values() for r in label_reports):
-        console.print(describe(report, key), highlight=False)
+        console.print(describe(report, key), highlight=False, soft_wrap=True)
     for failure in failures:
         console.print(f"[yellow]{failure}[/]")
     out = session.out_dir

@@ -103,7 +103,7 @@ def cmd_optimize(args, argv: list[str]) -> int:
                        title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}")
     console.print(table)
     for line in detail_lines(result, fidelity_key=workload.fidelity_key):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, soft_wrap=True)  # one line per report, for logs and grep
     compiled = compile_times(result)
     if compiled:
         console.print("warm-up beyond steady state (compilation, autotuning, lazy loading), apart from the figures "
