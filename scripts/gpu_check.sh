@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # `make gpu-check`: the prepared check for a lent GPU machine (one H200, lent to some tasks by chance).
 # Uses that machine's own python3 and packages (torch 2.11, transformers, torchvision, ...);
-# installs nothing. Runs in under 8 minutes (90 s + 2 × 180 s caps): the CUDA tests, `optimize resnet50 --device cuda`,
-# and `optimize bert-base-random --device cuda` (BERT-base shape, random weights; the MiniLM
-# package is not on that machine). Figures go to $OUT (the device tool brings them back) or
+# installs nothing. Runs in under 8 minutes (90 s + 2 × 150 s + 90 s caps): the CUDA tests, `optimize resnet50 --device cuda`,
+# `optimize bert-base-random --device cuda` (BERT-base shape, random weights; the MiniLM
+# package is not on that machine), and 2:4 sparsity with its per-layer speed gate on the same model. Figures go to $OUT (the device tool brings them back) or
 # out/gpu-check, flat, for benchmarks/RESULTS.md.
 set -u -o pipefail
 OUT_DIR=${OUT:-out/gpu-check}
@@ -24,8 +24,12 @@ for spec in "resnet50 --batch-size 64" "bert-base-random --batch-size 32 --num-s
   name=${spec%% *}
   echo "== optimize $spec --device cuda"
   # shellcheck disable=SC2086
-  timeout 180 $PY -m overdrive optimize $spec --device cuda --out "$OUT_DIR/runs" 2>&1 | tail -n 60 | tee "$OUT_DIR/optimize_${name}.txt" || status=1
+  timeout 150 $PY -m overdrive optimize $spec --device cuda --out "$OUT_DIR/runs" 2>&1 | tail -n 60 | tee "$OUT_DIR/optimize_${name}.txt" || status=1
   cp "$OUT_DIR/runs/$name/results.json" "$OUT_DIR/${name}_results.json" 2>/dev/null || status=1
 done
-rm -rf "$OUT_DIR/runs"  # nested folders do not come back from the device tool; the flat copies do
+echo "== optimize bert-base-random --techniques sparsity-2:4,bf16 --device cuda"
+timeout 90 $PY -m overdrive optimize bert-base-random --techniques sparsity-2:4,bf16 --batch-size 32 --num-samples 256 \
+  --device cuda --out "$OUT_DIR/runs24" 2>&1 | tail -n 40 | tee "$OUT_DIR/optimize_sparsity24.txt" || status=1
+cp "$OUT_DIR/runs24/bert-base-random/results.json" "$OUT_DIR/sparsity24_results.json" 2>/dev/null || status=1
+rm -rf "$OUT_DIR/runs" "$OUT_DIR/runs24"  # nested folders do not come back from the device tool; the flat copies do
 exit $status

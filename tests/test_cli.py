@@ -105,7 +105,7 @@ def test_optimize_prune_then_bench_reuses_the_pruned_weights(tmp_path):
                      "--finetune-steps", "200", "--max-accuracy-drop", "1.5", "--out", str(tmp_path),
                      "--sweep-batch-sizes", "256")
     assert result.returncode == 0, result.stderr
-    assert "prune-channels: params 94,186 → 24,058" in result.stdout and "after recovery: accuracy" in result.stdout
+    assert "prune-channels: l2 importance; params 94,186 → 24,058" in result.stdout and "after recovery: accuracy" in result.stdout
     out = tmp_path / "digits-cnn"
     results = json.loads((out / "results.json").read_text())
     alone = next(r for r in results["rows"] if r["phase"] == "alone" and r["label"] == "prune-channels")

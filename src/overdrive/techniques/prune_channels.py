@@ -143,7 +143,10 @@ class PruneChannels(PruningTechnique):
         finally:
             model.zero_grad(set_to_none=True)
         names = {id(m): n for n, m in model.named_modules()}
-        return {"left_unpruned": {names[id(m)]: reason for m, reason in unprunable.items()}} if unprunable else {}
+        notes = {"importance": config.importance.value}
+        if unprunable:
+            notes["left_unpruned"] = {names[id(m)]: reason for m, reason in unprunable.items()}
+        return notes
 
     def shrink_to(self, model, state, *, workload, device):
         """Remove trailing output channels of each conv/Linear (and everything coupled to them,

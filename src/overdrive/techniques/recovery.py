@@ -263,6 +263,8 @@ def describe(report: dict[str, Any], fidelity_key: str) -> str:
 
     parts = [f"params {report['params_before']:,} → {report['params_after']:,} "
              f"({report['params_after'] / report['params_before']:.2f}×)"]
+    if report.get("importance"):
+        parts.insert(0, f"{report['importance']} importance")
     fb, fa = report.get("flops_per_sample_before"), report.get("flops_per_sample_after")
     if fb and fa:
         parts.append(f"FLOPs/sample {fb / 1e6:,.2f} → {fa / 1e6:,.2f} M ({fa / fb:.2f}×)")

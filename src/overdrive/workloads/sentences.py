@@ -56,45 +56,40 @@ def python_doc_sentences() -> tuple[str, ...]:
     return tuple(out)
 
 
-# Standard-library modules whose docstrings give the training sentences (a fixed list, so the
-# corpus is the same on every machine with the same CPython minor version).
-_DOCSTRING_MODULES = (
-    "abc argparse array asyncio bisect codecs collections contextlib copy csv dataclasses datetime decimal doctest "
-    "email.message enum fractions functools heapq http.client inspect io itertools json logging math numbers operator "
-    "os pathlib pdb pickle random re shutil socket sqlite3 statistics string struct subprocess tarfile tempfile "
-    "textwrap threading unittest urllib.request zipfile"
-).split()
+_SKIPPED_STDLIB_PARTS = ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__")
 
 
 @functools.cache
 def python_docstring_sentences() -> tuple[str, ...]:
-    """Training sentences from standard-library docstrings, none of which is an evaluation sentence.
+    """Training sentences from the docstrings of the standard library's sources, none of which
+    is an evaluation sentence.
 
     Used for fine-tuning and distillation (pruning's recovery), so that no sentence of
-    `python_doc_sentences` is trained on. About 4,000 sentences, 40–300 characters each, in
-    a stable order (module, then member name), shuffled with seed 0.
+    `python_doc_sentences` is trained on. The sources are parsed with `ast` (nothing is
+    imported, so no module's import side effects run); test suites and IDLE are skipped.
+    About 13,000 sentences of 40–300 characters on CPython 3.11, shuffled with seed 0; a few
+    seconds to build, once per process.
     """
-    import importlib
-    import inspect
-    import warnings
+    import ast
+    import sysconfig
+    from pathlib import Path
 
+    lib = Path(sysconfig.get_paths()["stdlib"])
     seen = set(python_doc_sentences())
     out: list[str] = []
-    for name in _DOCSTRING_MODULES:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = importlib.import_module(name)
-        docs = [module.__doc__]
-        for member_name, member in sorted(vars(module).items()):
-            if member_name.startswith("_") or not (inspect.isclass(member) or inspect.isroutine(member)):
+    for path in sorted(lib.rglob("*.py")):
+        parts = path.relative_to(lib).parts
+        if any(part in _SKIPPED_STDLIB_PARTS or part.startswith("test") for part in parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            docs.append(member.__doc__)
-            if inspect.isclass(member):
-                docs += [m.__doc__ for n, m in sorted(vars(member).items()) if not n.startswith("_") and inspect.isroutine(m)]
-        for doc in docs:
-            if not isinstance(doc, str):
-                continue
-            for paragraph in re.split(r"\n\s*\n", doc):
+            doc = ast.get_docstring(node)
+            for paragraph in re.split(r"\n\s*\n", doc or ""):
                 if any(marker in paragraph for marker in (">>>", "::", "{")):
                     continue  # examples and code
                 for sentence in _SENTENCE_END.split(" ".join(line.strip() for line in paragraph.splitlines())):
