@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from overdrive.workloads import create_workload
-from overdrive.workloads.sentences import python_doc_sentences
+from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
 
 
 def test_python_doc_sentences_are_real_and_plentiful():
@@ -15,6 +15,22 @@ def test_python_doc_sentences_are_real_and_plentiful():
     assert len(set(sentences)) == len(sentences)
     assert all(40 <= len(s) <= 300 for s in sentences)
     assert sum(s[0].isupper() or s[0] in "\"'(" for s in sentences) > 0.9 * len(sentences)
+
+
+def test_training_sentences_never_include_an_evaluation_sentence():
+    training = python_docstring_sentences()
+    assert len(training) >= 5000 and len(set(training)) == len(training)
+    assert not set(training) & set(python_doc_sentences())
+    assert all(40 <= len(s) <= 300 for s in training)
+
+
+def test_digits_cnn_training_split_is_apart_from_the_test_images(tmp_path, monkeypatch):
+    monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))
+    w = create_workload("digits-cnn")
+    assert len(w.train_samples) == 1437 and w.train_labels.shape == (1437,)
+    test = {tuple(x.flatten().tolist()) for x in w.samples}
+    overlap = sum(tuple(x.flatten().tolist()) in test for x in w.train_samples)
+    assert overlap <= 5  # scikit-learn's digits holds a few exact duplicate images across the split
 
 
 def test_digits_cnn_has_real_test_accuracy(tmp_path, monkeypatch):

@@ -22,9 +22,10 @@ from overdrive.techniques.base import register
 from overdrive.techniques.recovery import PruningConfig, PruningTechnique, importance_gradients
 from overdrive.techniques.transformer_blocks import (
     EncoderBlock,
-    activation_norms,
+    activation_norm,
     calibration_batches,
     find_blocks,
+    input_gram,
     keep_ffn,
     kept_count,
     layer_hints,
@@ -46,10 +47,13 @@ class PruneFFNConfig(PruningConfig):
     ratio: fraction of each layer's intermediate width to remove, in (0, 1).
     importance: how neurons are ranked.
     round_to: the kept width is a multiple of this.
+    reconstruct: refit the output Linear's kept columns by least squares on training samples so
+        the layer reproduces its unpruned output (when the workload has training samples).
     """
 
     ratio: float = 1 / 3
     importance: NeuronImportance = NeuronImportance.AUTO
+    reconstruct: bool = True
     round_to: int = 64
 
     def __post_init__(self):
@@ -93,21 +97,23 @@ class PruneFFN(PruningTechnique):
         importance = config.importance
         if importance is NeuronImportance.AUTO:
             importance = NeuronImportance.ACTIVATION if workload.train_samples else NeuronImportance.L2
+        reconstruct = config.reconstruct and bool(workload.train_samples)
         taylor = importance is NeuronImportance.TAYLOR
         if taylor:
             importance_gradients(model, workload, device)
-        norms = [None] * len(blocks)
-        if importance is NeuronImportance.ACTIVATION:
-            _, norms = activation_norms(model, blocks, calibration_batches(workload, device))
-        for block, ffn_norms in zip(blocks, norms):
+        activation = importance is NeuronImportance.ACTIVATION
+        batches = calibration_batches(workload, device) if activation or reconstruct else None
+        for block in blocks:  # in order: each layer's statistics see the layers before it already pruned
             width = block.intermediate.out_features
             keep = kept_count(width, config.ratio, config.round_to)
             if keep >= width:
                 continue
-            keep_ffn(block, neuron_scores(block, taylor, ffn_norms).topk(keep).indices.sort().values)
+            gram = input_gram(model, [block.output], batches)[0] if batches else None
+            scores = neuron_scores(block, taylor, activation_norm(gram) if activation else None)
+            keep_ffn(block, scores.topk(keep).indices.sort().values, gram if reconstruct else None)
         model.zero_grad(set_to_none=True)
         update_config(model, blocks)
-        return {"importance": importance.value}
+        return {"importance": importance.value, "reconstructed": reconstruct}
 
     def distillation_hints(self, model, teacher):
         return layer_hints(model, teacher)

@@ -27,9 +27,10 @@ from overdrive.techniques.base import register
 from overdrive.techniques.recovery import PruningConfig, PruningTechnique, importance_gradients
 from overdrive.techniques.transformer_blocks import (
     EncoderBlock,
-    activation_norms,
+    activation_norm,
     calibration_batches,
     find_blocks,
+    input_gram,
     keep_heads,
     layer_hints,
     update_config,
@@ -49,10 +50,13 @@ class PruneHeadsConfig(PruningConfig):
     """Attributes (and PruningConfig's fine-tune fields):
     ratio: fraction of each layer's attention heads to remove, in (0, 1).
     importance: how heads are ranked.
+    reconstruct: refit the output projection's kept columns by least squares on training
+        samples so the layer reproduces its unpruned output (when the workload has training samples).
     """
 
     ratio: float = 1 / 3
     importance: HeadImportance = HeadImportance.AUTO
+    reconstruct: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -99,22 +103,23 @@ class PruneHeads(PruningTechnique):
         importance = config.importance
         if importance is HeadImportance.AUTO:
             importance = HeadImportance.ACTIVATION if workload.train_samples else HeadImportance.L2
+        reconstruct = config.reconstruct and bool(workload.train_samples)
         taylor = importance is HeadImportance.TAYLOR
         if taylor:
             importance_gradients(model, workload, device)
-        norms = [None] * len(blocks)
-        if importance is HeadImportance.ACTIVATION:
-            norms, _ = activation_norms(model, blocks, calibration_batches(workload, device))
-        for block, context_norms in zip(blocks, norms):
+        activation = importance is HeadImportance.ACTIVATION
+        batches = calibration_batches(workload, device) if activation or reconstruct else None
+        for block in blocks:  # in order: each layer's statistics see the layers before it already pruned
             heads = block.num_heads
             keep = max(1, round(heads * (1.0 - config.ratio)))
             if keep >= heads:
                 continue
-            kept = head_scores(block, taylor, context_norms).topk(keep).indices.sort().values
-            keep_heads(block, kept)
+            gram = input_gram(model, [block.attention_output], batches)[0] if batches else None
+            scores = head_scores(block, taylor, activation_norm(gram) if activation else None)
+            keep_heads(block, scores.topk(keep).indices.sort().values, gram if reconstruct else None)
         model.zero_grad(set_to_none=True)
         update_config(model, blocks)
-        return {"importance": importance.value}
+        return {"importance": importance.value, "reconstructed": reconstruct}
 
     def distillation_hints(self, model, teacher):
         return layer_hints(model, teacher)

@@ -51,7 +51,7 @@ class PruningConfig(TechniqueConfig):
     Attributes:
         finetune_steps: optimizer steps of recovery fine-tuning; 0 skips recovery.
         learning_rate: peak learning rate of the fine-tune; None: 1e-3 with labels
-            (cross-entropy), 1e-4 for distillation.
+            (cross-entropy), 5e-4 for distillation.
         finetune_batch_size: training rows per step.
         checkpoint: a file of pruned, recovered weights (written by `optimize` next to the
             plan); when set, `apply` reshapes the model to it and loads it instead of pruning.
@@ -130,7 +130,7 @@ def importance_gradients(model: nn.Module, workload: Workload, device: torch.dev
 
 
 def default_learning_rate(workload: Workload) -> float:
-    return 1e-3 if workload.train_labels is not None else 1e-4
+    return 1e-3 if workload.train_labels is not None else 5e-4
 
 
 class PruningTechnique(Technique):

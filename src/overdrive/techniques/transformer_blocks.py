@@ -73,21 +73,29 @@ def keep_in_features(linear: nn.Linear, index: torch.Tensor) -> None:
     linear.in_features = len(index)
 
 
-def keep_heads(block: EncoderBlock, heads: torch.Tensor) -> None:
-    """Keep attention heads `heads` (sorted int64 indices) of `block`: q/k/v rows and output columns."""
+def keep_heads(block: EncoderBlock, heads: torch.Tensor, gram: torch.Tensor | None = None) -> None:
+    """Keep attention heads `heads` (sorted int64 indices) of `block`: q/k/v rows and output
+    columns; with the output projection's input `gram`, its kept columns are refit (`refit`)."""
     size = block.head_size
     index = (heads.unsqueeze(1) * size + torch.arange(size, device=heads.device)).flatten()
     for linear in (block.attention.query, block.attention.key, block.attention.value):
         keep_out_features(linear, index.to(linear.weight.device))
-    keep_in_features(block.attention_output, index.to(block.attention_output.weight.device))
+    if gram is not None:
+        refit(block.attention_output, index, gram)
+    else:
+        keep_in_features(block.attention_output, index.to(block.attention_output.weight.device))
     block.attention.num_attention_heads = len(heads)
     block.attention.all_head_size = len(heads) * size
 
 
-def keep_ffn(block: EncoderBlock, neurons: torch.Tensor) -> None:
-    """Keep intermediate (FFN) neurons `neurons` of `block`: intermediate rows and output columns."""
+def keep_ffn(block: EncoderBlock, neurons: torch.Tensor, gram: torch.Tensor | None = None) -> None:
+    """Keep intermediate (FFN) neurons `neurons` of `block`: intermediate rows and output columns;
+    with the output Linear's input `gram`, its kept columns are refit (`refit`)."""
     keep_out_features(block.intermediate, neurons.to(block.intermediate.weight.device))
-    keep_in_features(block.output, neurons.to(block.output.weight.device))
+    if gram is not None:
+        refit(block.output, neurons, gram)
+    else:
+        keep_in_features(block.output, neurons.to(block.output.weight.device))
 
 
 def update_config(model: nn.Module, blocks: list[EncoderBlock]) -> None:
@@ -120,43 +128,71 @@ def layer_hints(student: nn.Module, teacher: nn.Module) -> list[tuple[nn.Module,
 
 
 @torch.no_grad()
-def activation_norms(model: nn.Module, blocks: list[EncoderBlock], inputs: list[tuple[torch.Tensor, ...]],
-                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer, the L2 norm over all tokens of each input feature of the attention output
-    projection (heads × head_size context features) and of the FFN output Linear (intermediate
-    neurons), accumulated over the batches `inputs`.
+def input_gram(model: nn.Module, linears: list[nn.Linear], inputs: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    """For each Linear, the Gram matrix of its inputs over all tokens of the batches `inputs`,
+    augmented with a constant 1 feature (for the bias): float64 [in + 1, in + 1].
 
-    Returns:
-        (context norms: float [heads × head_size] per block, FFN norms: float [intermediate] per block).
+    Its diagonal gives each input feature's squared activation norm (activation importance);
+    the whole matrix gives the least-squares refit of the Linear after pruning (`refit`).
     """
-    context = [torch.zeros(b.attention_output.in_features, device=b.attention_output.weight.device) for b in blocks]
-    ffn = [torch.zeros(b.output.in_features, device=b.output.weight.device) for b in blocks]
+    grams = [torch.zeros(m.in_features + 1, m.in_features + 1, dtype=torch.float64, device=m.weight.device) for m in linears]
 
-    def accumulate(store: torch.Tensor):
+    def accumulate(gram: torch.Tensor):
         def hook(_module, args):
-            store.add_(args[0].float().reshape(-1, args[0].shape[-1]).pow(2).sum(0))
+            x = args[0].float().reshape(-1, args[0].shape[-1])
+            x = torch.cat([x, torch.ones(x.shape[0], 1, device=x.device)], dim=1)
+            gram.add_((x.T @ x).double())
         return hook
 
-    handles = [b.attention_output.register_forward_pre_hook(accumulate(c)) for b, c in zip(blocks, context)]
-    handles += [b.output.register_forward_pre_hook(accumulate(f)) for b, f in zip(blocks, ffn)]
+    handles = [m.register_forward_pre_hook(accumulate(g)) for m, g in zip(linears, grams)]
     try:
         for batch in inputs:
             model(*batch)
     finally:
         for h in handles:
             h.remove()
-    return [c.sqrt() for c in context], [f.sqrt() for f in ffn]
+    return grams
 
 
-def calibration_batches(workload, device: torch.device, *, batches: int = 8, batch_size: int = 32) -> list[tuple]:
-    """Collated batches of the workload's training samples (evaluation samples when it has none
-    would leak them, so it raises instead).
+def activation_norm(gram: torch.Tensor) -> torch.Tensor:
+    """‖x_j‖ over the calibration tokens for each input feature j, float32 [in], from `input_gram`."""
+    return gram.diagonal()[:-1].clamp_min(0).sqrt().float()
+
+
+@torch.no_grad()
+def refit(linear: nn.Linear, kept: torch.Tensor, gram: torch.Tensor, *, ridge: float = 1e-3) -> None:
+    """Keep input features `kept` of `linear` and re-solve its weight and bias by least squares so
+    that, on the calibration inputs, it reproduces the output it had with all its inputs
+    (the layer-wise reconstruction of Kwon et al., "A Fast Post-Training Pruning Framework for
+    Transformers", NeurIPS 2022), with ridge `ridge` × the mean diagonal. In place."""
+    n = linear.in_features
+    has_bias = linear.bias is not None
+    full = linear.weight.double()
+    if has_bias:
+        full = torch.cat([full, linear.bias.double().unsqueeze(1)], dim=1)  # [out, n + 1]
+        rows = torch.cat([kept.to(gram.device), torch.tensor([n], device=gram.device)])
+        columns = gram
+    else:
+        rows, columns = kept.to(gram.device), gram[:n, :n]
+    lhs = gram[rows][:, rows]
+    lhs = lhs + ridge * lhs.diagonal().mean() * torch.eye(len(rows), dtype=lhs.dtype, device=lhs.device)
+    solution = torch.linalg.solve(lhs, columns[rows] @ full.T)  # [k (+1), out]
+    weight = solution[: len(kept)].T
+    linear.weight = nn.Parameter(weight.to(linear.weight.dtype).contiguous())
+    if has_bias:
+        linear.bias = nn.Parameter(solution[-1].to(linear.bias.dtype).contiguous())
+    linear.in_features = len(kept)
+
+
+def calibration_batches(workload, device: torch.device, *, num_samples: int = 256) -> list[tuple]:
+    """The first `num_samples` training samples, collated one per batch for text (so no padding
+    token enters the statistics) and 32 per batch otherwise. Evaluation samples are never used.
 
     Raises:
         ValueError: the workload has no training samples.
     """
     if not workload.train_samples:
-        raise ValueError("activation importance needs training samples to calibrate on; use l2 here")
-    samples = list(workload.train_samples[: batches * batch_size])
-    return [tuple(t.to(device) for t in workload.collate(samples[i:i + batch_size]))
-            for i in range(0, len(samples), batch_size)]
+        raise ValueError("activation importance and reconstruction need training samples to calibrate on; use l2")
+    samples = list(workload.train_samples[:num_samples])
+    size = 1 if workload.is_text else 32
+    return [tuple(t.to(device) for t in workload.collate(samples[i:i + size])) for i in range(0, len(samples), size)]
