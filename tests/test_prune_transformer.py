@@ -124,6 +124,40 @@ def test_activation_importance_drops_dead_ffn_neurons():
         assert rows == list(range(1, FFN, 2))
 
 
+def test_refit_is_exact_when_the_dropped_input_is_a_combination_of_kept_ones():
+    from overdrive.techniques.transformer_blocks import input_gram, refit
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 5)
+    x = torch.randn(200, 8)
+    x[:, 7] = 0.5 * x[:, 0] - 2.0 * x[:, 3] + 1.0  # feature 7 carries nothing new (the constant goes to the bias)
+    expected = linear(x)
+    (gram,) = input_gram(linear, [linear], [(x,)])
+    refit(linear, torch.arange(7), gram, ridge=1e-9)
+    assert linear.in_features == 7 and linear.weight.shape == (5, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x[:, :7]), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,config", [("prune-ffn", PruneFFNConfig(ratio=0.5, round_to=16, finetune_steps=0)),
+                                         ("prune-heads", PruneHeadsConfig(ratio=0.5, finetune_steps=0))])
+def test_reconstruction_brings_the_pruned_outputs_closer(name, config):
+    import dataclasses
+
+    workload = _with_training_samples(make_text_workload(), n=128)
+    inputs = _inputs(workload, n=40)
+    with torch.no_grad():
+        reference = workload.model(*inputs)
+    errors = {}
+    for reconstruct in (False, True):
+        pruned, report = _apply(name, copy.deepcopy(workload.model), dataclasses.replace(config, reconstruct=reconstruct),
+                                workload)
+        assert report["reconstructed"] is reconstruct
+        with torch.no_grad():
+            errors[reconstruct] = torch.nn.functional.mse_loss(pruned(*inputs), reference).item()
+    assert errors[True] < 0.7 * errors[False], errors
+
+
 def test_heads_pruned_over_several_steps():
     workload = make_text_workload()
     model = copy.deepcopy(workload.model)

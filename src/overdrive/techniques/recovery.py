@@ -202,8 +202,12 @@ class PruningTechnique(Technique):
         from overdrive.measure import count_flops_per_sample
 
         flop_indices = list(range(min(len(workload.samples), workload.default_batch_size)))
-        teacher = frozen_copy(model)
-        reference, before = evaluate(teacher, workload, device)
+        # The teacher and the reference are the workload's own unmodified model, also when an
+        # earlier pruning step already changed `model`: recovery then pulls toward the model the
+        # guard judges against, instead of compounding each step's error.
+        teacher = frozen_copy(workload.model).to(device)
+        reference, _ = evaluate(teacher, workload, device)
+        _, before = evaluate(model, workload, device, reference)
         report: dict[str, Any] = {
             "technique": self.name,
             "params_before": num_parameters(model),
