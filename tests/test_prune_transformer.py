@@ -132,7 +132,7 @@ def test_refit_is_exact_when_the_dropped_input_is_a_combination_of_kept_ones():
     x = torch.randn(200, 8)
     x[:, 7] = 0.5 * x[:, 0] - 2.0 * x[:, 3] + 1.0  # feature 7 carries nothing new (the constant goes to the bias)
     expected = linear(x)
-    (gram,) = input_gram(linear, [linear], [(x,)])
+    gram = input_gram(linear, linear, [(x,)])
     refit(linear, torch.arange(7), gram, ridge=1e-9)
     assert linear.in_features == 7 and linear.weight.shape == (5, 7)
     with torch.no_grad():

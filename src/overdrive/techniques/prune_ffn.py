@@ -108,7 +108,7 @@ class PruneFFN(PruningTechnique):
             keep = kept_count(width, config.ratio, config.round_to)
             if keep >= width:
                 continue
-            gram = input_gram(model, [block.output], batches)[0] if batches else None
+            gram = input_gram(model, block.output, batches) if batches else None
             scores = neuron_scores(block, taylor, activation_norm(gram) if activation else None)
             keep_ffn(block, scores.topk(keep).indices.sort().values, gram if reconstruct else None)
         model.zero_grad(set_to_none=True)

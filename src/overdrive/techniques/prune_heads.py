@@ -114,7 +114,7 @@ class PruneHeads(PruningTechnique):
             keep = max(1, round(heads * (1.0 - config.ratio)))
             if keep >= heads:
                 continue
-            gram = input_gram(model, [block.attention_output], batches)[0] if batches else None
+            gram = input_gram(model, block.attention_output, batches) if batches else None
             scores = head_scores(block, taylor, activation_norm(gram) if activation else None)
             keep_heads(block, scores.topk(keep).indices.sort().values, gram if reconstruct else None)
         model.zero_grad(set_to_none=True)

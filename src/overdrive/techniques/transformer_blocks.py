@@ -127,31 +127,37 @@ def layer_hints(student: nn.Module, teacher: nn.Module) -> list[tuple[nn.Module,
     return [(s.layer, t.layer) for s, t in zip(find_blocks(student), find_blocks(teacher), strict=True)]
 
 
+class _StopForward(Exception):
+    """Raised by a calibration hook once it has what it needs: the rest of the forward is skipped."""
+
+
 @torch.no_grad()
-def input_gram(model: nn.Module, linears: list[nn.Linear], inputs: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-    """For each Linear, the Gram matrix of its inputs over all tokens of the batches `inputs`,
-    augmented with a constant 1 feature (for the bias): float64 [in + 1, in + 1].
+def input_gram(model: nn.Module, linear: nn.Linear, inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The Gram matrix of `linear`'s inputs over all tokens of the batches `inputs`, augmented
+    with a constant 1 feature (for the bias): float64 [in + 1, in + 1]. Each forward stops at
+    `linear`, so the layers after it cost nothing.
 
     Its diagonal gives each input feature's squared activation norm (activation importance);
     the whole matrix gives the least-squares refit of the Linear after pruning (`refit`).
     """
-    grams = [torch.zeros(m.in_features + 1, m.in_features + 1, dtype=torch.float64, device=m.weight.device) for m in linears]
+    gram = torch.zeros(linear.in_features + 1, linear.in_features + 1, dtype=torch.float64, device=linear.weight.device)
 
-    def accumulate(gram: torch.Tensor):
-        def hook(_module, args):
-            x = args[0].float().reshape(-1, args[0].shape[-1])
-            x = torch.cat([x, torch.ones(x.shape[0], 1, device=x.device)], dim=1)
-            gram.add_((x.T @ x).double())
-        return hook
+    def accumulate(_module, args):
+        x = args[0].float().reshape(-1, args[0].shape[-1])
+        x = torch.cat([x, torch.ones(x.shape[0], 1, device=x.device)], dim=1)
+        gram.add_((x.T @ x).double())
+        raise _StopForward
 
-    handles = [m.register_forward_pre_hook(accumulate(g)) for m, g in zip(linears, grams)]
+    handle = linear.register_forward_pre_hook(accumulate)
     try:
         for batch in inputs:
-            model(*batch)
+            try:
+                model(*batch)
+            except _StopForward:
+                pass
     finally:
-        for h in handles:
-            h.remove()
-    return grams
+        handle.remove()
+    return gram
 
 
 def activation_norm(gram: torch.Tensor) -> torch.Tensor:
@@ -184,7 +190,7 @@ def refit(linear: nn.Linear, kept: torch.Tensor, gram: torch.Tensor, *, ridge: f
     linear.in_features = len(kept)
 
 
-def calibration_batches(workload, device: torch.device, *, num_samples: int = 256) -> list[tuple]:
+def calibration_batches(workload, device: torch.device, *, num_samples: int = 1024) -> list[tuple]:
     """The first `num_samples` training samples, collated one per batch for text (so no padding
     token enters the statistics) and 32 per batch otherwise. Evaluation samples are never used.
 
