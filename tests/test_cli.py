@@ -101,9 +101,11 @@ def test_optimize_then_bench_digits(tmp_path):
 def test_optimize_prune_then_bench_reuses_the_pruned_weights(tmp_path):
     """Pruning through the tuner: its report line, the checkpoint beside the plan, and `bench`
     reloading that checkpoint (no second pruning) with the pruned model's speed and accuracy."""
+    # --min-gain 0.5: this test is about the checkpoint flow, so a loaded CI machine that blurs the
+    # speed figures must not decide whether pruning is kept (benchmarks/pruning_cpu.py measures speed)
     result = run_cli("optimize", "digits-cnn", "--techniques", "prune-channels,bf16", "--prune-ratio", "0.5",
-                     "--finetune-steps", "200", "--max-accuracy-drop", "1.5", "--out", str(tmp_path),
-                     "--sweep-batch-sizes", "256")
+                     "--finetune-steps", "200", "--max-accuracy-drop", "1.5", "--min-gain", "0.5",
+                     "--out", str(tmp_path), "--sweep-batch-sizes", "256")
     assert result.returncode == 0, result.stderr
     assert "prune-channels: l2 importance; params 94,186 → 24,058" in result.stdout and "after recovery: accuracy" in result.stdout
     out = tmp_path / "digits-cnn"
@@ -114,7 +116,7 @@ def test_optimize_prune_then_bench_reuses_the_pruned_weights(tmp_path):
     assert "## Pruning: structure, metric and recovery" in (out / "report.md").read_text()
     plan = json.loads((out / "plan.json").read_text())
     steps = {s["name"]: s["config"] for s in plan["techniques"]}
-    # kept (3-4× faster at batch 256 on a CPU); its weights are saved beside the plan
+    # kept; its weights are saved beside the plan
     assert steps["prune-channels"]["checkpoint"] == "prune-channels.pt" and (out / "prune-channels.pt").exists()
     assert steps["prune-channels"]["ratio"] == 0.5
     bench = run_cli("bench", "digits-cnn", "--plan", str(out / "plan.json"), "--batch-sizes", "256", "--out",
