@@ -127,6 +127,11 @@ def test_optimize_prune_then_bench_reuses_the_pruned_weights(tmp_path):
     (point,) = next(points for label, points in plan_row.items() if label.startswith("plan"))
     assert point["task_metric"]["accuracy_pct"] > 97
 
+    (out / "prune-channels.pt").write_bytes(b"corrupt")  # a damaged checkpoint: one line, exit 2, nothing measured
+    bench = run_cli("bench", "digits-cnn", "--plan", str(out / "plan.json"), "--out", str(tmp_path))
+    assert bench.returncode == 2 and len(bench.stderr.strip().splitlines()) == 1, bench.stderr
+    assert "prune-channels.pt cannot be read as a torch file" in bench.stderr
+
 
 def test_optimize_user_factory(tmp_path):
     result = run_cli("optimize", "tests.fixtures.user_models:build", "--batch-size", "16",
@@ -196,7 +201,9 @@ MORE_BAD_INPUT = [
     (["optimize", "tests.fixtures.user_models:fixed_batch", "--batch-size", "8"], "accepts only batch size 4"),
     (["optimize", "digits-cnn", "--prune-ratio", "1.0"], "a fraction strictly between 0 and 1"),
     (["optimize", "digits-cnn", "--finetune-steps", "-5"], "expected an integer ≥ 0, got -5"),
-    (["optimize", "digits-cnn", "--prune-ratio", "0.5"], "--prune-ratio apply to pruning techniques; name one"),
+    (["optimize", "digits-cnn", "--prune-ratio", "0.5"], "--prune-ratio applies to pruning techniques; name one"),
+    (["optimize", "digits-cnn", "--techniques", "bf16", "--prune-ratio", "0.5", "--finetune-steps", "3"],
+     "--prune-ratio and --finetune-steps apply to pruning techniques"),
     (["optimize", "digits-cnn", "--techniques", "bf16", "--finetune-steps", "10"], "name one in --techniques"),
 ]
 

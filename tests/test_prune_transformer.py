@@ -17,7 +17,7 @@ from overdrive.plan import Step, build
 from overdrive.techniques import get_technique
 from overdrive.techniques.prune_ffn import PruneFFNConfig
 from overdrive.techniques.prune_heads import PruneHeadsConfig
-from overdrive.techniques.recovery import num_parameters
+from overdrive.techniques.recovery import num_parameters, save_checkpoint
 from overdrive.techniques.transformer_blocks import find_blocks, kept_count
 from overdrive.workloads.base import pad_token_ids
 from tests.conftest import make_conv_workload, make_text_workload
@@ -180,7 +180,7 @@ def test_pruned_encoder_reloads_from_a_checkpoint_and_exports(tmp_path):
     for k in (1, 2):
         model, _ = build(workload, steps[:k], CPU)
         paths.append(tmp_path / f"after_{k}.pt")
-        torch.save(model.state_dict(), paths[-1])
+        save_checkpoint(model, paths[-1], steps[k - 1].name)
     pruned = model
     fresh = copy.deepcopy(workload.model)
     for (name, config_cls), path in zip((("prune-heads", PruneHeadsConfig), ("prune-ffn", PruneFFNConfig)), paths):

@@ -16,7 +16,7 @@ from torch import nn
 
 from overdrive.techniques import get_technique
 from overdrive.techniques.prune_channels import PruneChannelsConfig
-from overdrive.techniques.recovery import num_parameters
+from overdrive.techniques.recovery import num_parameters, save_checkpoint
 from overdrive.workloads.base import Workload, logits_fidelity
 
 CPU = torch.device("cpu")
@@ -291,7 +291,7 @@ def test_pruned_weights_reload_into_a_fresh_model(tmp_path):
     pruned = technique.apply(factory_copy(workload.model), PruneChannelsConfig(ratio=0.5, global_pruning=True),
                              workload=workload, device=CPU)
     path = tmp_path / "pruned.pt"
-    torch.save(pruned.state_dict(), path)
+    save_checkpoint(pruned, path, "prune-channels")
     reloaded = technique.apply(factory_copy(workload.model), PruneChannelsConfig(checkpoint=str(path)),
                                workload=workload, device=CPU)
     assert "checkpoint" in reloaded.__dict__.pop("overdrive_report")["source"]
@@ -301,13 +301,30 @@ def test_pruned_weights_reload_into_a_fresh_model(tmp_path):
     assert num_parameters(reloaded) == num_parameters(pruned)
 
 
-def test_a_checkpoint_of_another_model_is_refused_plainly(tmp_path):
+def test_bad_checkpoints_are_refused_plainly(tmp_path):
     workload = _workload(Residual())
-    path = tmp_path / "other.pt"
-    torch.save(nn.Linear(3, 3).state_dict(), path)
+
+    def load(path):
+        return get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(checkpoint=str(path)),
+                                                     workload=workload, device=CPU)
+
+    save_checkpoint(nn.Linear(3, 3), tmp_path / "other.pt", "prune-channels")
     with pytest.raises(RuntimeError, match="do not fit this model"):
-        get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(checkpoint=str(path)),
-                                              workload=workload, device=CPU)
+        load(tmp_path / "other.pt")
+    save_checkpoint(workload.model, tmp_path / "unpruned.pt", "prune-channels")
+    with pytest.raises(RuntimeError, match="holds no pruned layer"):
+        load(tmp_path / "unpruned.pt")
+    save_checkpoint(workload.model, tmp_path / "foreign.pt", "prune-unstructured")
+    with pytest.raises(RuntimeError, match="written by 'prune-unstructured', not 'prune-channels'"):
+        load(tmp_path / "foreign.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
+    with pytest.raises(RuntimeError, match="cannot be read as a torch file"):
+        load(tmp_path / "garbage.pt")
+    torch.save({"weight": torch.zeros(1)}, tmp_path / "plain.pt")
+    with pytest.raises(RuntimeError, match="not a checkpoint written by `overdrive optimize`"):
+        load(tmp_path / "plain.pt")
+    with pytest.raises(RuntimeError, match="does not exist"):
+        load(tmp_path / "missing.pt")
 
 
 def test_taylor_importance_needs_labelled_training_data():

@@ -18,6 +18,8 @@ def cmd_bench(args) -> int:
     if plan and plan.workload != args.workload:
         raise UserError(f"--plan {args.plan} was made for workload {plan.workload!r}, not {args.workload!r}; "
                         f"run `overdrive bench {plan.workload} --plan {args.plan}`")
+    if plan:
+        plan.check_checkpoints()  # a missing or foreign checkpoint is an error now, not a failed row later
     if plan and args.device == "auto":
         args.device = plan.device  # a plan holds on the device type it was tuned on
     session = open_session(args, batch_size=plan.batch_size if plan and not args.batch_size else None)

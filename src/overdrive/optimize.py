@@ -20,7 +20,7 @@ from overdrive.report import (
     write_results,
 )
 from overdrive.session import open_session, sweep
-from overdrive.techniques import get_technique
+from overdrive.techniques import get_technique, list_techniques
 from overdrive.tuner import Guard, Tuner
 
 
@@ -42,9 +42,10 @@ def technique_configs(args) -> dict:
         return {}
     pruning = [n for n in args.techniques or [] if isinstance(get_technique(n), PruningTechnique)]
     if not pruning:
-        flags = " and ".join({"ratio": "--prune-ratio", "finetune_steps": "--finetune-steps"}[k] for k in overrides)
-        raise UserError(f"{flags} apply to pruning techniques; name one in --techniques "
-                        "(prune-channels, prune-heads, prune-ffn)")
+        flags = [{"ratio": "--prune-ratio", "finetune_steps": "--finetune-steps"}[k] for k in overrides]
+        known = ", ".join(t.name for t in list_techniques() if isinstance(t, PruningTechnique))
+        raise UserError(f"{' and '.join(flags)} appl{'y' if len(flags) > 1 else 'ies'} to pruning techniques; "
+                        f"name one in --techniques ({known})")
     configs = {}
     for name in pruning:
         config_cls = get_technique(name).config_cls

@@ -79,7 +79,7 @@ def save_checkpoints(steps: list[Step], workload: Workload, device: torch.device
         if isinstance(get_technique(step.name), PruningTechnique) and not step.config.checkpoint:
             model, _ = build(workload, out + [step], device)  # cached: reshapes and loads, no new fine-tune
             path = Path(folder) / f"{step.name}.pt"
-            save_checkpoint(model, path)
+            save_checkpoint(model, path, step.name)
             step = Step(name=step.name, config=dataclasses.replace(step.config, checkpoint=str(path)))
         out.append(step)
     return out
@@ -168,6 +168,22 @@ class Plan:
 
     def build(self, workload: Workload, device: torch.device) -> tuple[nn.Module, BatchingPolicy]:
         return build(workload, self.steps, device)
+
+    def check_checkpoints(self) -> None:
+        """Read every checkpoint the plan names, before anything is measured.
+
+        Raises:
+            UserError: one is missing, unreadable, or written by another technique.
+        """
+        from overdrive.techniques.recovery import load_checkpoint
+
+        for step in self.steps:
+            checkpoint = getattr(step.config, "checkpoint", None)
+            if checkpoint:
+                try:
+                    load_checkpoint(checkpoint, step.name)
+                except RuntimeError as exc:
+                    raise UserError(f"plan step {exc}; run `overdrive optimize` again to rewrite it") from None
 
     @property
     def names(self) -> list[str]:

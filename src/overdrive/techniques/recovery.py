@@ -41,6 +41,7 @@ from overdrive.workloads.base import Workload
 
 EVAL_SAMPLES = 512  # evaluation samples for the metric before / after pruning / after recovery
 _CACHE_SIZE = 6
+CHECKPOINT_FORMAT = "overdrive-pruned/1"
 _CACHE: OrderedDict[tuple, tuple[dict[str, torch.Tensor], dict[str, Any]]] = OrderedDict()
 
 
@@ -165,12 +166,14 @@ class PruningTechnique(Technique):
 
     def apply(self, model, config, *, workload, device):
         if config.checkpoint:
-            try:
-                state = torch.load(config.checkpoint, map_location=device, weights_only=True)
-            except (OSError, RuntimeError) as exc:
-                raise RuntimeError(f"{self.name}: cannot read checkpoint {config.checkpoint} ({type(exc).__name__})") from None
-            return self._load(model, state, {"technique": self.name, "source": f"checkpoint {config.checkpoint}"},
-                              workload=workload, device=device)
+            state = load_checkpoint(config.checkpoint, self.name, device)
+            before = num_parameters(model)
+            model = self._load(model, state, {"technique": self.name, "source": f"checkpoint {config.checkpoint}"},
+                               workload=workload, device=device)
+            if self.shrinks_layers and num_parameters(model) >= before:
+                raise RuntimeError(f"{self.name}: checkpoint {config.checkpoint} holds no pruned layer: its weights "
+                                   "have the unpruned shapes")
+            return model
         key = (self.name, workload.name, id(workload), device.type, dataclasses.replace(config, checkpoint=None),
                fingerprint(model))
         if key in _CACHE:
@@ -225,7 +228,8 @@ class PruningTechnique(Technique):
             raise RuntimeError(f"{self.name}: the pruned model returns shape {shape}, expected {expected}")
         report["params_after"] = num_parameters(model)
         if self.shrinks_layers and report["params_after"] >= report["params_before"]:
-            raise RuntimeError(f"{self.name}: nothing could be pruned (every prunable layer is coupled to a kept one)")
+            raise RuntimeError(f"{self.name}: nothing could be pruned at ratio {getattr(config, 'ratio', '?')}: the kept "
+                               "width rounds back up to the full width, or every prunable layer is coupled to a kept one")
         report["flops_per_sample_after"] = count_flops_per_sample(model, workload, device=device, indices=flop_indices)
         report["after_pruning"] = evaluate(model, workload, device, reference)[1]
         report["fine_tune"] = None
@@ -290,9 +294,32 @@ def describe(report: dict[str, Any], fidelity_key: str) -> str:
     return f"{report['technique']}: " + "; ".join(parts)
 
 
-def save_checkpoint(model: nn.Module, path: Path) -> None:
-    """Write the (pruned) model's state dict for `PruningConfig.checkpoint`."""
+def save_checkpoint(model: nn.Module, path: Path, technique: str) -> None:
+    """Write the (pruned) model's state dict for `PruningConfig.checkpoint`, tagged with the
+    technique that produced it: {"format": "overdrive-pruned/1", "technique", "state_dict"}."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save({"format": CHECKPOINT_FORMAT, "technique": technique, "state_dict": state}, tmp)
     tmp.replace(path)
+
+
+def load_checkpoint(path: str | Path, technique: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The state dict in a checkpoint written by `save_checkpoint` for `technique`.
+
+    Raises:
+        RuntimeError: the file is missing, unreadable, not an overdrive pruning checkpoint, or
+            made by another technique (the message names the file and says which).
+    """
+    try:
+        data = torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"{technique}: checkpoint {path} does not exist") from None
+    except Exception as exc:  # noqa: BLE001 - unpickling raises many types; all mean "not readable"
+        raise RuntimeError(f"{technique}: checkpoint {path} cannot be read as a torch file "
+                           f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
+    if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
+        raise RuntimeError(f"{technique}: {path} is not a checkpoint written by `overdrive optimize`")
+    if data.get("technique") != technique:
+        raise RuntimeError(f"{technique}: checkpoint {path} was written by {data.get('technique')!r}, not {technique!r}")
+    return data["state_dict"]
