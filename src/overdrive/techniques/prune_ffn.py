@@ -13,32 +13,24 @@ The intermediate Linear loses rows, the output Linear columns, and the config's
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
 from overdrive.techniques.base import register
-from overdrive.techniques.recovery import PruningConfig, PruningTechnique, importance_gradients
+from overdrive.techniques.recovery import PruningConfig
 from overdrive.techniques.transformer_blocks import (
     EncoderBlock,
-    activation_norm,
-    calibration_batches,
+    EncoderPruningTechnique,
+    UnitImportance,
     find_blocks,
-    input_gram,
     keep_ffn,
     kept_count,
-    layer_hints,
     update_config,
+    weight_score,
 )
-from overdrive.workloads.base import Workload
 
-
-class NeuronImportance(str, enum.Enum):
-    AUTO = "auto"  # activation when the workload has training samples to calibrate on, else l2
-    L2 = "l2"
-    TAYLOR = "taylor"
-    ACTIVATION = "activation"
+NeuronImportance = UnitImportance
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,13 +44,13 @@ class PruneFFNConfig(PruningConfig):
     """
 
     ratio: float = 1 / 3
-    importance: NeuronImportance = NeuronImportance.AUTO
+    importance: UnitImportance = UnitImportance.AUTO
     reconstruct: bool = True
     round_to: int = 64
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(self, "importance", NeuronImportance(self.importance))
+        object.__setattr__(self, "importance", UnitImportance(self.importance))
         if not 0.0 < self.ratio < 1.0:
             raise ValueError(f"PruneFFNConfig.ratio must be in (0, 1), got {self.ratio}")
         if self.round_to < 1:
@@ -69,54 +61,30 @@ def neuron_scores(block: EncoderBlock, taylor: bool, activation_norms: torch.Ten
     """Importance of each intermediate neuron of `block`, float [width]."""
     if activation_norms is not None:
         return activation_norms * block.output.weight.detach().float().pow(2).sum(0).sqrt()
-
-    def score(t: torch.Tensor) -> torch.Tensor:
-        if taylor:
-            return (t.detach() * t.grad).abs() if t.grad is not None else torch.zeros_like(t)
-        return t.detach() ** 2
-
-    total = score(block.intermediate.weight).sum(1) + score(block.output.weight).sum(0)
+    total = weight_score(block.intermediate.weight, taylor).sum(1) + weight_score(block.output.weight, taylor).sum(0)
     if block.intermediate.bias is not None:
-        total += score(block.intermediate.bias)
+        total += weight_score(block.intermediate.bias, taylor)
     return total
 
 
 @register
-class PruneFFN(PruningTechnique):
+class PruneFFN(EncoderPruningTechnique):
     name = "prune-ffn"
     config_cls = PruneFFNConfig
     description = "narrows the feed-forward (intermediate) layers of BERT-style encoders, then recovers; opt-in"
 
-    def applicability(self, workload: Workload, device: torch.device) -> str | None:
-        if not find_blocks(workload.model):
-            return "not applicable: no BERT-style encoder layers (intermediate.dense / output.dense) in the model"
-        return None
+    def output_linear(self, block):
+        return block.output
 
-    def prune(self, model, config, *, workload, device):
-        blocks = find_blocks(model)
-        importance = config.importance
-        if importance is NeuronImportance.AUTO:
-            importance = NeuronImportance.ACTIVATION if workload.train_samples else NeuronImportance.L2
-        reconstruct = config.reconstruct and bool(workload.train_samples)
-        taylor = importance is NeuronImportance.TAYLOR
-        if taylor:
-            importance_gradients(model, workload, device)
-        activation = importance is NeuronImportance.ACTIVATION
-        batches = calibration_batches(workload, device) if activation or reconstruct else None
-        for block in blocks:  # in order: each layer's statistics see the layers before it already pruned
-            width = block.intermediate.out_features
-            keep = kept_count(width, config.ratio, config.round_to)
-            if keep >= width:
-                continue
-            gram = input_gram(model, block.output, batches) if batches else None
-            scores = neuron_scores(block, taylor, activation_norm(gram) if activation else None)
-            keep_ffn(block, scores.topk(keep).indices.sort().values, gram if reconstruct else None)
-        model.zero_grad(set_to_none=True)
-        update_config(model, blocks)
-        return {"importance": importance.value, "reconstructed": reconstruct}
+    def counts(self, block, config):
+        width = block.intermediate.out_features
+        return width, kept_count(width, config.ratio, config.round_to)
 
-    def distillation_hints(self, model, teacher):
-        return layer_hints(model, teacher)
+    def scores(self, block, taylor, activation):
+        return neuron_scores(block, taylor, activation)
+
+    def keep(self, block, kept, gram):
+        keep_ffn(block, kept, gram)
 
     def shrink_to(self, model, state, *, workload, device):
         blocks = find_blocks(model)

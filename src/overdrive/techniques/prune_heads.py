@@ -18,31 +18,23 @@ the unpruned model, or cross-entropy with labels) is `recovery.PruningTechnique`
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
 from overdrive.techniques.base import register
-from overdrive.techniques.recovery import PruningConfig, PruningTechnique, importance_gradients
+from overdrive.techniques.recovery import PruningConfig
 from overdrive.techniques.transformer_blocks import (
     EncoderBlock,
-    activation_norm,
-    calibration_batches,
+    EncoderPruningTechnique,
+    UnitImportance,
     find_blocks,
-    input_gram,
     keep_heads,
-    layer_hints,
     update_config,
+    weight_score,
 )
-from overdrive.workloads.base import Workload
 
-
-class HeadImportance(str, enum.Enum):
-    AUTO = "auto"  # activation when the workload has training samples to calibrate on, else l2
-    L2 = "l2"
-    TAYLOR = "taylor"
-    ACTIVATION = "activation"
+HeadImportance = UnitImportance
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,12 +47,12 @@ class PruneHeadsConfig(PruningConfig):
     """
 
     ratio: float = 1 / 3
-    importance: HeadImportance = HeadImportance.AUTO
+    importance: UnitImportance = UnitImportance.AUTO
     reconstruct: bool = True
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(self, "importance", HeadImportance(self.importance))
+        object.__setattr__(self, "importance", UnitImportance(self.importance))
         if not 0.0 < self.ratio < 1.0:
             raise ValueError(f"PruneHeadsConfig.ratio must be in (0, 1), got {self.ratio}")
 
@@ -72,57 +64,32 @@ def head_scores(block: EncoderBlock, taylor: bool, context_norms: torch.Tensor |
     if context_norms is not None:
         out_norm = block.attention_output.weight.detach().float().pow(2).reshape(-1, heads, size).sum((0, 2)).sqrt()
         return context_norms.reshape(heads, size).pow(2).sum(1).sqrt() * out_norm
-
-    def score(t: torch.Tensor) -> torch.Tensor:
-        if taylor:
-            return (t.detach() * t.grad).abs() if t.grad is not None else torch.zeros_like(t)
-        return t.detach() ** 2
-
     total = torch.zeros(heads, device=block.attention.query.weight.device)
     for linear in (block.attention.query, block.attention.key, block.attention.value):
-        total += score(linear.weight).reshape(heads, size, -1).sum((1, 2))
+        total += weight_score(linear.weight, taylor).reshape(heads, size, -1).sum((1, 2))
         if linear.bias is not None:
-            total += score(linear.bias).reshape(heads, size).sum(1)
-    total += score(block.attention_output.weight).reshape(-1, heads, size).sum((0, 2))
+            total += weight_score(linear.bias, taylor).reshape(heads, size).sum(1)
+    total += weight_score(block.attention_output.weight, taylor).reshape(-1, heads, size).sum((0, 2))
     return total
 
 
 @register
-class PruneHeads(PruningTechnique):
+class PruneHeads(EncoderPruningTechnique):
     name = "prune-heads"
     config_cls = PruneHeadsConfig
     description = "removes whole attention heads from BERT-style encoders (smaller q/k/v/output matmuls), then recovers; opt-in"
 
-    def applicability(self, workload: Workload, device: torch.device) -> str | None:
-        if not find_blocks(workload.model):
-            return "not applicable: no BERT-style encoder layers (attention.self.query/key/value) in the model"
-        return None
+    def output_linear(self, block):
+        return block.attention_output
 
-    def prune(self, model, config, *, workload, device):
-        blocks = find_blocks(model)
-        importance = config.importance
-        if importance is HeadImportance.AUTO:
-            importance = HeadImportance.ACTIVATION if workload.train_samples else HeadImportance.L2
-        reconstruct = config.reconstruct and bool(workload.train_samples)
-        taylor = importance is HeadImportance.TAYLOR
-        if taylor:
-            importance_gradients(model, workload, device)
-        activation = importance is HeadImportance.ACTIVATION
-        batches = calibration_batches(workload, device) if activation or reconstruct else None
-        for block in blocks:  # in order: each layer's statistics see the layers before it already pruned
-            heads = block.num_heads
-            keep = max(1, round(heads * (1.0 - config.ratio)))
-            if keep >= heads:
-                continue
-            gram = input_gram(model, block.attention_output, batches) if batches else None
-            scores = head_scores(block, taylor, activation_norm(gram) if activation else None)
-            keep_heads(block, scores.topk(keep).indices.sort().values, gram if reconstruct else None)
-        model.zero_grad(set_to_none=True)
-        update_config(model, blocks)
-        return {"importance": importance.value, "reconstructed": reconstruct}
+    def counts(self, block, config):
+        return block.num_heads, max(1, round(block.num_heads * (1.0 - config.ratio)))
 
-    def distillation_hints(self, model, teacher):
-        return layer_hints(model, teacher)
+    def scores(self, block, taylor, activation):
+        return head_scores(block, taylor, activation)
+
+    def keep(self, block, kept, gram):
+        keep_heads(block, kept, gram)
 
     def shrink_to(self, model, state, *, workload, device):
         blocks = find_blocks(model)

@@ -15,10 +15,13 @@ follows from the Linear widths; the attributes are updated too, for code that re
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from overdrive.techniques.recovery import PruningTechnique, importance_gradients
 
 
 @dataclass
@@ -202,3 +205,69 @@ def calibration_batches(workload, device: torch.device, *, num_samples: int = 10
     samples = list(workload.train_samples[:num_samples])
     size = 1 if workload.is_text else 32
     return [tuple(t.to(device) for t in workload.collate(samples[i:i + size])) for i in range(0, len(samples), size)]
+
+
+class UnitImportance(str, enum.Enum):
+    """How heads or FFN neurons are ranked (see prune_heads / prune_ffn)."""
+
+    AUTO = "auto"  # activation when the workload has training samples to calibrate on, else l2
+    L2 = "l2"
+    TAYLOR = "taylor"
+    ACTIVATION = "activation"
+
+
+def weight_score(t: torch.Tensor, taylor: bool) -> torch.Tensor:
+    """Per-entry importance of a weight: w² (magnitude) or |w · ∂L/∂w| (first-order Taylor)."""
+    if taylor:
+        return (t.detach() * t.grad).abs() if t.grad is not None else torch.zeros_like(t)
+    return t.detach() ** 2
+
+
+class EncoderPruningTechnique(PruningTechnique):
+    """The prune loop prune-heads and prune-ffn share: per encoder layer, in order, count the units
+    to keep, score them (weights, Taylor, or calibration activations), keep the best, and refit
+    the layer's output Linear; then update the config. Subclasses say which Linear receives the
+    units, how many to keep, how to score and how to keep them."""
+
+    def output_linear(self, block: EncoderBlock) -> nn.Linear:
+        raise NotImplementedError
+
+    def counts(self, block: EncoderBlock, config) -> tuple[int, int]:
+        """(units now, units to keep)."""
+        raise NotImplementedError
+
+    def scores(self, block: EncoderBlock, taylor: bool, activation: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def keep(self, block: EncoderBlock, kept: torch.Tensor, gram: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def applicability(self, workload, device):
+        if not find_blocks(workload.model):
+            return "not applicable: no BERT-style encoder layers (attention.self.query/key/value, intermediate.dense) in the model"
+        return None
+
+    def prune(self, model, config, *, workload, device):
+        blocks = find_blocks(model)
+        importance = config.importance
+        if importance is UnitImportance.AUTO:
+            importance = UnitImportance.ACTIVATION if workload.train_samples else UnitImportance.L2
+        reconstruct = config.reconstruct and bool(workload.train_samples)
+        taylor = importance is UnitImportance.TAYLOR
+        if taylor:
+            importance_gradients(model, workload, device)
+        activation = importance is UnitImportance.ACTIVATION
+        batches = calibration_batches(workload, device) if activation or reconstruct else None
+        for block in blocks:  # in order: each layer's statistics see the layers before it already pruned
+            current, keep = self.counts(block, config)
+            if keep >= current:
+                continue
+            gram = input_gram(model, self.output_linear(block), batches) if batches else None
+            scores = self.scores(block, taylor, activation_norm(gram) if activation else None)
+            self.keep(block, scores.topk(keep).indices.sort().values, gram if reconstruct else None)
+        model.zero_grad(set_to_none=True)
+        update_config(model, blocks)
+        return {"importance": importance.value, "reconstructed": reconstruct}
+
+    def distillation_hints(self, model, teacher):
+        return layer_hints(model, teacher)
