@@ -18,11 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from overdrive.techniques.base import register
-from overdrive.techniques.recovery import PruningConfig
 from overdrive.techniques.transformer_blocks import (
     EncoderBlock,
+    EncoderPruningConfig,
     EncoderPruningTechnique,
-    UnitImportance,
     find_blocks,
     keep_ffn,
     kept_count,
@@ -30,29 +29,18 @@ from overdrive.techniques.transformer_blocks import (
     weight_score,
 )
 
-NeuronImportance = UnitImportance
-
 
 @dataclass(frozen=True, kw_only=True)
-class PruneFFNConfig(PruningConfig):
-    """Attributes (and PruningConfig's fine-tune fields):
-    ratio: fraction of each layer's intermediate width to remove, in (0, 1).
-    importance: how neurons are ranked.
+class PruneFFNConfig(EncoderPruningConfig):
+    """EncoderPruningConfig, where `ratio` is the fraction of each layer's intermediate width
+    removed, plus:
     round_to: the kept width is a multiple of this.
-    reconstruct: refit the output Linear's kept columns by least squares on training samples so
-        the layer reproduces its unpruned output (when the workload has training samples).
     """
 
-    ratio: float = 1 / 3
-    importance: UnitImportance = UnitImportance.AUTO
-    reconstruct: bool = True
     round_to: int = 64
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(self, "importance", UnitImportance(self.importance))
-        if not 0.0 < self.ratio < 1.0:
-            raise ValueError(f"PruneFFNConfig.ratio must be in (0, 1), got {self.ratio}")
         if self.round_to < 1:
             raise ValueError(f"PruneFFNConfig.round_to must be ≥ 1, got {self.round_to}")
 

@@ -23,38 +23,20 @@ from dataclasses import dataclass
 import torch
 
 from overdrive.techniques.base import register
-from overdrive.techniques.recovery import PruningConfig
 from overdrive.techniques.transformer_blocks import (
     EncoderBlock,
+    EncoderPruningConfig,
     EncoderPruningTechnique,
-    UnitImportance,
     find_blocks,
     keep_heads,
     update_config,
     weight_score,
 )
 
-HeadImportance = UnitImportance
-
 
 @dataclass(frozen=True, kw_only=True)
-class PruneHeadsConfig(PruningConfig):
-    """Attributes (and PruningConfig's fine-tune fields):
-    ratio: fraction of each layer's attention heads to remove, in (0, 1).
-    importance: how heads are ranked.
-    reconstruct: refit the output projection's kept columns by least squares on training
-        samples so the layer reproduces its unpruned output (when the workload has training samples).
-    """
-
-    ratio: float = 1 / 3
-    importance: UnitImportance = UnitImportance.AUTO
-    reconstruct: bool = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        object.__setattr__(self, "importance", UnitImportance(self.importance))
-        if not 0.0 < self.ratio < 1.0:
-            raise ValueError(f"PruneHeadsConfig.ratio must be in (0, 1), got {self.ratio}")
+class PruneHeadsConfig(EncoderPruningConfig):
+    """EncoderPruningConfig: `ratio` is the fraction of each layer's attention heads removed."""
 
 
 def head_scores(block: EncoderBlock, taylor: bool, context_norms: torch.Tensor | None = None) -> torch.Tensor:

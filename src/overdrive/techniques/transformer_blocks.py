@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from overdrive.techniques.recovery import PruningTechnique, importance_gradients
+from overdrive.techniques.recovery import PruningConfig, PruningTechnique, importance_gradients
 
 
 @dataclass
@@ -214,6 +214,26 @@ class UnitImportance(str, enum.Enum):
     L2 = "l2"
     TAYLOR = "taylor"
     ACTIVATION = "activation"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderPruningConfig(PruningConfig):
+    """Fields prune-heads and prune-ffn share (and PruningConfig's fine-tune fields):
+    ratio: fraction of each layer's heads / FFN width to remove, in (0, 1).
+    importance: how the units are ranked.
+    reconstruct: refit the output Linear's kept columns by least squares on training samples so
+        the layer reproduces its unpruned output (when the workload has training samples).
+    """
+
+    ratio: float = 1 / 3
+    importance: UnitImportance = UnitImportance.AUTO
+    reconstruct: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "importance", UnitImportance(self.importance))
+        if not 0.0 < self.ratio < 1.0:
+            raise ValueError(f"{type(self).__name__}.ratio must be in (0, 1), got {self.ratio}")
 
 
 def weight_score(t: torch.Tensor, taylor: bool) -> torch.Tensor:
