@@ -113,6 +113,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plan", help="plan.json written by `overdrive optimize` (default: baseline only)")
     bench.add_argument("--batch-sizes", type=int_list, help="comma-separated batch sizes (default: the plan's)")
 
+    serve = sub.add_parser("serve", help="serve a workload or a plan over the Open Inference Protocol (KServe v2) "
+                                         "with dynamic batching")
+    serve.add_argument("model", help="a workload (minilm, digits-cnn, ...) or a plan.json written by `overdrive optimize`")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=nonnegative_int, default=8000, help="TCP port (default 8000; 0: any free port)")
+    serve.add_argument("--device", default="auto", help="cpu, cuda (every GPU, one instance each), cuda:N or auto")
+    serve.add_argument("--model-name", help="name in the URLs (default: the workload's name)")
+    serve.add_argument("--max-batch-size", type=positive_int, help="rows per model batch (default: the plan's batch size, "
+                                                                    "else the workload's); 1 turns batching off")
+    serve.add_argument("--max-queue-delay-ms", type=nonnegative, default=2.0,
+                       help="longest a request waits for others to join its batch, ms (default 2)")
+    serve.add_argument("--max-queue-size", type=positive_int, help="rows that may wait; more get 503 + Retry-After "
+                                                                    "(default 8 batches per instance)")
+    serve.add_argument("--instances", type=positive_int, help="model instances, each with its own thread "
+                                                               "(default: one per GPU, 1 on CPU)")
+    serve.add_argument("--request-timeout-ms", type=nonnegative, default=30_000.0,
+                       help="default timeout of a queued request, ms, when the request sets none (default 30000; 0: none)")
+    serve.add_argument("--drain-timeout-s", type=nonnegative, default=30.0,
+                       help="on SIGTERM/SIGINT, how long admitted requests may take to finish (default 30)")
+    serve.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs throughput)")
+
     sub.add_parser("list", help="workloads and techniques, with the devices each supports")
     return parser
 
@@ -155,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             from overdrive.bench import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "serve":
+            from overdrive.serve import cmd_serve
+
+            return cmd_serve(args)
     except UserError as exc:
         sys.stderr.write(f"overdrive: error: {' '.join(str(exc).split())}\n")  # always one line
         return 2

@@ -1,0 +1,242 @@
+"""The Open Inference Protocol (KServe v2) tensor codec: JSON tensors and the binary tensor
+data extension that `tritonclient.http` sends and expects.
+
+Sources: the KServe "Open Inference Protocol (v2)" REST spec (`$inference_request`,
+`$inference_response`, tensor data row-major and flattened or nested) and Triton Inference
+Server's binary tensor data extension (`Inference-Header-Content-Length`, per-tensor
+`binary_data_size`, BYTES elements as 4-byte little-endian length + bytes).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+DATATYPES: dict[str, np.dtype | None] = {
+    "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64), "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16), "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+    "BYTES": None,  # a list of bytes objects
+}
+
+
+class ProtocolError(ValueError):
+    """A request the protocol cannot decode; the message names what was expected (HTTP 400)."""
+
+
+def datatype_of(dtype: np.dtype) -> str:
+    for name, dt in DATATYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"no Open Inference Protocol datatype for numpy {dtype}")
+
+
+@dataclass
+class Tensor:
+    """One named tensor. `data` is a numpy array of `shape`, or for BYTES an object array of
+    bytes of that shape."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass
+class InferRequest:
+    id: str | None
+    inputs: dict[str, Tensor]
+    outputs: dict[str, bool]  # requested output name → binary; empty means all outputs
+    parameters: dict[str, Any] = field(default_factory=dict)
+    binary_outputs: bool = False  # request-level `binary_data_output`
+
+
+def decompress(body: bytes, encoding: str | None) -> bytes:
+    """Undo `Content-Encoding: gzip | deflate` (what tritonclient's request compression sends)."""
+    if not encoding or encoding == "identity":
+        return body
+    try:
+        if encoding == "gzip":
+            return gzip.decompress(body)
+        if encoding == "deflate":
+            return zlib.decompress(body)
+    except (OSError, zlib.error, EOFError) as exc:
+        raise ProtocolError(f"the body is not valid {encoding} data ({exc})") from None
+    raise ProtocolError(f"Content-Encoding {encoding!r} is not supported; expected gzip, deflate or none")
+
+
+def parse_request(body: bytes, header_length: str | None) -> InferRequest:
+    """Decode an inference request body.
+
+    Args:
+        body: the (decompressed) HTTP body.
+        header_length: the `Inference-Header-Content-Length` header, when binary data follows.
+
+    Raises:
+        ProtocolError: invalid JSON, a malformed tensor, or binary sizes that do not add up.
+    """
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header_length!r}") from None
+        if not 0 <= n <= len(body):
+            raise ProtocolError(f"{HEADER_LENGTH} is {n} but the body has {len(body)} bytes")
+        header, binary = body[:n], memoryview(body)[n:]
+    else:
+        header, binary = body, memoryview(b"")
+    try:
+        doc = json.loads(header)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"the request is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
+        raise ProtocolError('expected a JSON object with a non-empty "inputs" list')
+    parameters = _object(doc.get("parameters", {}), "parameters")
+    inputs: dict[str, Tensor] = {}
+    offset = 0
+    for i, spec in enumerate(doc["inputs"]):
+        tensor, used = _parse_tensor(spec, i, binary[offset:])
+        offset += used
+        if tensor.name in inputs:
+            raise ProtocolError(f"input {tensor.name!r} is given twice")
+        inputs[tensor.name] = tensor
+    if offset != len(binary):
+        raise ProtocolError(f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
+    outputs = {}
+    for spec in doc.get("outputs") or []:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ProtocolError('each requested output must be an object with a "name"')
+        outputs[spec["name"]] = bool(_object(spec.get("parameters", {}), "output parameters").get("binary_data", False))
+    request_id = doc.get("id")
+    return InferRequest(id=str(request_id) if request_id is not None else None, inputs=inputs, outputs=outputs,
+                        parameters=parameters, binary_outputs=bool(parameters.get("binary_data_output", False)))
+
+
+def _object(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ProtocolError(f'"{what}" must be a JSON object')
+    return value
+
+
+def _parse_tensor(spec: Any, index: int, binary: memoryview) -> tuple[Tensor, int]:
+    if not isinstance(spec, dict):
+        raise ProtocolError(f"inputs[{index}] must be a JSON object")
+    name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
+    where = f"input {name!r}" if isinstance(name, str) else f"inputs[{index}]"
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f'{where} needs a "name" string')
+    if datatype not in DATATYPES:
+        raise ProtocolError(f"{where}: datatype {datatype!r} is not one of {', '.join(DATATYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ProtocolError(f'{where}: "shape" must be a list of non-negative integers, got {shape!r}')
+    count = math.prod(shape)
+    params = _object(spec.get("parameters", {}), f"{where} parameters")
+    size = params.get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or size < 0 or size > len(binary):
+            raise ProtocolError(f"{where}: binary_data_size {size!r} but {len(binary)} bytes of binary data remain")
+        raw = bytes(binary[:size])
+        data = _bytes_elements(raw, count, where) if datatype == "BYTES" else _fixed_from_binary(raw, datatype, count, where)
+        used = size
+    else:
+        if "data" not in spec:
+            raise ProtocolError(f'{where} has neither "data" nor a binary_data_size parameter')
+        data = _from_json(spec["data"], datatype, count, where)
+        used = 0
+    return Tensor(name=name, datatype=datatype, shape=tuple(shape), data=data.reshape(shape)), used
+
+
+def _flatten(value: Any) -> list:
+    if not isinstance(value, list):
+        return [value]
+    out = []
+    for v in value:
+        out.extend(_flatten(v))
+    return out
+
+
+def _from_json(value: Any, datatype: str, count: int, where: str) -> np.ndarray:
+    flat = _flatten(value)
+    if len(flat) != count:
+        raise ProtocolError(f"{where}: shape holds {count} elements but data has {len(flat)}")
+    if datatype == "BYTES":
+        if not all(isinstance(v, str) for v in flat):
+            raise ProtocolError(f"{where}: BYTES data in JSON must be strings")
+        out = np.empty(count, dtype=object)
+        out[:] = [v.encode("utf-8") for v in flat]
+        return out
+    dtype = DATATYPES[datatype]
+    kind = bool if datatype == "BOOL" else (float if dtype.kind == "f" else int)
+    for v in flat:
+        if isinstance(v, bool) != (kind is bool) or not isinstance(v, (int, float)) or (kind is int and isinstance(v, float)):
+            raise ProtocolError(f"{where}: {datatype} data must be {kind.__name__} values, got {v!r}")
+    try:
+        return np.asarray(flat, dtype=dtype)
+    except OverflowError:
+        raise ProtocolError(f"{where}: a value does not fit in {datatype}") from None
+
+
+def _fixed_from_binary(raw: bytes, datatype: str, count: int, where: str) -> np.ndarray:
+    dtype = DATATYPES[datatype]
+    if len(raw) != count * dtype.itemsize:
+        raise ProtocolError(f"{where}: {count} {datatype} elements need {count * dtype.itemsize} bytes, got {len(raw)}")
+    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype, copy=True)
+
+
+def _bytes_elements(raw: bytes, count: int, where: str) -> np.ndarray:
+    out = np.empty(count, dtype=object)
+    offset = 0
+    for i in range(count):
+        if offset + 4 > len(raw):
+            raise ProtocolError(f"{where}: BYTES data ends before element {i} of {count}")
+        (n,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + n > len(raw):
+            raise ProtocolError(f"{where}: BYTES element {i} claims {n} bytes, {len(raw) - offset} remain")
+        out[i] = raw[offset : offset + n]
+        offset += n
+    if offset != len(raw):
+        raise ProtocolError(f"{where}: {len(raw) - offset} bytes left after {count} BYTES elements")
+    return out
+
+
+def encode_response(model_name: str, request_id: str | None, outputs: list[tuple[str, np.ndarray]],
+                    binary: set[str]) -> tuple[bytes, dict[str, str]]:
+    """Encode an inference response; outputs named in `binary` go as binary tensor data.
+
+    Returns:
+        (body, extra headers): `Inference-Header-Content-Length` is set when binary data follows.
+    """
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": "1", "outputs": []}
+    if request_id is not None:
+        doc["id"] = request_id
+    chunks = []
+    for name, array in outputs:
+        array = np.ascontiguousarray(array)
+        spec: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
+        if name in binary:
+            raw = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+            spec["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            spec["data"] = array.reshape(-1).tolist()
+        doc["outputs"].append(spec)
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    if not chunks:
+        return header, {}
+    return b"".join([header, *chunks]), {HEADER_LENGTH: str(len(header))}
+
+
+def error_body(message: str) -> bytes:
+    """The protocol's error object, `{"error": "..."}`."""
+    return json.dumps({"error": message}).encode()
