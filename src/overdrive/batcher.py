@@ -35,7 +35,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -211,14 +211,14 @@ class DynamicBatcher:
     # -- the request side ---------------------------------------------------------------------
 
     async def infer(self, payload: Any, *, timeout_s: float | None = None,
-                    disconnected: Awaitable | None = None) -> Any:
+                    disconnected: Callable[[], Awaitable] | None = None) -> Any:
         """Queue a validated payload and return its result.
 
         Args:
             payload: what `model.rows/slice/execute` accept.
             timeout_s: seconds from now after which a still-queued request is dropped.
-            disconnected: completes when the client goes away; the request is then dropped
-                if it has not started.
+            disconnected: returns an awaitable that completes when the client goes away (called
+                once the request is admitted); the request is then dropped if it has not started.
 
         Raises:
             QueueFull, RequestTooLarge, RequestTimeout, ClientDisconnected, ShuttingDown:
@@ -238,10 +238,11 @@ class DynamicBatcher:
         now = time.monotonic()
         request = self._enqueue(payload, rows, now, now + timeout_s if timeout_s is not None else math.inf)
         try:
-            return await self._wait(request, disconnected)
+            return await self._wait(request, disconnected() if disconnected is not None else None)
         finally:
-            if request.state != _DONE and request.state != _RUNNING:
+            if request.state == _QUEUED:  # this coroutine was cancelled while its request waited
                 self._fail(request, ClientDisconnected("the request was cancelled"))
+                request.future.exception()  # retrieved: nobody else awaits it
 
     async def _wait(self, request: _Request, disconnected: Awaitable | None) -> Any:
         waiters: set = {request.future}

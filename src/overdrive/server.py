@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from overdrive import __version__
-from overdrive.batcher import BatcherError, DynamicBatcher, QueueFull, RequestTooLarge, ShuttingDown
+from overdrive.batcher import BatcherError, DynamicBatcher, QueueFull, ShuttingDown
 from overdrive.protocol import HEADER_LENGTH, ProtocolError, decompress, encode_response, error_body, parse_request
 from overdrive.served_model import OUTPUT, ServedModel, ValidationError
 
@@ -209,7 +209,7 @@ class InferenceServer:
             self.metrics.rejected("invalid")
             return _error(400, str(exc))
         try:
-            output = await self.batcher.infer(payload, timeout_s=timeout_s, disconnected=_disconnected(request))
+            output = await self.batcher.infer(payload, timeout_s=timeout_s, disconnected=lambda: _disconnected(request))
         except BatcherError as exc:
             return _error(_STATUS.get(exc.reason, 500), str(exc), retry_after=isinstance(exc, (QueueFull, ShuttingDown)))
         binary = {OUTPUT} if parsed.binary_outputs or parsed.outputs.get(OUTPUT) else set()

@@ -1,0 +1,248 @@
+"""The dynamic batcher's invariant, checked directly (no HTTP): row caps and splitting, delay,
+length buckets, the queue bound, timeouts, disconnects, error isolation and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from overdrive.batcher import (
+    ClientDisconnected,
+    DynamicBatcher,
+    ExecutionError,
+    QueueFull,
+    RequestTimeout,
+    RequestTooLarge,
+    ShuttingDown,
+    length_bucket,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ListModel:
+    """Payloads are lists of ints (rows); a row < 0 raises; result = rows × 10. Records batches."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.batches: list[list[list[int]]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def rows(self, payload):
+        return len(payload)
+
+    def slice(self, payload, start, stop):
+        return payload[start:stop]
+
+    def concat(self, results):
+        return [x for r in results for x in r]
+
+    def execute(self, payloads, instance):
+        self.gate.wait(10)
+        self.batches.append([list(p) for p in payloads])
+        time.sleep(self.delay_s)
+        if any(x < 0 for p in payloads for x in p):
+            raise ValueError("negative row")
+        return [[x * 10 for x in p] for p in payloads]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def started(model, **kw):
+    batcher = DynamicBatcher(model, **{"max_batch_size": 4, "max_queue_delay_s": 0.005, "max_queue_size": 64, **kw})
+    batcher.start()
+    return batcher
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(1, 11), min_size=1, max_size=12), cap=st.integers(1, 6))
+def test_every_request_gets_exactly_its_rows_and_no_batch_exceeds_the_cap(sizes, cap):
+    model = ListModel()
+
+    async def main():
+        batcher = await started(model, max_batch_size=cap, max_queue_size=1000)
+        payloads = [list(range(100 * i, 100 * i + n)) for i, n in enumerate(sizes)]
+        results = await asyncio.gather(*(batcher.infer(p) for p in payloads))
+        await batcher.drain(1)
+        return payloads, results
+
+    payloads, results = run(main())
+    assert results == [[x * 10 for x in p] for p in payloads]
+    assert all(sum(len(p) for p in batch) <= cap for batch in model.batches)
+    assert sorted(x for b in model.batches for p in b for x in p) == sorted(x for p in payloads for x in p)
+
+
+def test_a_full_batch_goes_at_once_and_a_partial_one_after_the_delay():
+    model = ListModel()
+
+    async def main():
+        batcher = await started(model, max_batch_size=4, max_queue_delay_s=0.3)
+        t0 = time.monotonic()
+        await asyncio.gather(*(batcher.infer([i]) for i in range(4)))
+        full = time.monotonic() - t0
+        t0 = time.monotonic()
+        await batcher.infer([9])
+        partial = time.monotonic() - t0
+        await batcher.drain(1)
+        return full, partial
+
+    full, partial = run(main())
+    assert full < 0.2 and 0.28 < partial < 1.0
+    assert [sum(len(p) for p in b) for b in model.batches] == [4, 1]
+
+
+def test_length_buckets_join_shorter_rows_never_longer_ones():
+    model = ListModel()
+
+    async def main():
+        model.gate.clear()  # hold the instance so the queue fills
+        batcher = await started(model, max_batch_size=8, max_queue_delay_s=0.0, length=lambda p: p[0])
+        first = asyncio.ensure_future(batcher.infer([1]))
+        await asyncio.sleep(0.05)
+        lengths = [100, 10, 100, 40, 10, 30]  # buckets 7, 4, 7, 6, 4, 5
+        tasks = [asyncio.ensure_future(batcher.infer([n])) for n in lengths]
+        await asyncio.sleep(0.05)
+        model.gate.set()
+        await asyncio.gather(first, *tasks)
+        await batcher.drain(1)
+
+    run(main())
+    assert [[p[0] for p in b] for b in model.batches[1:]] == [[100, 100, 40, 30, 10, 10]]
+    assert length_bucket(16) == 4 and length_bucket(17) == 5 and length_bucket(1) == 4
+
+
+def test_the_oldest_short_request_does_not_pull_longer_ones_in():
+    model = ListModel()
+
+    async def main():
+        model.gate.clear()
+        batcher = await started(model, max_batch_size=8, max_queue_delay_s=0.0, length=lambda p: p[0])
+        first = asyncio.ensure_future(batcher.infer([1]))
+        await asyncio.sleep(0.05)
+        tasks = [asyncio.ensure_future(batcher.infer([n])) for n in (10, 100, 12, 90)]
+        await asyncio.sleep(0.05)
+        model.gate.set()
+        await asyncio.gather(first, *tasks)
+        await batcher.drain(1)
+
+    run(main())
+    assert [[p[0] for p in b] for b in model.batches[1:]] == [[10, 12], [100, 90]]
+
+
+def test_the_queue_bound_counts_rows_and_refuses_at_once():
+    model = ListModel()
+
+    async def main():
+        model.gate.clear()
+        batcher = await started(model, max_batch_size=4, max_queue_size=6)
+        first = asyncio.ensure_future(batcher.infer([1]))  # taken by the instance, no longer queued
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(batcher.infer([1, 2, 3, 4, 5]))
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull, match="5 of 6 rows"):
+            await batcher.infer([1, 2])
+        with pytest.raises(RequestTooLarge):
+            await batcher.infer(list(range(7)))
+        model.gate.set()
+        await asyncio.gather(first, queued)
+        assert await batcher.infer([1, 2]) == [10, 20]  # room again
+        await batcher.drain(1)
+
+    run(main())
+
+
+def test_timeouts_and_disconnects_drop_queued_requests_before_execution():
+    model = ListModel()
+
+    async def main():
+        model.gate.clear()
+        batcher = await started(model, max_batch_size=1)
+        first = asyncio.ensure_future(batcher.infer([1]))
+        await asyncio.sleep(0.05)
+        gone = asyncio.Event()
+        timed = asyncio.ensure_future(batcher.infer([777], timeout_s=0.05))
+        left = asyncio.ensure_future(batcher.infer([888], disconnected=gone.wait))
+        cancelled = asyncio.ensure_future(batcher.infer([999]))
+        kept = asyncio.ensure_future(batcher.infer([2]))
+        await asyncio.sleep(0.1)
+        gone.set()
+        cancelled.cancel()
+        await asyncio.sleep(0.05)
+        assert batcher.queued_rows == 1
+        model.gate.set()
+        with pytest.raises(RequestTimeout):
+            await timed
+        with pytest.raises(ClientDisconnected):
+            await left
+        assert await first == [10] and await kept == [20]
+        await batcher.drain(1)
+        assert batcher.in_flight == 0
+
+    run(main())
+    assert [p[0] for b in model.batches for p in b] == [1, 2]
+
+
+def test_a_failing_batch_is_bisected_so_only_the_bad_request_fails():
+    model = ListModel()
+
+    async def main():
+        batcher = await started(model, max_batch_size=8, max_queue_delay_s=0.2)
+        results = await asyncio.gather(*(batcher.infer([i if i != 5 else -1]) for i in range(8)), return_exceptions=True)
+        assert await batcher.infer([3]) == [30]
+        await batcher.drain(1)
+        return results
+
+    results = run(main())
+    assert isinstance(results[5], ExecutionError) and "negative row" in str(results[5])
+    assert [r for i, r in enumerate(results) if i != 5] == [[i * 10] for i in range(8) if i != 5]
+
+
+def test_drain_finishes_admitted_requests_and_refuses_new_ones():
+    model = ListModel(delay_s=0.05)
+
+    async def main():
+        batcher = await started(model, max_batch_size=2, max_queue_delay_s=0.0, instances=2)
+        tasks = [asyncio.ensure_future(batcher.infer([i])) for i in range(10)]
+        await asyncio.sleep(0.01)
+        drain = asyncio.ensure_future(batcher.drain(5))
+        await asyncio.sleep(0)
+        with pytest.raises(ShuttingDown):
+            await batcher.infer([1])
+        assert await drain == 0
+        return await asyncio.gather(*tasks)
+
+    assert run(main()) == [[i * 10] for i in range(10)]
+
+
+def test_drain_timeout_answers_the_still_queued_with_shutting_down():
+    model = ListModel()
+
+    async def main():
+        model.gate.clear()
+        batcher = await started(model, max_batch_size=1)
+        tasks = [asyncio.ensure_future(batcher.infer([i])) for i in range(3)]
+        await asyncio.sleep(0.05)
+        drain = asyncio.ensure_future(batcher.drain(0.1))
+        await asyncio.sleep(0.2)
+        model.gate.set()
+        refused = await drain
+        return refused, await asyncio.gather(*tasks, return_exceptions=True)
+
+    refused, results = run(main())
+    assert refused == 2 and results[0] == [0]
+    assert all(isinstance(r, ShuttingDown) for r in results[1:])
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        DynamicBatcher(ListModel(), max_batch_size=0, max_queue_delay_s=0, max_queue_size=4)
+    with pytest.raises(ValueError):
+        DynamicBatcher(ListModel(), max_batch_size=1, max_queue_delay_s=-1, max_queue_size=4)
