@@ -72,7 +72,6 @@ class ServedModel:
             names = ["input"] if len(columns) == 1 else [f"input__{i}" for i in range(len(columns))]
             self.inputs = [TensorSpec(n, datatype_of(np.dtype(str(c.dtype).removeprefix("torch."))), [-1, *c.shape])
                            for n, c in zip(names, columns)]
-            self._dtypes = [c.dtype for c in columns]
         probe = self.execute([self._example()], 0)[0]  # also warms every instance up below
         for i in range(1, len(models)):
             self.execute([self._example()], i)

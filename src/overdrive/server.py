@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import signal
+import socket
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -31,6 +32,7 @@ from starlette.routing import Route
 
 from overdrive import __version__
 from overdrive.batcher import BatcherError, DynamicBatcher, QueueFull, ShuttingDown
+from overdrive.errors import UserError
 from overdrive.protocol import HEADER_LENGTH, ProtocolError, decompress, encode_response, error_body, parse_request
 from overdrive.served_model import OUTPUT, ServedModel, ValidationError
 
@@ -273,8 +275,26 @@ def run_server(server: InferenceServer, *, host: str, port: int, access_log: boo
 
     config = uvicorn.Config(server.app, host=host, port=port, access_log=access_log, log_level="warning",
                             timeout_graceful_shutdown=5, lifespan="on")
-    _Server(config).run()
+    _Server(config).run(sockets=[bind(host, port)])
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6).
+
+    Raises:
+        UserError: the address is in use, not local, or not allowed (a port below 1024).
+    """
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def describe_config(server: InferenceServer) -> str:

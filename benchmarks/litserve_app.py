@@ -1,0 +1,66 @@
+"""The LitServe anchor for `serve_cpu.py`: the same workload model behind LitServe's own
+dynamic batching (`max_batch_size`, `batch_timeout`), one inference worker.
+
+    .venv/bin/python benchmarks/litserve_app.py minilm --port 8100 --max-batch-size 32 --batch-timeout-ms 2
+
+Request: {"text": "..."} (text workloads) or {"input": nested list of one sample}; response
+{"output": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import litserve as ls  # noqa: E402
+import torch  # noqa: E402
+
+from overdrive.workloads import create_workload  # noqa: E402
+
+
+class WorkloadAPI(ls.LitAPI):
+    def __init__(self, spec: str, **kwargs):
+        super().__init__(**kwargs)
+        self.workload_spec = spec
+
+    def setup(self, device):
+        self.workload = create_workload(self.workload_spec)
+        self.model = self.workload.model.eval()
+
+    def decode_request(self, request):
+        if self.workload.is_text:
+            return request["text"]
+        return torch.tensor(request["input"], dtype=torch.float32)
+
+    def batch(self, inputs):
+        return inputs if self.workload.is_text else torch.stack(inputs)
+
+    @torch.inference_mode()
+    def predict(self, x):
+        if self.workload.is_text:
+            return self.model(*self.workload.collate(list(x)))
+        return self.model(x)
+
+    def unbatch(self, output):
+        return list(output)
+
+    def encode_response(self, output):
+        return {"output": output.tolist()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workload")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--batch-timeout-ms", type=float, default=2.0)
+    args = parser.parse_args()
+    api = WorkloadAPI(args.workload, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout_ms / 1e3)
+    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60)
+    server.run(host="127.0.0.1", port=args.port, generate_client_file=False, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

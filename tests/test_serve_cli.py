@@ -1,0 +1,94 @@
+"""`overdrive serve` from the command line: bad input gets one line and exit code 2; a plan
+written for a workload is served with its techniques applied."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from overdrive.plan import Plan, Step, build
+from overdrive.serve import load_served_model
+from overdrive.workloads import create_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+pytestmark = pytest.mark.timeout(180)
+
+
+def serve(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "overdrive", "serve", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    Plan(workload="tests.fixtures.user_models:build", device="cpu", batch_size=4,
+         steps=[Step.default("bf16")]).save(path)
+    return path
+
+
+def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, plan_file):
+    cuda_plan = tmp_path / "cuda.json"
+    cuda_plan.write_text(plan_file.read_text().replace('"device": "cpu"', '"device": "cuda"'))
+    (tmp_path / "junk.json").write_text("{not json")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    cases = [
+        (["no-such-model"], "unknown workload 'no-such-model'"),
+        ([str(tmp_path / "missing.json")], "no such file"),
+        ([str(tmp_path / "junk.json")], "is not an overdrive plan"),
+        ([str(plan_file), "--max-batch-size", "8", "--max-queue-size", "4"], "less than one batch"),
+        (["tests.fixtures.user_models:build", "--port", str(busy.getsockname()[1])], "cannot listen on"),
+        (["tests.fixtures.user_models:build", "--max-batch-size", "0"], "expected a positive integer"),
+        (["tests.fixtures.user_models:build", "--max-queue-delay-ms", "-1"], "expected a finite number ≥ 0"),
+        (["tests.fixtures.user_models:scalar_output"], "the model must return a tensor"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(([str(cuda_plan)], "no CUDA GPU is present"))
+    for args, message in cases:
+        result = serve(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    busy.close()
+
+
+def test_a_plan_is_served_with_its_techniques(plan_file):
+    served, plan, instances = load_served_model(str(plan_file), device="auto", instances=None)
+    assert plan.names == ["bf16"] and instances == 1
+    workload = create_workload("tests.fixtures.user_models:build")
+    model, _ = build(workload, plan.steps, torch.device("cpu"))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = model(x).float().numpy()
+    np.testing.assert_array_equal(served.execute([(x,)], 0)[0], expected)  # the bf16 model, not the fp32 one
+
+    proc = subprocess.Popen([sys.executable, "-m", "overdrive", "serve", str(plan_file), "--port", "0"], cwd=ROOT, env=ENV,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert "(bf16)" in line and "'user_models'" in line, line
+        url = line.split(" on ")[1].split()[0]
+        body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 16], "data": x.reshape(-1).tolist()}]}
+        doc = httpx.post(url, json=body).json()
+        np.testing.assert_array_equal(np.asarray(doc["outputs"][0]["data"], dtype=np.float32).reshape(3, 4), expected)
+        config = httpx.get(url.removesuffix("/infer") + "/config").json()
+        assert config["max_batch_size"] == 4  # the plan's batch size
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert json.loads(plan_file.read_text())["techniques"][0]["name"] == "bf16"
