@@ -92,3 +92,14 @@ def test_a_plan_is_served_with_its_techniques(plan_file):
         proc.kill()
         proc.wait()
     assert json.loads(plan_file.read_text())["techniques"][0]["name"] == "bf16"
+
+
+def test_a_model_with_a_static_batch_is_padded_to_it_and_unpadded_per_request():
+    served, _, _ = load_served_model("tests.fixtures.user_models:fixed_batch", device="cpu", instances=None)
+    assert served.fixed_batch_size == 4
+    x = torch.randn(3, 16)
+    out = served.execute([(x[:1],), (x[1:],)], 0)  # 3 rows padded to 4, cut back to 1 + 2
+    assert [o.shape for o in out] == [(1, 1), (2, 1)]
+    np.testing.assert_allclose(np.concatenate(out)[:, 0], x.sum(-1).numpy(), rtol=1e-5)
+    result = serve("tests.fixtures.user_models:fixed_batch", "--max-batch-size", "8")
+    assert result.returncode == 2 and "--max-batch-size must be ≤ 4" in result.stderr
