@@ -394,8 +394,12 @@ class DynamicBatcher:
         request.results[entry.chunk] = outcome
         request.remaining -= 1
         if request.remaining == 0:
+            try:
+                result = outcome if len(request.results) == 1 else self.model.concat(request.results)
+            except Exception as exc:  # noqa: BLE001 — the worker must survive whatever one request does
+                self._fail(request, ExecutionError(f"joining the request's chunks failed: {type(exc).__name__}: {exc}"))
+                return
             request.state = _DONE
-            result = outcome if len(request.results) == 1 else self.model.concat(request.results)
             request.future.set_result(result)
             self._finished()
         else:
