@@ -3,7 +3,7 @@ dynamic batching (`max_batch_size`, `batch_timeout`), one inference worker.
 
     .venv/bin/python benchmarks/litserve_app.py minilm --port 8100 --max-batch-size 32 --batch-timeout-ms 2
 
-Request: {"text": "..."} (text workloads) or {"input": nested list of one sample}; response
+Warm-up in `setup` as `overdrive serve` does it (each batch size once). Request: {"text": "..."} (text workloads) or {"input": nested list of one sample}; response
 {"output": [...]}.
 """
 
@@ -28,6 +28,13 @@ class WorkloadAPI(ls.LitAPI):
     def setup(self, device):
         self.workload = create_workload(self.workload_spec)
         self.model = self.workload.model.eval()
+        # the same warm-up `overdrive serve` does: each batch size once (powers of two for text)
+        sample = self.workload.samples[0]
+        sizes = range(1, self.max_batch_size + 1)
+        if self.workload.is_text:
+            sizes = sorted({2 ** i for i in range(self.max_batch_size.bit_length())} | {self.max_batch_size})
+        for size in sizes:
+            self.predict([sample] * size if self.workload.is_text else torch.stack([sample] * size))
 
     def decode_request(self, request):
         if self.workload.is_text:

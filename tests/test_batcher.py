@@ -99,7 +99,7 @@ def test_a_full_batch_goes_at_once_and_a_partial_one_after_the_delay():
     assert [sum(len(p) for p in b) for b in model.batches] == [4, 1]
 
 
-def test_length_buckets_join_shorter_rows_never_longer_ones():
+def test_only_rows_of_the_oldest_requests_length_bucket_join_its_batch():
     model = ListModel()
 
     async def main():
@@ -107,7 +107,7 @@ def test_length_buckets_join_shorter_rows_never_longer_ones():
         batcher = await started(model, max_batch_size=8, max_queue_delay_s=0.0, length=lambda p: p[0])
         first = asyncio.ensure_future(batcher.infer([1]))
         await asyncio.sleep(0.05)
-        lengths = [100, 10, 100, 40, 10, 30]  # buckets 7, 4, 7, 6, 4, 5
+        lengths = [100, 10, 90, 40, 12, 120, 33]  # buckets 7, 4, 7, 6, 4, 7, 6
         tasks = [asyncio.ensure_future(batcher.infer([n])) for n in lengths]
         await asyncio.sleep(0.05)
         model.gate.set()
@@ -115,26 +115,8 @@ def test_length_buckets_join_shorter_rows_never_longer_ones():
         await batcher.drain(1)
 
     run(main())
-    assert [[p[0] for p in b] for b in model.batches[1:]] == [[100, 100, 40, 30, 10, 10]]
+    assert [[p[0] for p in b] for b in model.batches[1:]] == [[100, 90, 120], [10, 12], [40, 33]]
     assert length_bucket(16) == 4 and length_bucket(17) == 5 and length_bucket(1) == 4
-
-
-def test_the_oldest_short_request_does_not_pull_longer_ones_in():
-    model = ListModel()
-
-    async def main():
-        model.gate.clear()
-        batcher = await started(model, max_batch_size=8, max_queue_delay_s=0.0, length=lambda p: p[0])
-        first = asyncio.ensure_future(batcher.infer([1]))
-        await asyncio.sleep(0.05)
-        tasks = [asyncio.ensure_future(batcher.infer([n])) for n in (10, 100, 12, 90)]
-        await asyncio.sleep(0.05)
-        model.gate.set()
-        await asyncio.gather(first, *tasks)
-        await batcher.drain(1)
-
-    run(main())
-    assert [[p[0] for p in b] for b in model.batches[1:]] == [[10, 12], [100, 90]]
 
 
 def test_the_queue_bound_counts_rows_and_refuses_at_once():

@@ -103,3 +103,18 @@ def test_a_model_with_a_static_batch_is_padded_to_it_and_unpadded_per_request():
     np.testing.assert_allclose(np.concatenate(out)[:, 0], x.sum(-1).numpy(), rtol=1e-5)
     result = serve("tests.fixtures.user_models:fixed_batch", "--max-batch-size", "8")
     assert result.returncode == 2 and "--max-batch-size must be ≤ 4" in result.stderr
+
+
+def test_warmup_runs_each_batch_size_once_within_its_budget():
+    from overdrive.served_model import ServedModel
+    from tests.fixtures.serve_models import toy_text_workload, toy_workload
+
+    workload = toy_workload()
+    served = ServedModel("toy", workload, [workload.model], [torch.device("cpu")])
+    assert served.warmup(6, budget_s=60)[0] == 6
+    assert [n for n, _ in workload.model.seen[1:]] == [1, 2, 3, 4, 5, 6]
+    assert served.warmup(6, budget_s=0)[0] == 0
+    text = toy_text_workload()
+    served = ServedModel("toy-text", text, [text.model], [torch.device("cpu")])
+    assert served.warmup(12, budget_s=60)[0] == 12
+    assert [rows for rows, _ in text.model.seen[1:]] == [1, 2, 4, 8, 12]

@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default timeout of a queued request, ms, when the request sets none (default 30000; 0: none)")
     serve.add_argument("--drain-timeout-s", type=nonnegative, default=30.0,
                        help="on SIGTERM/SIGINT, how long admitted requests may take to finish (default 30)")
+    serve.add_argument("--warmup-s", type=nonnegative, default=30.0,
+                       help="seconds to spend at start running each batch size once, so no request pays for a "
+                            "kernel's first run at a new shape (default 30; 0: none)")
     serve.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs throughput)")
 
     sub.add_parser("list", help="workloads and techniques, with the devices each supports")

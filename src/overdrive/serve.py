@@ -73,12 +73,13 @@ def cmd_serve(args) -> int:
     config = ServerConfig(max_batch_size=max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms,
                           max_queue_size=max_queue_size, instances=instances,
                           request_timeout_ms=args.request_timeout_ms or None, drain_timeout_s=args.drain_timeout_s)
+    warmed, warm_s = served.warmup(max_batch_size, args.warmup_s)
     server = InferenceServer(served, config)
 
     def started(port: int) -> None:
         source = f"plan {args.model} ({' + '.join(plan.names) or 'baseline'})" if plan else args.model
         sys.stderr.write(f"overdrive serve: {source} as model {served.name!r} on http://{args.host}:{port}/v2/models/"
-                         f"{served.name}/infer  {describe_config(server)}\n")
+                         f"{served.name}/infer  {describe_config(server)}; warmed batch sizes up to {warmed} in {warm_s:.1f} s\n")
         sys.stderr.flush()
 
     return run_server(server, host=args.host, port=args.port, access_log=args.access_log, on_started=started)

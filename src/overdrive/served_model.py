@@ -9,6 +9,7 @@ in the workload's dtype. Output: `output`, FP32 [N, *output row shape].
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,37 @@ class ServedModel:
             return TextPayload([sample], [self.workload.sample_length(sample)])
         columns = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
         return tuple(c.unsqueeze(0) for c in columns)
+
+    def warmup(self, max_batch_size: int, budget_s: float) -> tuple[int, float]:
+        """Run every batch size 1..max_batch_size once on each instance's model (powers of two
+        for text, whose shapes also vary in length), until `budget_s` seconds have passed.
+
+        Kernel libraries build and cache per-shape state on first use (oneDNN primitives on
+        CPU, cuDNN/cuBLAS plans on GPU): without this, the first batch of each size a server
+        sees is tens of ms slower, which shows up as its p99 (Triton's `model_warmup`).
+
+        Returns:
+            (batch sizes warmed, seconds taken).
+        """
+        start = time.perf_counter()
+        sizes = range(1, max_batch_size + 1)
+        if self.workload.is_text:
+            sizes = sorted({2 ** i for i in range(max_batch_size.bit_length())} | {max_batch_size})
+        done = 0
+        for size in sizes:
+            if time.perf_counter() - start > budget_s:
+                break
+            example = self._example()
+            payload = self.concat_payloads([example] * size)
+            for instance in range(len(self.models)):
+                self.execute([payload], instance)
+            done = size
+        return done, time.perf_counter() - start
+
+    def concat_payloads(self, payloads: list):
+        if isinstance(payloads[0], TextPayload):
+            return TextPayload([t for p in payloads for t in p.texts], [n for p in payloads for n in p.lengths])
+        return tuple(torch.cat(col) for col in zip(*payloads))
 
     # -- metadata --------------------------------------------------------------------------------
 
@@ -168,7 +200,7 @@ class ServedModel:
             pad = (self.fixed_batch_size or len(texts)) - len(texts)
             inputs = self.workload.collate(texts + texts[:1] * pad)
         else:
-            inputs = tuple(torch.cat(col) for col in zip(*payloads))
+            inputs = self.concat_payloads(payloads)
             pad = (self.fixed_batch_size or inputs[0].shape[0]) - inputs[0].shape[0]
             if pad > 0:
                 inputs = tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in inputs)
