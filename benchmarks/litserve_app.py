@@ -17,17 +17,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import litserve as ls  # noqa: E402
 import torch  # noqa: E402
 
+from overdrive.plan import Plan  # noqa: E402
 from overdrive.workloads import create_workload  # noqa: E402
 
 
 class WorkloadAPI(ls.LitAPI):
-    def __init__(self, spec: str, **kwargs):
+    def __init__(self, spec: str, plan: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.workload_spec = spec
+        self.plan = plan
 
     def setup(self, device):
         self.workload = create_workload(self.workload_spec)
         self.model = self.workload.model.eval()
+        if self.plan:  # the same optimized model `overdrive serve plan.json` serves
+            self.model = Plan.load(self.plan).build(self.workload, torch.device("cpu"))[0]
         # the same warm-up `overdrive serve` does: each batch size once (powers of two for text)
         sample = self.workload.samples[0]
         sizes = range(1, self.max_batch_size + 1)
@@ -61,10 +65,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload")
     parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--plan", help="serve the model of this overdrive plan.json instead of the eager fp32 one")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--batch-timeout-ms", type=float, default=2.0)
     args = parser.parse_args()
-    api = WorkloadAPI(args.workload, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout_ms / 1e3)
+    api = WorkloadAPI(args.workload, args.plan, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout_ms / 1e3)
     server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60)
     server.run(host="127.0.0.1", port=args.port, generate_client_file=False, log_level="warning")
 

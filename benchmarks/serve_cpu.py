@@ -13,6 +13,10 @@ Requests are JSON on every set-up (Open Inference Protocol JSON tensors for over
 own JSON for LitServe). Targets (issue 4), at C = 32: dynamic batching ≥ 3× the requests/s of
 batching off at a lower p99, and ≥ LitServe's requests/s at no worse p99.
 
+The models are the workloads' eager fp32 ones; MiniLM is also measured served from a plan with
+bf16 autocast (what `optimize` keeps on a CPU with AVX512-BF16), the three set-ups again on that
+same model (LitServe builds it from the same plan.json).
+
     .venv/bin/python benchmarks/serve_cpu.py [--only minilm|digits-cnn] [--seconds S]
 """
 
@@ -65,16 +69,16 @@ def request_bodies(workload: str) -> tuple[list[bytes], list[bytes]]:
 class Server:
     """A server subprocess; `url` is where to POST one request, `ready` where to poll."""
 
-    def __init__(self, kind: str, workload: str, batch: int, delay_ms: float):
+    def __init__(self, kind: str, workload: str, batch: int, delay_ms: float, plan: Path | None = None):
         self.port = free_port()
         base = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
         if kind == "litserve":
             cmd = [sys.executable, str(ROOT / "benchmarks" / "litserve_app.py"), workload, "--port", str(self.port),
-                   "--max-batch-size", str(batch), "--batch-timeout-ms", str(delay_ms)]
+                   "--max-batch-size", str(batch), "--batch-timeout-ms", str(delay_ms)] + (["--plan", str(plan)] if plan else [])
             self.url, self.ready = f"{base}/predict", f"{base}/health"
         else:
-            cmd = [sys.executable, "-m", "overdrive", "serve", workload, "--device", "cpu", "--port", str(self.port),
+            cmd = [sys.executable, "-m", "overdrive", "serve", str(plan or workload), "--device", "cpu", "--port", str(self.port),
                    "--max-batch-size", str(batch), "--max-queue-delay-ms", str(delay_ms), "--max-queue-size", "4096"]
             self.url, self.ready = f"{base}/v2/models/{workload}/infer", f"{base}/v2/health/ready"
         self.metrics = f"{base}/metrics" if kind == "overdrive" else None
@@ -164,7 +168,15 @@ async def client_warm(session, server: Server, bodies: list[bytes]) -> None:
                 raise RuntimeError(f"warm-up request failed with {r.status}: {await r.text()}")
 
 
-def bench_workload(workload: str, seconds: float) -> dict:
+def bf16_plan(workload: str) -> Path:
+    from overdrive.plan import Plan, Step
+
+    path = ROOT / "out" / "serve_cpu" / f"{workload}-bf16" / "plan.json"
+    Plan(workload=workload, device="cpu", batch_size=SETTINGS[workload]["batch"], steps=[Step.default("bf16")]).save(path)
+    return path
+
+
+def bench_workload(workload: str, seconds: float, plan: Path | None = None) -> dict:
     settings = SETTINGS[workload]
     oip, lit = request_bodies(workload)
     setups = [("overdrive, dynamic batching", "overdrive", settings["batch"], oip),
@@ -172,14 +184,14 @@ def bench_workload(workload: str, seconds: float) -> dict:
               ("LitServe, its batching", "litserve", settings["batch"], lit)]
     results = {}
     for label, kind, batch, bodies in setups:
-        server = Server(kind, workload, batch, settings["delay_ms"])
+        server = Server(kind, workload, batch, settings["delay_ms"], plan)
         try:
             asyncio.run(server.wait_ready())
             results[label] = [asyncio.run(closed_loop(server, bodies, c, seconds, warmup_s=1.5)) for c in CONCURRENCY]
         finally:
             server.stop()
         for r in results[label]:
-            print(f"  {workload:10s} {label:28s} C={r['concurrency']:3d}  {r['requests_per_s']:8.1f} req/s  "
+            print(f"  {workload + (' bf16' if plan else ''):15s} {label:28s} C={r['concurrency']:3d}  {r['requests_per_s']:8.1f} req/s  "
                   f"p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  errors {r['errors']}"
                   + (f"  mean batch {r['mean_batch_rows']:.1f} rows" if r["mean_batch_rows"] else ""), flush=True)
     return results
@@ -201,15 +213,20 @@ def verdict(workload: str, results: dict) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=list(SETTINGS))
+    parser.add_argument("--fp32-only", action="store_true", help="skip MiniLM served from the bf16 plan")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per concurrency level (default 8)")
     args = parser.parse_args()
     print(f"serve_cpu: torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     met = True
     all_results = {}
-    for workload in [args.only] if args.only else list(SETTINGS):
-        all_results[workload] = bench_workload(workload, args.seconds)
-        met &= verdict(workload, all_results[workload])
+    runs = [(w, None) for w in ([args.only] if args.only else list(SETTINGS))]
+    if "minilm" in dict(runs) and not args.fp32_only:
+        runs.append(("minilm", bf16_plan("minilm")))
+    for workload, plan in runs:
+        key = workload + (" (bf16 plan)" if plan else " (eager fp32)")
+        all_results[key] = bench_workload(workload, args.seconds, plan)
+        met &= verdict(key, all_results[key])
     out = ROOT / "out" / "serve_cpu.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(all_results, indent=2) + "\n")

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue-delay-ms", type=nonnegative, default=2.0,
                        help="longest a request waits for others to join its batch, ms (default 2)")
     serve.add_argument("--max-queue-size", type=positive_int, help="rows that may wait; more get 503 + Retry-After "
-                                                                    "(default 8 batches per instance)")
+                                                                    "(default: 512, or 8 batches per instance if more)")
     serve.add_argument("--instances", type=positive_int, help="model instances, each with its own thread "
                                                                "(default: one per GPU, 1 on CPU)")
     serve.add_argument("--request-timeout-ms", type=nonnegative, default=30_000.0,

@@ -67,7 +67,7 @@ def cmd_serve(args) -> int:
     if served.fixed_batch_size and max_batch_size > served.fixed_batch_size:
         raise UserError(f"{args.model} runs only at batch size {served.fixed_batch_size}; "
                         f"--max-batch-size must be ≤ {served.fixed_batch_size}")
-    max_queue_size = args.max_queue_size or 8 * max_batch_size * instances
+    max_queue_size = args.max_queue_size or max(512, 8 * max_batch_size * instances)
     if max_queue_size < max_batch_size:
         raise UserError(f"--max-queue-size {max_queue_size} rows is less than one batch ({max_batch_size} rows)")
     config = ServerConfig(max_batch_size=max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms,
