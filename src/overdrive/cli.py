@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=positive_int, help="rows per model batch (default: the plan's batch size, "
                                                                     "else the workload's); 1 turns batching off")
     serve.add_argument("--max-queue-delay-ms", type=nonnegative, default=2.0,
-                       help="longest a request waits for others to join its batch, ms (default 2)")
+                       help="longest a request waits for others to join its batch, ms (default 2; 0: run at once with "
+                            "whatever is queued, the lowest latency at light load)")
     serve.add_argument("--max-queue-size", type=positive_int, help="rows that may wait; more get 503 + Retry-After "
                                                                     "(default: 512, or 8 batches per instance if more)")
     serve.add_argument("--instances", type=positive_int, help="model instances, each with its own thread "
