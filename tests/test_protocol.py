@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import struct
+import zlib
 
 import numpy as np
 import pytest
 
-from overdrive.protocol import HEADER_LENGTH, ProtocolError, decompress, encode_response, parse_request
+from overdrive.protocol import HEADER_LENGTH, ProtocolError, TooLarge, decompress, encode_response, parse_request
 
 
 def binary_request(tensors: list[tuple[str, str, np.ndarray | list[bytes]]]) -> tuple[bytes, str]:
@@ -80,8 +82,29 @@ def test_bad_bodies_raise_protocol_errors_that_say_what_was_expected(header, tai
         parse_request(body, length)
 
 
-def test_decompress_refuses_unknown_or_corrupt_encodings():
+def test_decompress_refuses_unknown_corrupt_truncated_or_oversized_bodies():
+    data = b'{"inputs": []}' * 100
+    assert decompress(gzip.compress(data), "gzip", 10_000) == data
+    assert decompress(zlib.compress(data), "deflate", 10_000) == data
     with pytest.raises(ProtocolError, match="not supported"):
-        decompress(b"x", "br")
+        decompress(b"x", "br", 100)
     with pytest.raises(ProtocolError, match="not valid gzip"):
-        decompress(b"not gzip", "gzip")
+        decompress(b"not gzip", "gzip", 100)
+    with pytest.raises(ProtocolError, match="truncated"):
+        decompress(gzip.compress(data)[:20], "gzip", 10_000)
+    with pytest.raises(TooLarge, match="decompresses to more than 20000 bytes"):
+        decompress(gzip.compress(b"\0" * 10**7), "gzip", 20_000)  # a 10 MB bomb in a ~10 kB body
+    with pytest.raises(TooLarge):
+        decompress(b"x" * 101, None, 100)
+
+
+def test_a_huge_bytes_shape_with_little_data_is_refused_before_allocating():
+    header = json.dumps({"inputs": [{"name": "b", "datatype": "BYTES", "shape": [10**9],
+                                     "parameters": {"binary_data_size": 5}}]}).encode()
+    with pytest.raises(ProtocolError, match="1000000000 BYTES elements need at least"):
+        parse_request(header + struct.pack("<I", 1) + b"x", str(len(header)))
+
+
+def test_deeply_nested_json_is_a_protocol_error():
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        parse_request(b"[" * 100_000 + b"]" * 100_000, None)

@@ -334,3 +334,17 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_bodies_over_the_limit_get_413_also_when_compressed_or_chunked():
+    with LiveServer(toy_workload(), max_batch_size=8, max_request_bytes=4096) as live:
+        x = rows(200, 1)  # ~16 kB of JSON
+        assert requests.post(live.infer_url, json=tensor_body(x)).status_code == 413
+        bomb = gzip.compress(json.dumps(tensor_body(np.zeros((1000, 4), dtype=np.float32))).encode())
+        assert len(bomb) < 4096
+        r = requests.post(live.infer_url, content=bomb, headers={"Content-Encoding": "gzip"})
+        assert r.status_code == 413 and "decompresses to more than 4096 bytes" in r.json()["error"]
+        chunked = requests.post(live.infer_url, content=iter([json.dumps(tensor_body(x)).encode()]))  # no Content-Length
+        assert chunked.status_code == 413
+        assert requests.post(live.infer_url, json=tensor_body(rows(2, 3))).status_code == 200
+        assert live.metric("overdrive_rejections_total", reason="too_large") == 3

@@ -9,7 +9,6 @@ Server's binary tensor data extension (`Inference-Header-Content-Length`, per-te
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import struct
@@ -61,18 +60,33 @@ class InferRequest:
     binary_outputs: bool = False  # request-level `binary_data_output`
 
 
-def decompress(body: bytes, encoding: str | None) -> bytes:
-    """Undo `Content-Encoding: gzip | deflate` (what tritonclient's request compression sends)."""
+class TooLarge(ProtocolError):
+    """A body over the server's size limit (HTTP 413)."""
+
+
+def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """Undo `Content-Encoding: gzip | deflate` (what tritonclient's request compression sends).
+
+    Raises:
+        ProtocolError: an unknown encoding or corrupt data.
+        TooLarge: the body, or what it decompresses to, is over `limit` bytes.
+    """
+    if len(body) > limit:
+        raise TooLarge(f"the body is {len(body)} bytes; this server takes at most {limit}")
     if not encoding or encoding == "identity":
         return body
+    if encoding not in ("gzip", "deflate"):
+        raise ProtocolError(f"Content-Encoding {encoding!r} is not supported; expected gzip, deflate or none")
+    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)  # 31: gzip header, 15: zlib
     try:
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, zlib.error, EOFError) as exc:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
         raise ProtocolError(f"the body is not valid {encoding} data ({exc})") from None
-    raise ProtocolError(f"Content-Encoding {encoding!r} is not supported; expected gzip, deflate or none")
+    if len(out) > limit:
+        raise TooLarge(f"the body decompresses to more than {limit} bytes, the most this server takes")
+    if not inflater.eof:
+        raise ProtocolError(f"the body is not valid {encoding} data (truncated)")
+    return out
 
 
 def parse_request(body: bytes, header_length: str | None) -> InferRequest:
@@ -99,6 +113,8 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
         doc = json.loads(header)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"the request is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ProtocolError("the request JSON is nested too deeply") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
         raise ProtocolError('expected a JSON object with a non-empty "inputs" list')
     parameters = _object(doc.get("parameters", {}), "parameters")
@@ -194,6 +210,8 @@ def _fixed_from_binary(raw: bytes, datatype: str, count: int, where: str) -> np.
 
 
 def _bytes_elements(raw: bytes, count: int, where: str) -> np.ndarray:
+    if 4 * count > len(raw):  # each element has a 4-byte length: refuse before allocating `count` slots
+        raise ProtocolError(f"{where}: {count} BYTES elements need at least {4 * count} bytes, got {len(raw)}")
     out = np.empty(count, dtype=object)
     offset = 0
     for i in range(count):

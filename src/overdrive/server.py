@@ -31,9 +31,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from overdrive import __version__
-from overdrive.batcher import BatcherError, DynamicBatcher, QueueFull, ShuttingDown
+from overdrive.batcher import BatcherError, DynamicBatcher, QueueFull, RequestTooLarge, ShuttingDown
 from overdrive.errors import UserError
-from overdrive.protocol import HEADER_LENGTH, ProtocolError, decompress, encode_response, error_body, parse_request
+from overdrive.protocol import HEADER_LENGTH, ProtocolError, TooLarge, decompress, encode_response, error_body, parse_request
 from overdrive.served_model import OUTPUT, ServedModel, ValidationError
 
 log = logging.getLogger("overdrive.serve")
@@ -199,14 +199,19 @@ class InferenceServer:
         if self.draining:
             self.metrics.rejected(ShuttingDown.reason)
             return _error(503, "the server is shutting down; retry on another replica", retry_after=True)
+        limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.config.max_request_bytes:
-            return _error(413, f"the body is {declared} bytes; this server takes at most {self.config.max_request_bytes}")
+        if declared and declared.isdigit() and int(declared) > limit:
+            self.metrics.rejected(RequestTooLarge.reason)
+            return _error(413, f"the body is {declared} bytes; this server takes at most {limit}")
         try:
-            body = decompress(await request.body(), request.headers.get("content-encoding"))
+            body = decompress(await request.body(), request.headers.get("content-encoding"), limit)
             parsed = parse_request(body, request.headers.get(HEADER_LENGTH.lower()))
             payload = self.served.validate(parsed)
             timeout_s = _timeout_s(parsed.parameters.get("timeout"), self.config.request_timeout_ms)
+        except TooLarge as exc:
+            self.metrics.rejected(RequestTooLarge.reason)
+            return _error(413, str(exc))
         except (ProtocolError, ValidationError) as exc:
             self.metrics.rejected("invalid")
             return _error(400, str(exc))
