@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import signal
@@ -280,7 +281,14 @@ def run_server(server: InferenceServer, *, host: str, port: int, access_log: boo
 
     config = uvicorn.Config(server.app, host=host, port=port, access_log=access_log, log_level="warning",
                             timeout_graceful_shutdown=5, lifespan="on")
-    _Server(config).run(sockets=[bind(host, port)])
+    sock = bind(host, port)
+    # The model and its libraries live as long as the server: move them out of the cyclic
+    # collector's reach, or every gen-2 collection walks them all and stalls the event loop
+    # (measured here: a full collection with MiniLM loaded takes 0.33–0.66 s, which showed up
+    # as 100–160 ms p99 stalls at 64 clients; after gc.freeze() it takes under 1 ms).
+    gc.collect()
+    gc.freeze()
+    _Server(config).run(sockets=[sock])
     return 0
 
 
