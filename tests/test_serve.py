@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures.live_server import LiveServer
+from overdrive.server import _timeout_s
+from tests.fixtures.live_server import LiveServer, wait_ready
 from tests.fixtures.serve_models import BLOCK, NEVER, RAISE, toy_text_workload, toy_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,12 +141,20 @@ def test_raw_http_endpoints_and_errors_name_what_was_expected():
             json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 5], "data": [0] * 5}]}):
                 "must have shape [N, 4]",
             json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 4], "data": [0] * 7}]}):
-                "shape holds 8 elements but data has 7",
+                "shape [2, 4] holds 8 elements but data has 7",
             json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": ["a"] * 4}]}):
                 "FP32 data must be float values",
             json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [0, 4], "data": []}]}): "N ≥ 1",
             json.dumps({**tensor_body(x), "outputs": [{"name": "logits"}]}): "unknown requested outputs ['logits']",
             json.dumps({**tensor_body(x), "parameters": {"timeout": -5}}): "timeout",
+            json.dumps({**tensor_body(x), "id": {"a": 1}}): '"id" must be a string',
+            json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 4],
+                                    "data": [[0.0] * 3, [0.0] * 5]}]}): "data[0] must be a list of 4 items",
+            json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": "0000"}]}):
+                '"data" must be a JSON list, got str',
+            '{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [NaN, 0, 0, 0]}]}': "NaN is not JSON",
+            '{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1e400, 0, 0, 0]}]}':
+                "1e400 does not fit",
         }
         for body, expected in bad.items():
             r = requests.post(infer, content=body)
@@ -155,6 +164,11 @@ def test_raw_http_endpoints_and_errors_name_what_was_expected():
                                          "parameters": {"binary_data_size": 16}}]}).encode()
         short = requests.post(infer, content=header + b"\0" * 12, headers={"Inference-Header-Content-Length": str(len(header))})
         assert short.status_code == 400 and "binary_data_size 16" in short.json()["error"]
+        for method, path, status, expected in [("GET", "/v2/models/toy/infer", 405, "use POST"),
+                                               ("POST", "/metrics", 405, "use HEAD, GET"),
+                                               ("GET", "/nothing/here", 404, "no endpoint /nothing/here")]:
+            r = requests.request(method, f"{base}{path}")
+            assert r.status_code == status and expected in r.json()["error"], (path, r.text)
         metrics = requests.get(f"{base}/metrics").text
         for name in ("overdrive_requests_total", "overdrive_queue_duration_seconds", "overdrive_compute_duration_seconds",
                      "overdrive_batch_size", "overdrive_queue_depth", "overdrive_rejections_total"):
@@ -289,6 +303,15 @@ def test_a_burst_over_the_queue_bound_is_shed_fast_and_admitted_requests_complet
         assert live.metric("overdrive_rejections_total", reason="queue_full") == len(shed)
 
 
+def test_json_bytes_that_are_not_utf8_get_400():
+    with LiveServer(toy_text_workload(), max_batch_size=8) as live:
+        body = '{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["\\ud800"]}]}'
+        r = requests.post(live.infer_url, content=body)
+        assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]
+        nested = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [3], "data": [["a", "b"], ["c"]]}]}
+        assert requests.post(live.infer_url, json=nested).status_code == 400
+
+
 def test_a_request_whose_timeout_passes_while_queued_gets_504_and_never_runs():
     workload = toy_workload()
     with LiveServer(workload, max_batch_size=4, max_queue_delay_ms=1) as live:
@@ -302,6 +325,7 @@ def test_a_request_whose_timeout_passes_while_queued_gets_504_and_never_runs():
     assert blocker[0] == 200
     assert late[0] == 504 and "timed out while queued" in late[1]["error"] and late[2] < 0.5
     assert not any(NEVER in markers for _, markers in workload.model.seen)
+    assert _timeout_s(0, 30_000.0) is None and _timeout_s(None, 30_000.0) == 30.0  # 0 means none, as in Triton
 
 
 def test_sigterm_drains_requests_in_flight_and_refuses_new_ones():
@@ -315,6 +339,7 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones():
             line = proc.stderr.readline()
         url = line.split(" on ")[1].split()[0]
         base = url.split("/v2/")[0]
+        wait_ready(base)
 
         async def scenario():
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:

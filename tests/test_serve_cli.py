@@ -19,6 +19,7 @@ import torch
 from overdrive.plan import Plan, Step, build
 from overdrive.serve import load_served_model
 from overdrive.workloads import create_workload
+from tests.fixtures.live_server import wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -47,11 +48,14 @@ def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, plan_file):
     busy.listen()
     cases = [
         (["no-such-model"], "unknown workload 'no-such-model'"),
-        ([str(tmp_path / "missing.json")], "no such file"),
+        ([str(tmp_path / "missing.json")], "the plan " + str(tmp_path / "missing.json") + ": no such file"),
         ([str(tmp_path / "junk.json")], "is not an overdrive plan"),
         ([str(plan_file), "--max-batch-size", "8", "--max-queue-size", "4"], "less than one batch"),
         (["tests.fixtures.user_models:build", "--port", str(busy.getsockname()[1])], "cannot listen on"),
         (["tests.fixtures.user_models:build", "--max-batch-size", "0"], "expected a positive integer"),
+        (["tests.fixtures.user_models:build", "--port", "70000"], "expected a TCP port 0..65535"),
+        (["tests.fixtures.user_models:build", "--model-name", "a/b"], "cannot be a URL path segment"),
+        (["tests.fixtures.user_models:build", "--model-name", ""], "cannot be a URL path segment"),
         (["tests.fixtures.user_models:build", "--max-queue-delay-ms", "-1"], "expected a finite number ≥ 0"),
         (["tests.fixtures.user_models:scalar_output"], "the model must return a tensor"),
     ]
@@ -81,6 +85,7 @@ def test_a_plan_is_served_with_its_techniques(plan_file):
         line = proc.stderr.readline()
         assert "(bf16)" in line and "'user_models'" in line, line
         url = line.split(" on ")[1].split()[0]
+        wait_ready(url.split("/v2/")[0])
         body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 16], "data": x.reshape(-1).tolist()}]}
         doc = httpx.post(url, json=body).json()
         np.testing.assert_array_equal(np.asarray(doc["outputs"][0]["data"], dtype=np.float32).reshape(3, 4), expected)

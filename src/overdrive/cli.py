@@ -77,6 +77,13 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    value = nonnegative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 0..65535, got {value}")
+    return value
+
+
 def ratio(text: str) -> float:
     return _number(text, lambda v: 0.0 < v < math.inf, "a finite ratio > 0 (e.g. 1.02)")
 
@@ -117,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "with dynamic batching")
     serve.add_argument("model", help="a workload (minilm, digits-cnn, ...) or a plan.json written by `overdrive optimize`")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    serve.add_argument("--port", type=nonnegative_int, default=8000, help="TCP port (default 8000; 0: any free port)")
+    serve.add_argument("--port", type=port, default=8000, help="TCP port (default 8000; 0: any free port)")
     serve.add_argument("--device", default="auto", help="cpu, cuda (every GPU, one instance each), cuda:N or auto")
     serve.add_argument("--model-name", help="name in the URLs (default: the workload's name)")
     serve.add_argument("--max-batch-size", type=positive_int, help="rows per model batch (default: the plan's batch size, "

@@ -149,8 +149,8 @@ class Plan:
         path.write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: Path) -> Plan:
-        """Read a plan file.
+    def load(cls, path: Path, label: str = "--plan") -> Plan:
+        """Read a plan file; `label` names where the path came from in error messages.
 
         Raises:
             UserError: the file is missing, not JSON, or not a plan.
@@ -160,11 +160,11 @@ class Plan:
             plan.steps = _map_checkpoints(plan.steps, lambda p: str(Path(path).parent / p))  # relative to the plan
             return plan
         except FileNotFoundError:
-            raise UserError(f"--plan {path}: no such file; expected a plan.json written by `overdrive optimize`") from None
+            raise UserError(f"{label} {path}: no such file; expected a plan.json written by `overdrive optimize`") from None
         except (IsADirectoryError, UnicodeDecodeError, OSError) as exc:
-            raise UserError(f"--plan {path} cannot be read as a plan.json ({type(exc).__name__})") from None
+            raise UserError(f"{label} {path} cannot be read as a plan.json ({type(exc).__name__})") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise UserError(f"--plan {path} is not an overdrive plan ({type(exc).__name__}: {exc})") from None
+            raise UserError(f"{label} {path} is not an overdrive plan ({type(exc).__name__}: {exc})") from None
 
     def build(self, workload: Workload, device: torch.device) -> tuple[nn.Module, BatchingPolicy]:
         return build(workload, self.steps, device)

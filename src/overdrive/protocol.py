@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_DIMS = 32
 
 DATATYPES: dict[str, np.dtype | None] = {
     "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
@@ -110,7 +111,7 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
     else:
         header, binary = body, memoryview(b"")
     try:
-        doc = json.loads(header)
+        doc = json.loads(header, parse_constant=_no_constant, parse_float=_finite_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"the request is not valid JSON ({exc})") from None
     except RecursionError:
@@ -134,8 +135,21 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
             raise ProtocolError('each requested output must be an object with a "name"')
         outputs[spec["name"]] = bool(_object(spec.get("parameters", {}), "output parameters").get("binary_data", False))
     request_id = doc.get("id")
-    return InferRequest(id=str(request_id) if request_id is not None else None, inputs=inputs, outputs=outputs,
+    if request_id is not None and not isinstance(request_id, str):
+        raise ProtocolError(f'"id" must be a string, got {type(request_id).__name__}')
+    return InferRequest(id=request_id, inputs=inputs, outputs=outputs,
                         parameters=parameters, binary_outputs=bool(parameters.get("binary_data_output", False)))
+
+
+def _no_constant(name: str):
+    raise ProtocolError(f"{name} is not JSON (RFC 8259); send non-finite values as binary tensor data")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ProtocolError(f"{text} does not fit in a 64-bit float; send non-finite values as binary tensor data")
+    return value
 
 
 def _object(value: Any, what: str) -> dict:
@@ -155,6 +169,8 @@ def _parse_tensor(spec: Any, index: int, binary: memoryview) -> tuple[Tensor, in
         raise ProtocolError(f"{where}: datatype {datatype!r} is not one of {', '.join(DATATYPES)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ProtocolError(f'{where}: "shape" must be a list of non-negative integers, got {shape!r}')
+    if len(shape) > MAX_DIMS:
+        raise ProtocolError(f"{where}: shape has {len(shape)} dimensions; at most {MAX_DIMS} are accepted")
     count = math.prod(shape)
     params = _object(spec.get("parameters", {}), f"{where} parameters")
     size = params.get("binary_data_size")
@@ -167,29 +183,49 @@ def _parse_tensor(spec: Any, index: int, binary: memoryview) -> tuple[Tensor, in
     else:
         if "data" not in spec:
             raise ProtocolError(f'{where} has neither "data" nor a binary_data_size parameter')
-        data = _from_json(spec["data"], datatype, count, where)
+        data = _from_json(spec["data"], datatype, tuple(shape), where)
         used = 0
     return Tensor(name=name, datatype=datatype, shape=tuple(shape), data=data.reshape(shape)), used
 
 
-def _flatten(value: Any) -> list:
+def _flatten(value: Any, shape: tuple[int, ...], where: str) -> list:
+    """Row-major elements of `value`: a flat list of all elements, or lists nested exactly as `shape`."""
     if not isinstance(value, list):
-        return [value]
-    out = []
-    for v in value:
-        out.extend(_flatten(v))
+        raise ProtocolError(f'{where}: "data" must be a JSON list, got {type(value).__name__}')
+    count = math.prod(shape)
+    if not any(isinstance(v, list) for v in value):
+        if len(value) != count:
+            raise ProtocolError(f"{where}: shape {list(shape)} holds {count} elements but data has {len(value)}")
+        return value
+    out: list = []
+
+    def walk(v: Any, depth: int, path: str) -> None:
+        if depth == len(shape):
+            if isinstance(v, list):
+                raise ProtocolError(f"{where}: data{path} is nested deeper than shape {list(shape)}")
+            out.append(v)
+            return
+        if not isinstance(v, list) or len(v) != shape[depth]:
+            got = f"{len(v)} items" if isinstance(v, list) else type(v).__name__
+            raise ProtocolError(f"{where}: data{path} must be a list of {shape[depth]} items for shape {list(shape)}, got {got}")
+        for i, item in enumerate(v):
+            walk(item, depth + 1, f"{path}[{i}]")
+
+    walk(value, 0, "")
     return out
 
 
-def _from_json(value: Any, datatype: str, count: int, where: str) -> np.ndarray:
-    flat = _flatten(value)
-    if len(flat) != count:
-        raise ProtocolError(f"{where}: shape holds {count} elements but data has {len(flat)}")
+def _from_json(value: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    flat = _flatten(value, shape, where)
+    count = len(flat)
     if datatype == "BYTES":
         if not all(isinstance(v, str) for v in flat):
             raise ProtocolError(f"{where}: BYTES data in JSON must be strings")
         out = np.empty(count, dtype=object)
-        out[:] = [v.encode("utf-8") for v in flat]
+        try:
+            out[:] = [v.encode("utf-8") for v in flat]
+        except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800"
+            raise ProtocolError(f"{where}: a BYTES string is not valid UTF-8 ({exc.reason})") from None
         return out
     dtype = DATATYPES[datatype]
     kind = bool if datatype == "BOOL" else (float if dtype.kind == "f" else int)

@@ -4,6 +4,7 @@ server with dynamic batching (see `overdrive.server` and `overdrive.batcher`).""
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
         UserError: an unknown workload, an unreadable plan, a plan for another device type,
             or a model that cannot be served.
     """
-    plan = Plan.load(Path(spec)) if spec.endswith(".json") else None
+    plan = Plan.load(Path(spec), label="the plan") if spec.endswith(".json") else None
     if plan:
         plan.check_checkpoints()
         if device == "auto":
@@ -60,6 +61,9 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
 
 def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="overdrive serve: %(message)s")
+    if args.model_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.model_name):
+        raise UserError(f"--model-name {args.model_name!r} cannot be a URL path segment; use letters, digits, '_', '.' "
+                        "and '-' (e.g. minilm-v2)")
     served, plan, instances = load_served_model(args.model, device=args.device, instances=args.instances,
                                                 name=args.model_name)
     max_batch_size = args.max_batch_size or served.fixed_batch_size or (plan.batch_size if plan else None) \
@@ -72,14 +76,15 @@ def cmd_serve(args) -> int:
         raise UserError(f"--max-queue-size {max_queue_size} rows is less than one batch ({max_batch_size} rows)")
     config = ServerConfig(max_batch_size=max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms,
                           max_queue_size=max_queue_size, instances=instances,
-                          request_timeout_ms=args.request_timeout_ms or None, drain_timeout_s=args.drain_timeout_s)
-    warmed, warm_s = served.warmup(max_batch_size, args.warmup_s)
+                          request_timeout_ms=args.request_timeout_ms or None, drain_timeout_s=args.drain_timeout_s,
+                          warmup_s=args.warmup_s)
     server = InferenceServer(served, config)
 
     def started(port: int) -> None:
         source = f"plan {args.model} ({' + '.join(plan.names) or 'baseline'})" if plan else args.model
         sys.stderr.write(f"overdrive serve: {source} as model {served.name!r} on http://{args.host}:{port}/v2/models/"
-                         f"{served.name}/infer  {describe_config(server)}; warmed batch sizes up to {warmed} in {warm_s:.1f} s\n")
+                         f"{served.name}/infer  {describe_config(server)}"
+                         + (f"; warming up (ready within {args.warmup_s:g} s)\n" if args.warmup_s else "\n"))
         sys.stderr.flush()
 
     return run_server(server, host=args.host, port=args.port, access_log=args.access_log, on_started=started)

@@ -11,7 +11,8 @@ Status codes: 400 a request that does not decode or match the model (the message
 was expected), 404 an unknown model, 413 a body or row count over the limits, 500 the model
 raised on this request, 503 queue full or shutting down (with Retry-After), 504 the request's
 timeout passed before it ran. A request's timeout is the `timeout` request parameter in
-microseconds (as tritonclient sends it), or the server default.
+microseconds (as tritonclient sends it; 0: none), or the server default. Unknown paths and
+methods get the same JSON error object, `{"error": "..."}`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import json
 import logging
 import signal
 import socket
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -55,6 +58,8 @@ class ServerConfig:
         request_timeout_ms: default per-request timeout while queued, ms (None: none).
         drain_timeout_s: on SIGTERM/SIGINT, how long admitted requests may take to finish.
         max_request_bytes: largest request body accepted (413 beyond).
+        warmup_s: seconds the server may spend at start running each batch size once
+            (`ServedModel.warmup`); it is live but not ready meanwhile.
     """
 
     max_batch_size: int
@@ -64,6 +69,7 @@ class ServerConfig:
     request_timeout_ms: float | None = 30_000.0
     drain_timeout_s: float = 30.0
     max_request_bytes: int = 64 << 20
+    warmup_s: float = 0.0
 
 
 class Metrics:
@@ -119,6 +125,7 @@ class InferenceServer:
             length=served.length if served.workload.is_text else None, metrics=self.metrics)
         self.draining = False
         self.started = False
+        self.warmed = False
         model_routes = []
         for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
             model_routes += [Route(prefix, self.model_metadata), Route(prefix + "/ready", self.model_ready),
@@ -127,27 +134,38 @@ class InferenceServer:
         self.app = Starlette(routes=[
             Route("/v2/health/live", self.live), Route("/v2/health/ready", self.ready), Route("/v2", self.server_metadata),
             Route("/metrics", self.prometheus), *model_routes,
-        ], lifespan=self._lifespan)
+        ], lifespan=self._lifespan, exception_handlers={HTTPException: _http_error})
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         self.batcher.start()
         self.started = True
+        warmup = asyncio.get_running_loop().create_task(self._warm_up())
         yield
+        warmup.cancel()
         if not self.batcher.closing:  # stopped without a drain (tests, a second signal)
             await self.drain()
+
+    async def _warm_up(self) -> None:
+        if self.config.warmup_s > 0:
+            sizes, seconds = await asyncio.get_running_loop().run_in_executor(
+                None, self.served.warmup, self.config.max_batch_size, self.config.warmup_s)
+            log.info("ready: warmed batch sizes up to %d in %.1f s", sizes, seconds)
+        self.warmed = True
 
     async def drain(self) -> None:
         """Readiness false, new requests 503, admitted ones finish (up to drain_timeout_s)."""
         self.draining = True
+        start = time.monotonic()
         refused = await self.batcher.drain(self.config.drain_timeout_s)
-        log.info("drained: %d queued request(s) refused with 503 after %.0f s", refused, self.config.drain_timeout_s)
+        log.info("drained in %.1f s%s", time.monotonic() - start,
+                 f"; {refused} still-queued request(s) got 503 at the {self.config.drain_timeout_s:g} s limit" if refused else "")
 
     # -- health and metadata -------------------------------------------------------------------------
 
     @property
     def is_ready(self) -> bool:
-        return self.started and not self.draining
+        return self.started and self.warmed and not self.draining
 
     async def live(self, request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -200,13 +218,16 @@ class InferenceServer:
         if self.draining:
             self.metrics.rejected(ShuttingDown.reason)
             return _error(503, "the server is shutting down; retry on another replica", retry_after=True)
+        if not self.warmed:
+            self.metrics.rejected("warming_up")
+            return _error(503, "the model is warming up; retry when /v2/health/ready says ready", retry_after=True)
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             self.metrics.rejected(RequestTooLarge.reason)
             return _error(413, f"the body is {declared} bytes; this server takes at most {limit}")
         try:
-            body = decompress(await request.body(), request.headers.get("content-encoding"), limit)
+            body = decompress(await _read_body(request, limit), request.headers.get("content-encoding"), limit)
             parsed = parse_request(body, request.headers.get(HEADER_LENGTH.lower()))
             payload = self.served.validate(parsed)
             timeout_s = _timeout_s(parsed.parameters.get("timeout"), self.config.request_timeout_ms)
@@ -226,12 +247,24 @@ class InferenceServer:
                         media_type="application/octet-stream" if binary else "application/json")
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, read as it streams in (also chunked), refused as soon as it passes `limit` bytes."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the body is more than {limit} bytes, the most this server takes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _timeout_s(value, default_ms: float | None) -> float | None:
+    """A request's `timeout` parameter (µs; 0 means none, as in Triton) or the server default, in s."""
     if value is None:
         return default_ms / 1e3 if default_ms else None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ProtocolError(f'the "timeout" parameter is in microseconds and must be an integer ≥ 0, got {value!r}')
-    return value / 1e6
+    return value / 1e6 if value else None
 
 
 async def _disconnected(request: Request) -> None:
@@ -240,6 +273,17 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own 404 / 405 as the protocol's JSON error object."""
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return _error(405, f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}")
+    if exc.status_code == 404:
+        return _error(404, f"no endpoint {request.url.path}; the Open Inference Protocol paths are under /v2 "
+                           "(e.g. /v2/models/<name>/infer), metrics at /metrics")
+    return _error(exc.status_code, str(exc.detail))
 
 
 def _error(status: int, message: str, *, retry_after: bool = False) -> Response:
