@@ -165,7 +165,7 @@ def test_raw_http_endpoints_and_errors_name_what_was_expected():
         short = requests.post(infer, content=header + b"\0" * 12, headers={"Inference-Header-Content-Length": str(len(header))})
         assert short.status_code == 400 and "binary_data_size 16" in short.json()["error"]
         for method, path, status, expected in [("GET", "/v2/models/toy/infer", 405, "use POST"),
-                                               ("POST", "/metrics", 405, "use HEAD, GET"),
+                                               ("POST", "/metrics", 405, "use GET, HEAD"),
                                                ("GET", "/nothing/here", 404, "no endpoint /nothing/here")]:
             r = requests.request(method, f"{base}{path}")
             assert r.status_code == status and expected in r.json()["error"], (path, r.text)
@@ -250,9 +250,9 @@ def test_batch_sizes_grow_with_load_up_to_the_maximum():
             assert all(r[0] == 200 for r in results)
             sizes = [rows_ for rows_, _ in workload.model.seen[start:]]
             assert sum(sizes) == n and max(sizes) <= 16
-            means[n] = n / len(sizes)
-    assert means[20] <= means[40] <= means[80] and means[80] > means[20], means
-    assert means[80] >= 8, means
+            means[n], biggest = n / len(sizes), max(sizes)
+    assert means[20] < means[80] and means[40] <= means[80], means  # batches grow with load ...
+    assert biggest == 16 and means[80] >= 8, means  # ... up to the maximum
 
 
 def test_requests_of_max_batch_size_rows_never_make_a_bigger_batch():

@@ -278,7 +278,7 @@ async def _disconnected(request: Request) -> None:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own 404 / 405 as the protocol's JSON error object."""
     if exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
+        allowed = ", ".join(sorted(m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()))
         return _error(405, f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}")
     if exc.status_code == 404:
         return _error(404, f"no endpoint {request.url.path}; the Open Inference Protocol paths are under /v2 "
