@@ -43,6 +43,11 @@ class TextPayload:
     lengths: list[int]  # tokens per row
 
 
+def _columns(sample) -> tuple:
+    """A tensor sample as a 1-tuple; a tuple sample (several model inputs) as itself."""
+    return (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
+
+
 class ServedModel:
     """One workload model, on one or more devices, as the batcher's `BatchModel`.
 
@@ -67,7 +72,7 @@ class ServedModel:
         if workload.is_text:
             self.inputs = [TensorSpec("text", "BYTES", [-1])]
         else:
-            columns = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
+            columns = _columns(sample)
             if not columns or not all(isinstance(c, torch.Tensor) for c in columns):
                 raise ValueError(f"workload {workload.name!r}: serve needs samples that are strings or tensors")
             names = ["input"] if len(columns) == 1 else [f"input__{i}" for i in range(len(columns))]
@@ -82,8 +87,7 @@ class ServedModel:
         sample = self.workload.samples[0]
         if self.workload.is_text:
             return TextPayload([sample], [self.workload.sample_length(sample)])
-        columns = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
-        return tuple(c.unsqueeze(0) for c in columns)
+        return tuple(c.unsqueeze(0) for c in _columns(sample))
 
     def warmup(self, max_batch_size: int, budget_s: float) -> tuple[int, float]:
         """Run every batch size 1..max_batch_size once on each instance's model (powers of two
