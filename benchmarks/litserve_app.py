@@ -68,9 +68,13 @@ def main() -> None:
     parser.add_argument("--plan", help="serve the model of this overdrive plan.json instead of the eager fp32 one")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--batch-timeout-ms", type=float, default=2.0)
+    parser.add_argument("--workers", type=int, default=1, help="inference worker processes; the cores are split between them")
     args = parser.parse_args()
     api = WorkloadAPI(args.workload, args.plan, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout_ms / 1e3)
-    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60)
+    if args.workers > 1:  # as `overdrive serve --instances`: each worker gets its share of the cores
+        os.environ["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // args.workers))
+        torch.set_num_threads(max(1, torch.get_num_threads() // args.workers))
+    server = ls.LitServer(api, accelerator="cpu", workers_per_device=args.workers, timeout=60)
     server.run(host="127.0.0.1", port=args.port, generate_client_file=False, log_level="warning")
 
 

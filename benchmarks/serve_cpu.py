@@ -69,17 +69,20 @@ def request_bodies(workload: str) -> tuple[list[bytes], list[bytes]]:
 class Server:
     """A server subprocess; `url` is where to POST one request, `ready` where to poll."""
 
-    def __init__(self, kind: str, workload: str, batch: int, delay_ms: float, plan: Path | None = None):
+    def __init__(self, kind: str, workload: str, batch: int, delay_ms: float, plan: Path | None = None,
+                 instances: int = 1):
         self.port = free_port()
         base = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
         if kind == "litserve":
             cmd = [sys.executable, str(ROOT / "benchmarks" / "litserve_app.py"), workload, "--port", str(self.port),
-                   "--max-batch-size", str(batch), "--batch-timeout-ms", str(delay_ms)] + (["--plan", str(plan)] if plan else [])
+                   "--max-batch-size", str(batch), "--batch-timeout-ms", str(delay_ms), "--workers", str(instances)] \
+                + (["--plan", str(plan)] if plan else [])
             self.url, self.ready = f"{base}/predict", f"{base}/health"
         else:
             cmd = [sys.executable, "-m", "overdrive", "serve", str(plan or workload), "--device", "cpu", "--port", str(self.port),
-                   "--max-batch-size", str(batch), "--max-queue-delay-ms", str(delay_ms), "--max-queue-size", "4096"]
+                   "--max-batch-size", str(batch), "--max-queue-delay-ms", str(delay_ms), "--max-queue-size", "4096",
+                   "--instances", str(instances)]
             self.url, self.ready = f"{base}/v2/models/{workload}/infer", f"{base}/v2/health/ready"
         self.metrics = f"{base}/metrics" if kind == "overdrive" else None
         self.log = open(f"/tmp/serve_cpu_{kind}_{self.port}.log", "w")  # noqa: SIM115 — closed in stop()
@@ -176,7 +179,7 @@ def bf16_plan(workload: str) -> Path:
     return path
 
 
-def bench_workload(workload: str, seconds: float, plan: Path | None = None) -> dict:
+def bench_workload(workload: str, seconds: float, plan: Path | None = None, instances: int = 1) -> dict:
     settings = SETTINGS[workload]
     oip, lit = request_bodies(workload)
     setups = [("overdrive, dynamic batching", "overdrive", settings["batch"], oip),
@@ -184,7 +187,7 @@ def bench_workload(workload: str, seconds: float, plan: Path | None = None) -> d
               ("LitServe, its batching", "litserve", settings["batch"], lit)]
     results = {}
     for label, kind, batch, bodies in setups:
-        server = Server(kind, workload, batch, settings["delay_ms"], plan)
+        server = Server(kind, workload, batch, settings["delay_ms"], plan, instances)
         try:
             asyncio.run(server.wait_ready())
             results[label] = [asyncio.run(closed_loop(server, bodies, c, seconds, warmup_s=1.5)) for c in CONCURRENCY]
@@ -213,6 +216,8 @@ def verdict(workload: str, results: dict) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=list(SETTINGS))
+    parser.add_argument("--instances", type=int, default=1,
+                        help="model instances (overdrive --instances; LitServe workers per device), cores split evenly")
     parser.add_argument("--fp32-only", action="store_true", help="skip MiniLM served from the bf16 plan")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per concurrency level (default 8)")
     args = parser.parse_args()
@@ -225,9 +230,9 @@ def main() -> int:
         runs.append(("minilm", bf16_plan("minilm")))
     for workload, plan in runs:
         key = workload + (" (bf16 plan)" if plan else " (eager fp32)")
-        all_results[key] = bench_workload(workload, args.seconds, plan)
+        all_results[key] = bench_workload(workload, args.seconds, plan, args.instances)
         met &= verdict(key, all_results[key])
-    out = ROOT / "out" / "serve_cpu.json"
+    out = ROOT / "out" / ("serve_cpu.json" if args.instances == 1 else f"serve_cpu_instances{args.instances}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(all_results, indent=2) + "\n")
     print(f"wrote {out}")

@@ -79,11 +79,13 @@ def test_a_plan_is_served_with_its_techniques(plan_file):
         expected = model(x).float().numpy()
     np.testing.assert_array_equal(served.execute([(x,)], 0)[0], expected)  # the bf16 model, not the fp32 one
 
-    proc = subprocess.Popen([sys.executable, "-m", "overdrive", "serve", str(plan_file), "--port", "0"], cwd=ROOT, env=ENV,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "overdrive", "serve", str(plan_file), "--port", "0", "--instances", "2"],
+                            cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stderr.readline()
         assert "(bf16)" in line and "'user_models'" in line, line
+        threads = max(1, torch.get_num_threads() // 2)  # two CPU instances split the cores
+        assert '"instances": 2' in line and f'"intra_op_threads_each": {threads}' in line, line
         url = line.split(" on ")[1].split()[0]
         wait_ready(url.split("/v2/")[0])
         body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 16], "data": x.reshape(-1).tolist()}]}

@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "whatever is queued, the lowest latency at light load)")
     serve.add_argument("--max-queue-size", type=positive_int, help="rows that may wait; more get 503 + Retry-After "
                                                                     "(default: 512, or 8 batches per instance if more)")
-    serve.add_argument("--instances", type=positive_int, help="model instances, each with its own thread "
-                                                               "(default: one per GPU, 1 on CPU)")
+    serve.add_argument("--instances", type=positive_int, help="model instances, each with its own thread (default: one "
+                                                               "per GPU, 1 on CPU; on CPU the cores are split between them, "
+                                                               "and as many instances as cores often serves the most)")
     serve.add_argument("--request-timeout-ms", type=nonnegative, default=30_000.0,
                        help="default timeout of a queued request, ms, when the request sets none (default 30000; 0: none)")
     serve.add_argument("--drain-timeout-s", type=nonnegative, default=30.0,

@@ -74,6 +74,11 @@ def cmd_serve(args) -> int:
     max_queue_size = args.max_queue_size or max(512, 8 * max_batch_size * instances)
     if max_queue_size < max_batch_size:
         raise UserError(f"--max-queue-size {max_queue_size} rows is less than one batch ({max_batch_size} rows)")
+    if served.devices[0].type == "cpu" and instances > 1:
+        # Instances share torch's one intra-op pool: split the cores between them, or each
+        # batch's threads fight the others'. Measured on 2 cores, MiniLM bf16, 32 clients:
+        # 2 instances × 1 thread 381 requests/s, 1 instance × 2 threads 279 (benchmarks/RESULTS.md).
+        torch.set_num_threads(max(1, torch.get_num_threads() // instances))
     config = ServerConfig(max_batch_size=max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms,
                           max_queue_size=max_queue_size, instances=instances,
                           request_timeout_ms=args.request_timeout_ms or None, drain_timeout_s=args.drain_timeout_s,

@@ -27,6 +27,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -358,4 +359,5 @@ def describe_config(server: InferenceServer) -> str:
     c, s = server.config, server.served
     return json.dumps({"model": s.name, "devices": [str(d) for d in s.devices], "max_batch_size": c.max_batch_size,
                        "max_queue_delay_ms": c.max_queue_delay_ms, "max_queue_size_rows": c.max_queue_size,
-                       "instances": c.instances, "request_timeout_ms": c.request_timeout_ms})
+                       "instances": c.instances, "request_timeout_ms": c.request_timeout_ms,
+                       **({"intra_op_threads_each": torch.get_num_threads()} if s.devices[0].type == "cpu" else {})})
