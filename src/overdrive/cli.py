@@ -146,6 +146,39 @@ def build_parser() -> argparse.ArgumentParser:
                             "kernel's first run at a new shape (default 30; 0: none)")
     serve.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs throughput)")
 
+    train = sub.add_parser("train", help="train or fine-tune with mixed precision, activation checkpointing, compile, "
+                                         "and DDP / FSDP / tensor parallelism on torch.distributed")
+    train.add_argument("workload", help="minilm, digits-cnn, or package.module:factory returning a Workload with train_samples")
+    train.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when present); one GPU per process")
+    train.add_argument("--batch-size", type=positive_int, help="rows per forward pass on each process (default: the "
+                                                                "workload's, at most 32)")
+    train.add_argument("--steps", type=positive_int, help="optimizer steps (default: from --epochs)")
+    train.add_argument("--epochs", type=ratio, help="passes over the training samples (default 1; ignored with --steps)")
+    train.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step (default 1)")
+    train.add_argument("--lr", type=ratio, default=1e-4, help="peak AdamW learning rate (default 1e-4)")
+    train.add_argument("--precision", choices=("fp32", "bf16", "fp16", "auto"), default="fp32",
+                       help="autocast precision (default fp32; fp16 needs CUDA and uses a gradient scaler)")
+    train.add_argument("--checkpoint-activations", action="store_true", help="recompute each block's activations in "
+                                                                             "backward: less memory, more compute")
+    train.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train.add_argument("--nproc", type=positive_int, help="processes to launch with torchrun on this machine (default 1; "
+                                                          "omit under your own torchrun)")
+    train.add_argument("--strategy", choices=("none", "ddp", "fsdp", "tensor-parallel"), default=None,
+                       help="how processes share the work (default: none for 1 process, ddp for more)")
+    train.add_argument("--microbatches", type=positive_int, help=argparse.SUPPRESS)
+    train.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
+    train.add_argument("--split-points", type=int_list, help=argparse.SUPPRESS)
+    train.add_argument("--seed", type=nonnegative_int, default=0, help="data order and initial RNG state (default 0)")
+    train.add_argument("--collective-timeout-s", type=ratio, default=600.0,
+                       help="a collective waiting longer than this fails with an error naming the rank (default 600)")
+    train.add_argument("--save", help="checkpoint folder, written at the end (torch.distributed.checkpoint; loads at "
+                                      "any world size)")
+    train.add_argument("--save-every", type=nonnegative_int, default=0, help="also save every N steps (default 0: end only)")
+    train.add_argument("--resume", help="checkpoint folder to continue from (model, optimizer, data position)")
+    train.add_argument("--compare", action="store_true", help="also run the plain fp32 single-process baseline for the "
+                                                              "same steps and print both side by side")
+    train.add_argument("--out", default="out", help="output folder; the summary goes to OUT/<workload>/train/ (default: out)")
+
     sub.add_parser("list", help="workloads and techniques, with the devices each supports")
     return parser
 
@@ -188,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             from overdrive.bench import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "train":
+            from overdrive.train import cmd_train
+
+            if args.strategy is None:
+                args.strategy = "ddp" if (args.nproc or 1) > 1 or "WORLD_SIZE" in __import__("os").environ else "none"
+            return cmd_train(args, argv if argv is not None else sys.argv[1:])
         if args.command == "serve":
             from overdrive.serve import cmd_serve
 
