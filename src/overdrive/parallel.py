@@ -161,24 +161,30 @@ def init_distributed(device: torch.device, *, timeout_s: float) -> DistEnv:
     return DistEnv(rank, local, world, device)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(*, barrier: bool = True) -> None:
+    """Leave the job: wait for every rank (so none tears down a group another still uses), then
+    destroy the process group. barrier=False after an error, when peers may be gone."""
     if dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 
-def launch(argv: list[str], nproc: int) -> int:
+def launch(argv: list[str], nproc: int, *, env: dict[str, str] | None = None) -> int:
     """Run `python -m overdrive <argv>` in `nproc` processes with torchrun on this machine.
 
     torchrun stops every rank when one fails (its exit code is then non-zero and it prints the
     failing rank's error). Each rank gets OMP_NUM_THREADS = cores / nproc unless set, so CPU
     ranks do not oversubscribe the cores.
 
+    Args:
+        env: extra environment variables for the ranks.
+
     Returns:
         torchrun's exit code.
     """
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    env["OVERDRIVE_LAUNCHED"] = "1"  # the ranks know the launcher prints the final table
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                 "--max-restarts=0", "-m", "overdrive"]
     return subprocess.run([*torchrun, *argv], env=env).returncode
@@ -197,7 +203,7 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
     Raises:
         ValueError: the model has neither.
     """
-    candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 1]
     if not candidates:
         candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Sequential) and len(m) > 1]
     if not candidates:

@@ -23,9 +23,12 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
+import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -59,9 +62,11 @@ class TrainConfig:
         dims: the parallel layout (strategy and world size).
         seed: data order and initial RNG state.
         collective_timeout_s: a collective that waits longer fails, naming the rank.
-        save_dir: where checkpoints go (None: no checkpoints).
+        save_dir: where checkpoints go, as SAVE_DIR/step-N (None: no checkpoints).
         save_every: also save every this many steps (0: only at the end).
-        resume_dir: a checkpoint to continue from (model, optimizer with its step, data position).
+        resume_dir: a checkpoint (or a save_dir: its newest) to continue from: model, optimizer
+            with its step, data position. The learning-rate schedule is that of `steps`.
+        stop_after: end this run after this step (a planned interruption; 0: run to `steps`).
     """
 
     workload: str
@@ -80,7 +85,7 @@ class TrainConfig:
     save_dir: str | None = None
     save_every: int = 0
     resume_dir: str | None = None
-    log_every: int = 1
+    stop_after: int = 0
 
 
 @dataclass(kw_only=True)
@@ -90,6 +95,9 @@ class TrainSummary:
     samples_per_s counts global rows per second over the steps after the first 20% (at least
     one step is skipped: it holds compilation and first-use costs). peak_memory_bytes is the
     largest over ranks: the CUDA allocator's peak, or on CPU the process RSS high-water mark.
+    step_memory_bytes is that peak less the memory in use when the first step began (model,
+    optimizer and libraries loaded): what the steps themselves added (activations, gradients,
+    optimizer state), the figure activation checkpointing reduces.
     """
 
     workload: str
@@ -105,6 +113,7 @@ class TrainSummary:
     seconds: float
     peak_memory_bytes: int | None
     peak_memory_kind: str
+    step_memory_bytes: int
     first_loss: float
     last_loss: float
     losses: list[float]
@@ -174,33 +183,78 @@ class Objective:
 # -- checkpoints ----------------------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, position: int,
-                    env: DistEnv) -> None:
-    """Save model, optimizer (with its step counts) and the data position with
+KEEP_CHECKPOINTS = 2
+SUMMARY_ENV = "OVERDRIVE_TRAIN_SUMMARY"
+
+
+def save_checkpoint(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, position: int,
+                    env: DistEnv) -> Path:
+    """Save model, optimizer (with its step counts) and the data position to ROOT/step-N with
     torch.distributed.checkpoint: each rank writes its own shards, and the checkpoint loads at
-    any world size and strategy (DCP reshards on load). Written to PATH.tmp, then renamed, so
-    an interrupted save leaves the previous checkpoint intact."""
+    any world size and strategy (DCP reshards on load). Written to a .tmp folder and renamed,
+    so an interrupted save leaves the earlier checkpoints intact; the newest KEEP_CHECKPOINTS stay.
+
+    Returns:
+        The checkpoint folder.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    tmp = path.with_name(path.name + ".tmp")
-    if env.is_main and tmp.exists():
-        shutil.rmtree(tmp)
+    path = root / f"step-{step}"
+    tmp = root / f".step-{step}.tmp"
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
     _barrier(env)
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state,
-              "train": {"step": torch.tensor(step), "position": torch.tensor(position)}}, checkpoint_id=str(tmp))
+    with _single_process_quiet():
+        dcp.save({"model": model_state, "optim": optim_state,
+                  "train": {"step": torch.tensor(step), "position": torch.tensor(position)}}, checkpoint_id=str(tmp))
     _barrier(env)
     if env.is_main:
         (tmp / "train_state.json").write_text(json.dumps({"step": step, "position": position, "world_size": env.world_size}))
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
+        for old in _checkpoints(root)[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old)
     _barrier(env)
+    return path
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when there is no process group: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    found = [p for p in root.glob("step-*") if (p / ".metadata").exists() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint folder itself, or the newest ROOT/step-N under a --save folder.
+
+    Raises:
+        UserError: neither is there.
+    """
+    if (path / ".metadata").exists():
+        return path
+    found = _checkpoints(path) if path.is_dir() else []
+    if not found:
+        raise UserError(f"--resume {path}: no checkpoint there (expected a step-N folder written by --save)")
+    return found[-1]
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """Restore a `save_checkpoint` into this (possibly differently parallelized) model.
+
+    Args:
+        path: a checkpoint folder, or a --save folder (its newest checkpoint is used).
 
     Returns:
         (step, data position).
@@ -211,16 +265,26 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if not (path / ".metadata").exists():
-        raise UserError(f"--resume {path}: no checkpoint there (expected {path / '.metadata'}, written by --save)")
+    path = resolve_checkpoint(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "train": {"step": torch.tensor(0), "position": torch.tensor(0)}}
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path))
     except (RuntimeError, ValueError, KeyError) as exc:
         raise UserError(f"--resume {path}: the checkpoint does not fit this model: {one_line(exc)}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["train"]["step"]), int(state["train"]["position"])
+
+
+def _current_memory(device: torch.device) -> int:
+    """Bytes in use now: the CUDA allocator's, or the process RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _barrier(env: DistEnv) -> None:
@@ -265,7 +329,7 @@ def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str
 
 
 def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None = None,
-                 progress=None) -> TrainSummary:
+                 progress=None, on_grads=None) -> TrainSummary:
     """Train on this rank; every rank of the job calls it with the same config.
 
     Args:
@@ -274,6 +338,8 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
         workload: the workload to train (default: built from `config.workload`); its model is
             trained in place.
         progress: called on rank 0 as progress(step, total_steps, loss, samples_per_s, peak_bytes).
+        on_grads: called on every rank as on_grads(step, model) after the backward passes of a
+            step, before clipping and the optimizer step (tests compare gradients with it).
 
     Returns:
         The TrainSummary (figures reduced over ranks).
@@ -298,7 +364,6 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
                         "gradients); use --precision bf16")
     dp_rank = env.rank if dims.dp > 1 else 0
     torch.manual_seed(config.seed + dp_rank)
-    reset_peak_memory(env.device)
     model, objective, optimizer, params = _build(workload, config, env, precision)
 
     batch_size = config.batch_size or min(workload.default_batch_size, 32)
@@ -315,12 +380,15 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
             raise UserError(f"--resume {config.resume_dir} is at step {start_step}; ask for more steps than that "
                             f"(--steps {start_step + steps})")
     stream = SampleStream(n, config.seed)
+    reset_peak_memory(env.device)
+    start_memory = _current_memory(env.device)
     autocast = _dtype(precision) if dims.strategy != "fsdp" else None  # FSDP casts through its policy
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     losses: list[float] = []
     times: list[float] = []
     is_ddp = dims.strategy == "ddp"
-    for step in range(start_step, steps):
+    end = min(steps, config.stop_after) if config.stop_after else steps
+    for step in range(start_step, end):
         t0 = time.perf_counter()
         total = torch.zeros((), device=env.device)
         for micro in range(config.grad_accum):
@@ -339,6 +407,8 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
             total += loss.detach()
         if scaler:
             scaler.unscale_(optimizer)
+        if on_grads:
+            on_grads(step, model)
         parallel.clip_grad_norm(params, 1.0)
         if scaler:
             scaler.step(optimizer)
@@ -353,25 +423,26 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
             total /= dims.dp
         losses.append(total.item())  # also synchronizes the device, so the step time is real
         times.append(time.perf_counter() - t0)
-        if config.save_dir and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < steps:
+        if config.save_dir and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < end:
             save_checkpoint(Path(config.save_dir), model, optimizer, step=step + 1, position=position, env=env)
         if progress and env.is_main:
             progress(step + 1, steps, losses[-1], global_batch / times[-1], peak_memory(env.device)[0])
     if config.save_dir:
-        save_checkpoint(Path(config.save_dir), model, optimizer, step=steps, position=position, env=env)
+        save_checkpoint(Path(config.save_dir), model, optimizer, step=end, position=position, env=env)
     peak, kind = peak_memory(env.device)
+    added = max(0, (peak or 0) - start_memory)
     if dist.is_initialized():
-        box = torch.tensor([peak or 0], device=env.device)
+        box = torch.tensor([peak or 0, added], device=env.device)
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        peak = int(box.item())
+        peak, added = (int(v) for v in box.tolist())
     skip = max(1, len(times) // 5) if len(times) > 1 else 0
     measured = times[skip:]
     tenth = max(1, len(losses) // 10)
     return TrainSummary(
         workload=workload.name, strategy=dims.strategy, world_size=env.world_size, precision=precision,
-        checkpoint_activations=config.checkpoint_activations, compile=config.compile, steps=steps, start_step=start_step,
+        checkpoint_activations=config.checkpoint_activations, compile=config.compile, steps=end, start_step=start_step,
         global_batch_size=global_batch, samples_per_s=global_batch * len(measured) / sum(measured),
-        seconds=sum(times), peak_memory_bytes=peak, peak_memory_kind=kind,
+        seconds=sum(times), peak_memory_bytes=peak, peak_memory_kind=kind, step_memory_bytes=added,
         first_loss=sum(losses[:tenth]) / tenth, last_loss=sum(losses[-tenth:]) / tenth, losses=losses,
         objective=objective.name, device=str(env.device),
     )
@@ -401,7 +472,7 @@ def config_from_args(args, world_size: int) -> TrainConfig:
 
 
 def _out_dir(args, workload_name: str) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in workload_name)
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", workload_name).strip("_") or "workload"  # as `optimize` names it
     return Path(args.out) / safe / "train"
 
 
@@ -412,16 +483,17 @@ def cmd_train(args, argv: list[str]) -> int:
     nproc = args.nproc or 1
     config = config_from_args(args, nproc)  # refuses bad degrees before launching anything
     resolve_device(config.device)
-    if config.dims.world_size > 1:
+    if config.dims.world_size > 1 or config.dims.strategy != "none":  # a strategy needs a process group, even of 1
         if args.device in ("cuda", "auto") and torch.cuda.is_available() and torch.cuda.device_count() < nproc:
             raise UserError(f"--nproc {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}")
-        summary_file = _out_dir(args, args.workload) / "summary.json"
-        summary_file.unlink(missing_ok=True)
-        code = parallel.launch(_without_nproc(argv), nproc)
-        if code != 0:
-            sys.stderr.write(f"overdrive: error: training failed (torchrun exit code {code}; the failing rank's error is above)\n")
-            return 1
-        summary = TrainSummary(**json.loads(summary_file.read_text()))
+        with tempfile.TemporaryDirectory(prefix="overdrive-train-") as tmp:
+            summary_file = Path(tmp) / "summary.json"  # rank 0 hands its summary back through it
+            code = parallel.launch(_without_nproc(argv), nproc, env={SUMMARY_ENV: str(summary_file)})
+            if code != 0:
+                sys.stderr.write(f"overdrive: error: training failed (torchrun exit code {code}; the failing rank's "
+                                 "error is above)\n")
+                return 1
+            summary = TrainSummary(**json.loads(summary_file.read_text()))
     else:
         summary = _train_here(config, DistEnv(0, 0, 1, resolve_device(config.device)), args)
     _finish(args, config, summary)
@@ -452,12 +524,12 @@ def _rank_main(args) -> int:
     try:
         summary = _train_here(config, env, args)
     except Exception as exc:
+        parallel.shutdown_distributed(barrier=False)
         if isinstance(exc, UserError):
             raise
         raise RuntimeError(f"rank {env.rank} of {env.world_size} failed: {one_line(exc)}") from exc
-    finally:
-        parallel.shutdown_distributed()
-    if env.is_main and args.compare and "OVERDRIVE_LAUNCHED" not in os.environ:
+    parallel.shutdown_distributed()
+    if env.is_main and SUMMARY_ENV not in os.environ:  # under the user's own torchrun, rank 0 prints the table
         _finish(args, config, summary)
     return 0
 
@@ -480,7 +552,10 @@ def _train_here(config: TrainConfig, env: DistEnv, args) -> TrainSummary:
     if env.is_main:
         out = _out_dir(args, summary.workload)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1))
+        text = json.dumps(summary.to_dict(), indent=1)
+        (out / "summary.json").write_text(text)
+        if os.environ.get(SUMMARY_ENV):
+            Path(os.environ[SUMMARY_ENV]).write_text(text)
     return summary
 
 
@@ -501,18 +576,18 @@ def _finish(args, config: TrainConfig, summary: TrainSummary) -> None:
             base = run_training(base_config, DistEnv(0, 0, 1, torch.device(device.type, 0) if device.type == "cuda" else device))
         rows.insert(0, ("baseline: fp32, 1 process", base))
     table = Table(title=f"overdrive train {summary.workload} — {summary.objective}")
-    for col in ("run", "strategy × processes", "precision", "samples/s", "speedup", "peak memory", "memory ratio",
-                "loss first → last"):
+    for col in ("run", "strategy × processes", "precision", "samples/s", "speedup", "peak memory", "step memory",
+                "step memory ratio", "loss first → last"):
         table.add_column(col, justify="left" if col in ("run", "strategy × processes", "precision") else "right")
     first = rows[0][1]
     for label, s in rows:
         extras = [x for x, on in (("checkpointing", s.checkpoint_activations), ("compile", s.compile)) if on]
         table.add_row(label, f"{s.strategy} × {s.world_size}", " + ".join([s.precision, *extras]), f"{s.samples_per_s:,.1f}",
                       f"{s.samples_per_s / first.samples_per_s:.2f}×", format_bytes(s.peak_memory_bytes),
-                      f"{(s.peak_memory_bytes or 0) / max(1, first.peak_memory_bytes or 1):.2f}×",
+                      format_bytes(s.step_memory_bytes), f"{s.step_memory_bytes / max(1, first.step_memory_bytes):.2f}×",
                       f"{s.first_loss:.4g} → {s.last_loss:.4g}")
     console.print(table)
     console.print(f"global batch {summary.global_batch_size} rows, steps {summary.start_step}→{summary.steps}; "
-                  f"peak memory is {summary.peak_memory_kind} (largest rank)", highlight=False)
+                  f"peak memory is {summary.peak_memory_kind} (largest rank); step memory is what the steps added to it", highlight=False)
     if config.save_dir:
         console.print(f"checkpoint: {config.save_dir}", highlight=False)

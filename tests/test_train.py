@@ -1,0 +1,251 @@
+"""`overdrive train`: each strategy against a single-process reference at world size 2 (gloo,
+spawned processes, one thread each), AMP and activation checkpointing, checkpoint round trips
+across world sizes, and the failure cases (refused configs, uneven data, a hung or failing rank)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from overdrive.parallel import DistEnv, ParallelConfigError, ParallelDims, find_blocks
+from overdrive.train import SampleStream, TrainConfig, micro_batch_indices, run_training
+from tests.fixtures import train_models
+from tests.fixtures.train_workers import clean, full
+
+CPU = DistEnv(0, 0, 1, torch.device("cpu"))
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(factory: str, world: int, tmp_path: Path, **config) -> dict:
+    out = tmp_path / f"rank0-{time.monotonic_ns()}.pt"
+    config.setdefault("workload", factory)
+    from tests.fixtures.train_workers import run_rank
+
+    mp.spawn(run_rank, args=(world, free_port(), factory, config, str(out)), nprocs=world, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def reference(factory: str, **config) -> dict:
+    """The single-process run, with the same result layout as `spawn`."""
+    grads = {}
+
+    def on_grads(step, model):
+        if step == 0:
+            grads.update({clean(n): full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+
+    workload = getattr(train_models, factory)()
+    summary = run_training(TrainConfig(workload=factory, **config), CPU, workload=workload, on_grads=on_grads)
+    return {"losses": summary.losses, "grads": grads, "summary": summary.to_dict(),
+            "params": {clean(n): full(p) for n, p in workload.model.named_parameters()}}
+
+
+def assert_close(a: dict, b: dict, *, atol: float, rtol: float = 1e-4):
+    assert set(a) == set(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -- data layout ---------------------------------------------------------------------------------------
+
+
+def test_data_parallel_shards_are_disjoint_and_cover_the_global_batch():
+    stream = SampleStream(37, seed=3)
+    step = sorted(i for r in range(2) for m in range(2) for i in micro_batch_indices(stream, 0, batch_size=4, grad_accum=2, dp=2, dp_rank=r, micro=m))
+    assert step == sorted(stream.take(0, 16)) and len(set(step)) == 16
+    # crossing an epoch boundary: the next permutation continues, every sample once per epoch
+    epoch = stream.take(0, 37)
+    assert sorted(epoch) == list(range(37)) and stream.take(37, 37) != epoch
+
+
+# -- strategies against the single-process reference --------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_ddp_with_accumulation_matches_one_process(tmp_path):
+    # 2 ranks × 4 rows × 2 micro-steps = the reference's 16 rows per step
+    ddp = spawn("mlp", 2, tmp_path, steps=3, batch_size=4, grad_accum=2, dims=ParallelDims(strategy="ddp", world_size=2),
+                learning_rate=1e-2)
+    ref = reference("mlp", steps=3, batch_size=16, learning_rate=1e-2)
+    assert ddp["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert_close(ddp["grads"], ref["grads"], atol=1e-6)
+    assert_close(ddp["params"], ref["params"], atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_matches_one_process_on_a_transformer(tmp_path):
+    fsdp = spawn("tiny_bert", 2, tmp_path, steps=3, batch_size=4, dims=ParallelDims(strategy="fsdp", world_size=2),
+                 learning_rate=1e-2)
+    ref = reference("tiny_bert", steps=3, batch_size=8, learning_rate=1e-2)
+    assert fsdp["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    assert_close(fsdp["grads"], ref["grads"], atol=1e-5)
+    assert_close(fsdp["params"], ref["params"], atol=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_matches_one_process(tmp_path):
+    tp = spawn("tiny_bert", 2, tmp_path, steps=3, batch_size=8, dims=ParallelDims(strategy="tensor-parallel", world_size=2),
+               learning_rate=1e-2)
+    ref = reference("tiny_bert", steps=3, batch_size=8, learning_rate=1e-2)
+    assert tp["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    assert_close(tp["grads"], ref["grads"], atol=1e-5)
+    assert_close(tp["params"], ref["params"], atol=1e-4)
+
+
+# -- precision and activation checkpointing ------------------------------------------------------------
+
+
+def test_activation_checkpointing_gives_the_same_gradients_and_losses():
+    plain = reference("tiny_bert", steps=4, batch_size=8, learning_rate=1e-2)
+    checkpointed = reference("tiny_bert", steps=4, batch_size=8, learning_rate=1e-2, checkpoint_activations=True)
+    assert checkpointed["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    assert_close(checkpointed["grads"], plain["grads"], atol=1e-7)
+
+
+def test_activation_checkpointing_of_a_sequential_keeps_parameter_names():
+    workload = train_models.mlp()
+    names = [n for n, _ in workload.model.named_parameters()]
+    from overdrive.parallel import apply_activation_checkpointing
+
+    assert apply_activation_checkpointing(workload.model) == 3  # Linear-ReLU, Linear-ReLU, Linear
+    assert [n for n, _ in workload.model.named_parameters()] == names
+
+
+def test_bf16_autocast_follows_the_fp32_loss_curve():
+    fp32 = reference("tiny_bert", steps=12, batch_size=8, learning_rate=3e-3)
+    bf16 = reference("tiny_bert", steps=12, batch_size=8, learning_rate=3e-3, precision="bf16")
+    assert bf16["summary"]["precision"] == "bf16"
+    assert bf16["losses"] != fp32["losses"]  # autocast really ran the matmuls in bf16
+    assert bf16["losses"] == pytest.approx(fp32["losses"], rel=0.03)  # bf16 keeps 8 mantissa bits: ~0.4% per op
+    assert sum(bf16["losses"][-4:]) < sum(bf16["losses"][:4])  # and it learns
+
+
+def test_find_blocks_picks_the_transformer_layers():
+    name, blocks = find_blocks(train_models.tiny_bert().model)
+    assert name == "encoder.encoder.layer" and len(blocks) == 2
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+
+
+def test_resume_continues_exactly_where_the_run_stopped(tmp_path):
+    kwargs = dict(steps=6, batch_size=8, learning_rate=1e-2)
+    straight = reference("mlp", **kwargs)
+    ckpt = tmp_path / "ckpt"
+    first = reference("mlp", **kwargs, save_dir=str(ckpt), stop_after=3)  # an interrupted run
+    assert (ckpt / "step-3" / ".metadata").exists()
+    second = reference("mlp", **kwargs, resume_dir=str(ckpt))  # the newest step-N under the --save folder
+    assert second["summary"]["start_step"] == 3
+    assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=1e-6)
+    assert_close(second["params"], straight["params"], atol=1e-6)
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
+    from overdrive.errors import UserError
+
+    with pytest.raises(UserError, match="no checkpoint there"):
+        reference("mlp", steps=2, batch_size=8, resume_dir=str(tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_moves_from_two_ranks_to_one_and_from_one_to_two(tmp_path):
+    kwargs = dict(steps=4, batch_size=4, learning_rate=1e-2)
+    straight = reference("tiny_bert", steps=4, batch_size=8, learning_rate=1e-2)
+    # 2 → 1: FSDP (sharded parameters and optimizer state) stops after 2 steps; one process resumes
+    two = tmp_path / "two"
+    spawn("tiny_bert", 2, tmp_path, **kwargs, dims=ParallelDims(strategy="fsdp", world_size=2), save_dir=str(two), stop_after=2)
+    one = reference("tiny_bert", steps=4, batch_size=8, learning_rate=1e-2, resume_dir=str(two))
+    assert one["losses"] == pytest.approx(straight["losses"][2:], rel=1e-4)
+    assert_close(one["params"], straight["params"], atol=1e-4)
+    # 1 → 2: one process stops after 2 steps; DDP at 2 ranks resumes
+    single = tmp_path / "single"
+    reference("tiny_bert", steps=4, batch_size=8, learning_rate=1e-2, save_dir=str(single), stop_after=2)
+    ddp = spawn("tiny_bert", 2, tmp_path, **kwargs, dims=ParallelDims(strategy="ddp", world_size=2), resume_dir=str(single))
+    assert ddp["summary"]["start_step"] == 2
+    assert ddp["losses"] == pytest.approx(straight["losses"][2:], rel=1e-4)
+    assert_close(ddp["params"], straight["params"], atol=1e-4)
+
+
+# -- refused before launch, and failures at run time ---------------------------------------------------
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "overdrive", "train", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(strategy="none", world_size=2), "runs one process"),
+    (dict(strategy="pipeline", world_size=2, microbatches=1), "microbatches for 2 pipeline stages"),
+    (dict(strategy="pipeline", world_size=1), "needs ≥ 2 stages"),
+    (dict(strategy="pipeline", world_size=3, split_points=(2,)), "needs 2 increasing block indices"),
+    (dict(strategy="ddp", world_size=2, microbatches=4), "pipeline only"),
+    (dict(strategy="zero", world_size=2), "unknown strategy"),
+])
+def test_parallel_dims_refuse_what_cannot_work(kwargs, message):
+    with pytest.raises(ParallelConfigError, match=message):
+        ParallelDims(**kwargs)
+
+
+def test_cli_refuses_bad_degrees_before_launching(tmp_path):
+    start = time.monotonic()
+    result = run_cli("tests.fixtures.train_models:mlp", "--device", "cpu", "--nproc", "1", "--strategy", "ddp", "--steps", "1",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr  # ddp at 1 process is allowed (the code path, no peers)
+    result = run_cli("tests.fixtures.train_models:mlp", "--device", "cpu", "--strategy", "none", "--nproc", "2")
+    assert result.returncode == 2 and "runs one process" in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_refuses_heads_it_cannot_split(tmp_path):
+    result = run_cli("tests.fixtures.train_models:tiny_bert_3_heads", "--device", "cpu", "--nproc", "2",
+                     "--strategy", "tensor-parallel", "--steps", "1", "--out", str(tmp_path))
+    assert result.returncode != 0
+    assert "must divide the 3 attention heads" in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_uneven_data_ranks_finish_together(tmp_path):
+    # 37 samples, 2 ranks × 8 rows: no divisor; both ranks run every step (an even split of one stream)
+    result = run_cli("tests.fixtures.train_models:mlp_37", "--device", "cpu", "--nproc", "2", "--epochs", "2",
+                     "--batch-size", "8", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = __import__("json").loads((tmp_path / "mlp" / "train" / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["world_size"] == 2  # ceil(2 × 37 / 16)
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_rank_becomes_an_error_naming_the_rank(tmp_path):
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "overdrive", "train", "tests.fixtures.train_models:straggler", "--device", "cpu",
+                             "--nproc", "2", "--steps", "5", "--collective-timeout-s", "5", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=240,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "STRAGGLE_S": "120"})
+    assert result.returncode != 0
+    assert "rank 0 of 2 failed" in result.stderr
+    assert time.monotonic() - start < 100  # the timeout fired; the straggler's 120 s sleep was cut short
+
+
+@pytest.mark.timeout(300)
+def test_one_rank_failing_stops_the_others(tmp_path):
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "overdrive", "train", "tests.fixtures.train_models:straggler", "--device", "cpu",
+                             "--nproc", "2", "--steps", "5", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=240,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "RAISE_ON_RANK1": "1"})
+    assert result.returncode != 0
+    assert "injected failure on rank 1" in result.stderr and "rank 1 of 2 failed" in result.stderr
+    assert time.monotonic() - start < 100  # not the 600 s collective timeout
