@@ -35,7 +35,12 @@ def spawn(factory: str, world: int, tmp_path: Path, **config) -> dict:
     from tests.fixtures.train_workers import run_rank
 
     mp.spawn(run_rank, args=(world, free_port(), factory, config, str(out)), nprocs=world, join=True)
-    return torch.load(out, weights_only=False)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+    result = ranks[0]  # losses and the summary are the same on every rank
+    for other in ranks[1:]:  # pipeline stages each hold some of the parameters
+        for key in ("grads", "params"):
+            result[key] = {**other[key], **result[key]}
+    return result
 
 
 def reference(factory: str, **config) -> dict:
@@ -102,6 +107,40 @@ def test_tensor_parallel_matches_one_process(tmp_path):
     assert tp["losses"] == pytest.approx(ref["losses"], rel=1e-4)
     assert_close(tp["grads"], ref["grads"], atol=1e-5)
     assert_close(tp["params"], ref["params"], atol=1e-4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_matches_one_process_on_a_transformer(tmp_path, schedule):
+    pp = spawn("tiny_bert", 2, tmp_path, steps=3, batch_size=8, learning_rate=1e-2,
+               dims=ParallelDims(strategy="pipeline", world_size=2, microbatches=4, schedule=schedule))
+    ref = reference("tiny_bert", steps=3, batch_size=8, learning_rate=1e-2)
+    assert pp["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    assert_close(pp["grads"], ref["grads"], atol=1e-5)
+    assert_close(pp["params"], ref["params"], atol=1e-4)
+    stats = pp["summary"]["pipeline"]
+    assert stats["split_points"] == [1] and stats["microbatches"] == 4  # 2 equal layers: one per stage
+    assert len(stats["bubble_fraction_per_rank"]) == 2 and 0 < stats["bubble_fraction"] < 1
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_of_a_sequential_at_given_split_points(tmp_path):
+    pp = spawn("mlp", 2, tmp_path, steps=3, batch_size=8, learning_rate=1e-2,
+               dims=ParallelDims(strategy="pipeline", world_size=2, microbatches=2, split_points=(3,)))
+    ref = reference("mlp", steps=3, batch_size=8, learning_rate=1e-2)
+    assert pp["summary"]["pipeline"]["split_points"] == [3]
+    assert pp["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert_close(pp["params"], ref["params"], atol=1e-5)
+
+
+def test_balanced_split_minimises_the_slowest_stage():
+    from overdrive.pipeline import balanced_split
+
+    assert balanced_split([1, 1, 1, 1], 2) == [2]
+    assert balanced_split([4, 1, 1, 1, 1], 2) == [1]
+    assert balanced_split([1, 2, 3, 4, 5, 6], 3) == [3, 5]  # stage sums 6, 9, 6
+    with pytest.raises(ValueError, match="cannot fill"):
+        balanced_split([1], 2)
 
 
 # -- precision and activation checkpointing ------------------------------------------------------------
@@ -178,6 +217,17 @@ def test_checkpoint_moves_from_two_ranks_to_one_and_from_one_to_two(tmp_path):
     assert_close(ddp["params"], straight["params"], atol=1e-4)
 
 
+@pytest.mark.timeout(300)
+def test_pipeline_checkpoint_resumes_in_one_process(tmp_path):
+    ckpt = tmp_path / "pp"
+    spawn("tiny_bert", 2, tmp_path, steps=4, batch_size=8, learning_rate=1e-2, save_dir=str(ckpt), stop_after=2,
+          dims=ParallelDims(strategy="pipeline", world_size=2, microbatches=2))
+    straight = reference("tiny_bert", steps=4, batch_size=8, learning_rate=1e-2)
+    resumed = reference("tiny_bert", steps=4, batch_size=8, learning_rate=1e-2, resume_dir=str(ckpt))
+    assert resumed["losses"] == pytest.approx(straight["losses"][2:], rel=1e-4)
+    assert_close(resumed["params"], straight["params"], atol=1e-4)
+
+
 # -- refused before launch, and failures at run time ---------------------------------------------------
 
 
@@ -206,6 +256,9 @@ def test_cli_refuses_bad_degrees_before_launching(tmp_path):
     assert result.returncode == 0, result.stderr  # ddp at 1 process is allowed (the code path, no peers)
     result = run_cli("tests.fixtures.train_models:mlp", "--device", "cpu", "--strategy", "none", "--nproc", "2")
     assert result.returncode == 2 and "runs one process" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli("tests.fixtures.train_models:mlp", "--device", "cpu", "--strategy", "pipeline", "--nproc", "2",
+                     "--microbatches", "1")
+    assert result.returncode == 2 and "use --microbatches ≥ 2" in result.stderr
     assert time.monotonic() - start < 120
 
 

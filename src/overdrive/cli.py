@@ -163,11 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
     train.add_argument("--nproc", type=positive_int, help="processes to launch with torchrun on this machine (default 1; "
                                                           "omit under your own torchrun)")
-    train.add_argument("--strategy", choices=("none", "ddp", "fsdp", "tensor-parallel"), default=None,
+    train.add_argument("--strategy", choices=("none", "ddp", "fsdp", "pipeline", "tensor-parallel"), default=None,
                        help="how processes share the work (default: none for 1 process, ddp for more)")
-    train.add_argument("--microbatches", type=positive_int, help=argparse.SUPPRESS)
-    train.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
-    train.add_argument("--split-points", type=int_list, help=argparse.SUPPRESS)
+    train.add_argument("--microbatches", type=positive_int, help="pipeline: microbatches per step, ≥ stages (default "
+                                                                 "2 × stages); they must divide --batch-size")
+    train.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe", help="pipeline schedule (default gpipe)")
+    train.add_argument("--split-points", type=int_list, help="pipeline: first block index of each stage after the "
+                                                             "first, e.g. 3 (default: balance measured block times)")
     train.add_argument("--seed", type=nonnegative_int, default=0, help="data order and initial RNG state (default 0)")
     train.add_argument("--collective-timeout-s", type=ratio, default=600.0,
                        help="a collective waiting longer than this fails with an error naming the rank (default 600)")

@@ -119,6 +119,7 @@ class TrainSummary:
     losses: list[float]
     objective: str
     device: str
+    pipeline: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -299,11 +300,51 @@ def _dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
-def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str):
+def _freeze_unreached(model: nn.Module, workload: Workload, objective: "Objective", device: torch.device) -> list[str]:
+    """Turn off gradients for parameters the objective never reaches (e.g. a BERT pooler under
+    mean pooling), found with one forward and backward pass over two training rows: DDP would
+    otherwise wait for their gradients forever. Returns their names."""
+    idx = list(range(min(2, len(workload.train_samples))))
+    inputs = tuple(t.to(device) for t in workload.collate([workload.train_samples[i] for i in idx]))
+    objective(model(*inputs), objective.target(idx, inputs, device)).backward()
+    frozen = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    for name, p in model.named_parameters():
+        p.grad = None
+        if name in frozen:
+            p.requires_grad_(False)
+    return frozen
+
+
+def _pipeline_stage(model: nn.Module, workload: Workload, config: TrainConfig, env: DistEnv, batch_size: int) -> nn.Module:
+    """This rank's stage, cut at the user's split points or at ones balancing measured block costs."""
+    from overdrive import pipeline
+
+    dims = config.dims
+    points = list(dims.split_points or [])
+    try:
+        if not points:
+            micro = max(1, batch_size // dims.num_microbatches)
+            inputs = tuple(t.to(env.device) for t in workload.collate(list(workload.train_samples[:micro])))
+            costs = torch.tensor(pipeline.measure_block_costs(model, inputs), dtype=torch.float64)
+            dist.all_reduce(costs)  # every rank must cut at the same points
+            points = pipeline.balanced_split((costs / env.world_size).tolist(), dims.pp)
+        stage, owned = pipeline.build_stage_module(model, env.rank, points)
+    except ValueError as exc:
+        raise UserError(f"--strategy pipeline: {exc}") from None
+    stage.split_points, stage.owned_blocks = points, owned
+    return stage.to(env.device)
+
+
+def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str, batch_size: int):
     """The parallelized model, its objective and optimizer, in the order parallel.py states."""
     model = workload.model.to(env.device)
     teacher = None if workload.train_labels is not None else frozen_copy(model)
+    objective = Objective(workload, teacher)
     dims = config.dims
+    model.train()
+    _freeze_unreached(model, workload, objective, env.device)
+    if dims.strategy == "pipeline":
+        model = workload.model = _pipeline_stage(model, workload, config, env, batch_size)  # the rank trains its stage
     if dims.strategy == "tensor-parallel":
         try:
             parallel.apply_tensor_parallel(model, env)
@@ -323,9 +364,9 @@ def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     # Fused AdamW (one kernel for all parameters) where torch has it: CUDA, and CPU for plain tensors.
-    fused = env.device.type == "cuda" or dims.strategy in ("none", "ddp")
+    fused = env.device.type == "cuda" or dims.strategy in ("none", "ddp", "pipeline")
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0, **({"fused": True} if fused else {}))
-    return model, Objective(workload, teacher), optimizer, params
+    return model, objective, optimizer, params
 
 
 def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None = None,
@@ -336,7 +377,7 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
         config: the run.
         env: this process's place in the job (`parallel.init_distributed`).
         workload: the workload to train (default: built from `config.workload`); its model is
-            trained in place.
+            trained in place (under pipeline parallelism it is replaced by this rank's stage).
         progress: called on rank 0 as progress(step, total_steps, loss, samples_per_s, peak_bytes).
         on_grads: called on every rank as on_grads(step, model) after the backward passes of a
             step, before clipping and the optimizer step (tests compare gradients with it).
@@ -362,11 +403,22 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     if precision == "fp16" and dims.strategy == "fsdp":
         raise UserError("--precision fp16 with --strategy fsdp is not supported (its gradient scaler needs sharded "
                         "gradients); use --precision bf16")
+    batch_size = config.batch_size or min(workload.default_batch_size, 32)
+    runner = None
+    if dims.strategy == "pipeline":
+        if config.grad_accum != 1:
+            raise UserError("--grad-accum with --strategy pipeline: the microbatches already accumulate; "
+                            "raise --microbatches and --batch-size instead")
+        if batch_size % dims.num_microbatches:
+            raise UserError(f"--batch-size {batch_size} must be a multiple of the {dims.num_microbatches} pipeline "
+                            "microbatches")
     dp_rank = env.rank if dims.dp > 1 else 0
     torch.manual_seed(config.seed + dp_rank)
-    model, objective, optimizer, params = _build(workload, config, env, precision)
+    model, objective, optimizer, params = _build(workload, config, env, precision, batch_size)
+    if dims.strategy == "pipeline":
+        from overdrive.pipeline import PipelineRunner
 
-    batch_size = config.batch_size or min(workload.default_batch_size, 32)
+        runner = PipelineRunner(model, dims, env, objective)
     global_batch = batch_size * config.grad_accum * dims.dp
     n = len(workload.train_samples)
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * n / global_batch))
@@ -386,12 +438,14 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     losses: list[float] = []
     times: list[float] = []
+    busy_times: list[float] = []
     is_ddp = dims.strategy == "ddp"
     end = min(steps, config.stop_after) if config.stop_after else steps
     for step in range(start_step, end):
         t0 = time.perf_counter()
         total = torch.zeros((), device=env.device)
-        for micro in range(config.grad_accum):
+        busy = runner.busy_s if runner else 0.0
+        for micro in range(config.grad_accum if runner is None else 0):
             idx = micro_batch_indices(stream, position, batch_size=batch_size, grad_accum=config.grad_accum,
                                       dp=dims.dp, dp_rank=dp_rank, micro=micro)
             inputs = tuple(t.to(env.device, non_blocking=True) for t in workload.collate([workload.train_samples[i] for i in idx]))
@@ -405,11 +459,17 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
                     loss = objective(model(*inputs), target) / config.grad_accum
                 (scaler.scale(loss) if scaler else loss).backward()
             total += loss.detach()
+        if runner:  # the schedule splits the batch into microbatches and runs forward and backward
+            idx = stream.take(position, batch_size)
+            inputs = tuple(t.to(env.device, non_blocking=True) for t in workload.collate([workload.train_samples[i] for i in idx]))
+            target = objective.target(idx, inputs, env.device) if runner.last else None
+            with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
+                total = runner.step(inputs, target)
         if scaler:
             scaler.unscale_(optimizer)
         if on_grads:
             on_grads(step, model)
-        parallel.clip_grad_norm(params, 1.0)
+        parallel.clip_grad_norm(params, 1.0, group=dist.group.WORLD if runner else None)
         if scaler:
             scaler.step(optimizer)
             scaler.update()
@@ -423,6 +483,8 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
             total /= dims.dp
         losses.append(total.item())  # also synchronizes the device, so the step time is real
         times.append(time.perf_counter() - t0)
+        if runner:
+            busy_times.append(runner.busy_s - busy)
         if config.save_dir and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < end:
             save_checkpoint(Path(config.save_dir), model, optimizer, step=step + 1, position=position, env=env)
         if progress and env.is_main:
@@ -438,14 +500,28 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     skip = max(1, len(times) // 5) if len(times) > 1 else 0
     measured = times[skip:]
     tenth = max(1, len(losses) // 10)
+    pipeline_stats = _pipeline_stats(model, dims, env, measured, busy_times[skip:]) if runner else None
     return TrainSummary(
         workload=workload.name, strategy=dims.strategy, world_size=env.world_size, precision=precision,
         checkpoint_activations=config.checkpoint_activations, compile=config.compile, steps=end, start_step=start_step,
         global_batch_size=global_batch, samples_per_s=global_batch * len(measured) / sum(measured),
         seconds=sum(times), peak_memory_bytes=peak, peak_memory_kind=kind, step_memory_bytes=added,
         first_loss=sum(losses[:tenth]) / tenth, last_loss=sum(losses[-tenth:]) / tenth, losses=losses,
-        objective=objective.name, device=str(env.device),
+        objective=objective.name, device=str(env.device), pipeline=pipeline_stats,
     )
+
+
+def _pipeline_stats(stage: nn.Module, dims: ParallelDims, env: DistEnv, step_s: list[float], busy_s: list[float]) -> dict:
+    """Split points and the bubble: each rank's idle fraction 1 − busy / step time over the
+    measured steps, next to GPipe's (p − 1)/(m + p − 1) for equal stages."""
+    idle = torch.tensor([1.0 - sum(busy_s) / sum(step_s)], dtype=torch.float64)
+    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(env.world_size)]
+    dist.all_gather(gathered, idle)
+    p, m = dims.pp, dims.num_microbatches
+    return {"schedule": dims.schedule, "stages": p, "microbatches": m, "split_points": list(stage.split_points),
+            "bubble_fraction_per_rank": [round(g.item(), 4) for g in gathered],
+            "bubble_fraction": sum(g.item() for g in gathered) / len(gathered),
+            "gpipe_formula": (p - 1) / (m + p - 1)}
 
 
 # -- command line ---------------------------------------------------------------------------------

@@ -38,8 +38,13 @@ class SentenceEmbedder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, S, H]
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # [B, S, 1]
-        return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1e-9)  # [B, H]
+        return mean_pool(hidden, attention_mask)
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of token embeddings [B, S, H] over the attention mask [B, S] (1 = token) -> [B, H]."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # [B, S, 1]
+    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1e-9)
 
 
 def _tokenize(tokenizer, max_seq_length: int, sentences: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
