@@ -15,12 +15,14 @@ Embeddings and pooling are not counted; they stay with the first and last stage.
 
 Idle time: with p stages, m microbatches and equal stages, GPipe leaves each stage idle for a
 fraction (p − 1)/(m + p − 1) of a step (the "bubble"); `PipelineRunner` measures the real
-fraction as 1 − (time in forward/backward compute) / (step time), per rank.
+fraction per rank as 1 − (time in the stage's forward/backward compute) / (time in the
+schedule's step, which all stages enter together). Sends and receives count as idle.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from collections.abc import Callable
 
@@ -185,15 +187,19 @@ class PipelineRunner:
         loss_fn: loss_fn(output, target) -> scalar, for one microbatch (last stage only).
 
     A `PipelineStage` and schedule are made per input shape (every rank sees the same batch,
-    so all make the same ones). The busy time (inside the stage's forward and backward
-    computations) of each step is kept in `busy_s`, for the bubble fraction.
+    so all make the same ones). `steady_busy_s` and `steady_schedule_s` accumulate the time
+    inside the stage's forward and backward computations and inside the schedule's steps, over
+    steps of an already seen shape: 1 − their ratio is the bubble fraction.
     """
 
     def __init__(self, stage_module: nn.Module, dims: ParallelDims, env: DistEnv, loss_fn: Callable):
         self.module, self.dims, self.env, self.loss_fn = stage_module, dims, env, loss_fn
         self.first, self.last = env.rank == 0, env.rank == dims.pp - 1
         self.schedules: dict[tuple, object] = {}
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # inside the stage's forward and backward computations
+        # over steps whose shape was seen before: compute time, and time inside the schedule's step
+        # (compute, sends, receives and waits)
+        self.steady_busy_s = self.steady_schedule_s = 0.0
 
     def _schedule(self, inputs: tuple[torch.Tensor, ...]):
         key = tuple(tuple(t.shape) for t in inputs)
@@ -206,6 +212,13 @@ class PipelineRunner:
             kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.dims.schedule]
             self.schedules[key] = kind(stage, self.dims.num_microbatches, loss_fn=self.loss_fn, scale_grads=True)
         return self.schedules[key]
+
+    def close(self) -> None:
+        """Drop the stages and schedules (and the communication state they hold) while the process
+        group is alive: left to interpreter exit, gloo aborts the process now and then."""
+        dist.barrier()
+        self.schedules.clear()
+        gc.collect()
 
     def _timed(self, fn):
         def run(*args, **kwargs):
@@ -226,14 +239,20 @@ class PipelineRunner:
             target: the batch's target on the last stage, None elsewhere.
         """
         inputs = pad_token_inputs(inputs)
+        new_shape = tuple(tuple(t.shape) for t in inputs) not in self.schedules
         schedule = self._schedule(inputs)
         losses: list[torch.Tensor] = []
+        dist.barrier()  # all stages start the schedule together, so its time is the pipeline's own
+        busy, start = self.busy_s, time.perf_counter()
         if self.first:
             schedule.step(*inputs)
         elif self.last:
             schedule.step(target=target, losses=losses)
         else:
             schedule.step()
+        if not new_shape:  # a new shape's first step also infers the shapes between stages
+            self.steady_busy_s += self.busy_s - busy
+            self.steady_schedule_s += time.perf_counter() - start
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros((), device=self.env.device)
         dist.broadcast(loss, src=self.dims.pp - 1)
         return loss

@@ -300,12 +300,17 @@ def _dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
+def _inputs(workload: Workload, indices: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The model inputs for these training samples, on `device`."""
+    return tuple(t.to(device, non_blocking=True) for t in workload.collate([workload.train_samples[i] for i in indices]))
+
+
 def _freeze_unreached(model: nn.Module, workload: Workload, objective: "Objective", device: torch.device) -> list[str]:
     """Turn off gradients for parameters the objective never reaches (e.g. a BERT pooler under
     mean pooling), found with one forward and backward pass over two training rows: DDP would
     otherwise wait for their gradients forever. Returns their names."""
     idx = list(range(min(2, len(workload.train_samples))))
-    inputs = tuple(t.to(device) for t in workload.collate([workload.train_samples[i] for i in idx]))
+    inputs = _inputs(workload, idx, device)
     objective(model(*inputs), objective.target(idx, inputs, device)).backward()
     frozen = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     for name, p in model.named_parameters():
@@ -324,10 +329,10 @@ def _pipeline_stage(model: nn.Module, workload: Workload, config: TrainConfig, e
     try:
         if not points:
             micro = max(1, batch_size // dims.num_microbatches)
-            inputs = tuple(t.to(env.device) for t in workload.collate(list(workload.train_samples[:micro])))
-            costs = torch.tensor(pipeline.measure_block_costs(model, inputs), dtype=torch.float64)
+            inputs = _inputs(workload, list(range(min(micro, len(workload.train_samples)))), env.device)
+            costs = torch.tensor(pipeline.measure_block_costs(model, inputs), dtype=torch.float64, device=env.device)
             dist.all_reduce(costs)  # every rank must cut at the same points
-            points = pipeline.balanced_split((costs / env.world_size).tolist(), dims.pp)
+            points = pipeline.balanced_split((costs / env.world_size).cpu().tolist(), dims.pp)
         stage, owned = pipeline.build_stage_module(model, env.rank, points)
     except ValueError as exc:
         raise UserError(f"--strategy pipeline: {exc}") from None
@@ -438,17 +443,15 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     losses: list[float] = []
     times: list[float] = []
-    busy_times: list[float] = []
     is_ddp = dims.strategy == "ddp"
     end = min(steps, config.stop_after) if config.stop_after else steps
     for step in range(start_step, end):
         t0 = time.perf_counter()
         total = torch.zeros((), device=env.device)
-        busy = runner.busy_s if runner else 0.0
         for micro in range(config.grad_accum if runner is None else 0):
             idx = micro_batch_indices(stream, position, batch_size=batch_size, grad_accum=config.grad_accum,
                                       dp=dims.dp, dp_rank=dp_rank, micro=micro)
-            inputs = tuple(t.to(env.device, non_blocking=True) for t in workload.collate([workload.train_samples[i] for i in idx]))
+            inputs = _inputs(workload, idx, env.device)
             target = objective.target(idx, inputs, env.device)
             last = micro == config.grad_accum - 1
             if dims.strategy == "fsdp":
@@ -461,7 +464,7 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
             total += loss.detach()
         if runner:  # the schedule splits the batch into microbatches and runs forward and backward
             idx = stream.take(position, batch_size)
-            inputs = tuple(t.to(env.device, non_blocking=True) for t in workload.collate([workload.train_samples[i] for i in idx]))
+            inputs = _inputs(workload, idx, env.device)
             target = objective.target(idx, inputs, env.device) if runner.last else None
             with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
                 total = runner.step(inputs, target)
@@ -483,8 +486,6 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
             total /= dims.dp
         losses.append(total.item())  # also synchronizes the device, so the step time is real
         times.append(time.perf_counter() - t0)
-        if runner:
-            busy_times.append(runner.busy_s - busy)
         if config.save_dir and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < end:
             save_checkpoint(Path(config.save_dir), model, optimizer, step=step + 1, position=position, env=env)
         if progress and env.is_main:
@@ -500,7 +501,10 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     skip = max(1, len(times) // 5) if len(times) > 1 else 0
     measured = times[skip:]
     tenth = max(1, len(losses) // 10)
-    pipeline_stats = _pipeline_stats(model, dims, env, measured, busy_times[skip:]) if runner else None
+    pipeline_stats = None
+    if runner:
+        pipeline_stats = _pipeline_stats(model, runner, dims, env)
+        runner.close()
     return TrainSummary(
         workload=workload.name, strategy=dims.strategy, world_size=env.world_size, precision=precision,
         checkpoint_activations=config.checkpoint_activations, compile=config.compile, steps=end, start_step=start_step,
@@ -511,11 +515,13 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     )
 
 
-def _pipeline_stats(stage: nn.Module, dims: ParallelDims, env: DistEnv, step_s: list[float], busy_s: list[float]) -> dict:
-    """Split points and the bubble: each rank's idle fraction 1 − busy / step time over the
-    measured steps, next to GPipe's (p − 1)/(m + p − 1) for equal stages."""
-    idle = torch.tensor([1.0 - sum(busy_s) / sum(step_s)], dtype=torch.float64)
-    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(env.world_size)]
+def _pipeline_stats(stage: nn.Module, runner, dims: ParallelDims, env: DistEnv) -> dict:
+    """Split points and the bubble: each rank's idle fraction of the schedule's steps,
+    1 − compute / schedule time (NaN when every step had a new shape), next to GPipe's
+    (p − 1)/(m + p − 1) for equal stages."""
+    fraction = 1.0 - runner.steady_busy_s / runner.steady_schedule_s if runner.steady_schedule_s else float("nan")
+    idle = torch.tensor([fraction], dtype=torch.float64, device=env.device)
+    gathered = [torch.zeros_like(idle) for _ in range(env.world_size)]
     dist.all_gather(gathered, idle)
     p, m = dims.pp, dims.num_microbatches
     return {"schedule": dims.schedule, "stages": p, "microbatches": m, "split_points": list(stage.split_points),
@@ -665,5 +671,11 @@ def _finish(args, config: TrainConfig, summary: TrainSummary) -> None:
     console.print(table)
     console.print(f"global batch {summary.global_batch_size} rows, steps {summary.start_step}→{summary.steps}; "
                   f"peak memory is {summary.peak_memory_kind} (largest rank); step memory is what the steps added to it", highlight=False)
+    if summary.pipeline:
+        p = summary.pipeline
+        console.print(f"pipeline: {p['stages']} stages split at block {p['split_points']}, {p['schedule']}, "
+                      f"{p['microbatches']} microbatches; idle (bubble) fraction measured {p['bubble_fraction']:.3f} "
+                      f"(per rank {', '.join(f'{b:.3f}' for b in p['bubble_fraction_per_rank'])}); GPipe's "
+                      f"(p−1)/(m+p−1) = {p['gpipe_formula']:.3f}", highlight=False)
     if config.save_dir:
-        console.print(f"checkpoint: {config.save_dir}", highlight=False)
+        console.print(f"checkpoints: {config.save_dir}/step-N", highlight=False)

@@ -15,7 +15,7 @@ import zlib
 import torch
 
 from overdrive.workloads.base import Workload, embedding_fidelity, pad_token_ids
-from overdrive.workloads.sentences import python_doc_sentences
+from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
 
 VOCAB_SIZE = 30522
 CLS, SEP, FIRST_WORD_ID = 101, 102, 1000
@@ -51,6 +51,7 @@ def build_bert_base_random(num_sentences: int = 2048) -> Workload:
         fidelity_key="min_cosine",
         default_batch_size=32,
         sample_length=lambda s: len(hash_tokenize(s)),
+        train_samples=python_docstring_sentences(),  # `overdrive train` distils toward the starting model (speed only)
         real_weights=False,
         description="BERT-base shape, random weights, pydoc sentences (speed only)",
     )
