@@ -302,3 +302,48 @@ def test_one_rank_failing_stops_the_others(tmp_path):
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stderr and "rank 1 of 2 failed" in result.stderr
     assert time.monotonic() - start < 100  # not the 600 s collective timeout
+
+
+# -- inference from the same split ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factory, rows", [("tiny_bert", 8), ("tiny_bert", 1), ("mlp", 7)])
+def test_pipelined_model_equals_the_model(factory, rows):
+    from overdrive.parallel_inference import PipelinedModel
+
+    workload = getattr(train_models, factory)()
+    inputs = workload.collate(list(workload.train_samples[:rows]))
+    cpu = torch.device("cpu")
+    pipelined = PipelinedModel(workload.model, [cpu, cpu], microbatches=3, example=inputs)
+    assert pipelined.split_points == [1 if factory == "tiny_bert" else pipelined.split_points[0]]
+    with torch.no_grad():
+        torch.testing.assert_close(pipelined(*inputs), workload.model(*inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_pipelined_model_refuses_one_device():
+    from overdrive.parallel_inference import PipelinedModel
+
+    with pytest.raises(ValueError, match="≥ 2 stages"):
+        PipelinedModel(train_models.mlp().model, [torch.device("cpu")])
+
+
+def test_pipeline_parallel_technique_says_why_it_does_not_apply_here():
+    from overdrive.techniques import get_technique
+
+    reason = get_technique("pipeline-parallel").unsupported_reason(train_models.mlp(), torch.device("cpu"))
+    assert reason == "runs on cuda only"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pipelined_model_on_the_gpu_equals_the_model():
+    from overdrive.parallel_inference import PipelinedModel
+
+    workload = train_models.tiny_bert()
+    gpu = torch.device("cuda", 0)
+    devices = [torch.device("cuda", i % torch.cuda.device_count()) for i in range(2)]  # one GPU holds both stages
+    model = workload.model.to(gpu)
+    inputs = tuple(t.to(gpu) for t in workload.collate(list(workload.train_samples[:16])))
+    pipelined = PipelinedModel(model, devices, microbatches=4, example=inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(pipelined(*inputs), model(*inputs), atol=1e-4, rtol=1e-4)

@@ -7,6 +7,7 @@ from overdrive.techniques import (  # noqa: F401  (importing registers)
     inference_mode,
     int8_dynamic,
     length_bucketing,
+    pipeline_parallel,
     prune_channels,
     prune_ffn,
     prune_heads,
