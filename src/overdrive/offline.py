@@ -1,0 +1,936 @@
+"""`overdrive run`: offline batch inference over a whole dataset, resumable, at the device's speed.
+
+The flow, one process:
+
+    main thread      chunk planner -> DataLoader (worker processes read, decode, tokenize) -> input queue
+    replica threads  one per device: the next batch's host->device copy on a side CUDA stream
+                     while the current batch computes; device->host copy (non_blocking, pinned)
+    writer thread    waits for each batch's copy, places its rows, writes every finished chunk
+    at the end       the chunks are assembled into OUTPUT (atomic rename), errors into OUTPUT.errors.jsonl
+
+Invariants:
+- Chunks: records [k·C, (k+1)·C) form chunk k. A chunk's batches are cut from the chunk alone
+  (for text: sorted by length, longest first, ties by index), so a chunk's results do not depend
+  on which chunks ran before it, in this run or an earlier one. This is what makes
+  `--resume` byte-identical to an uninterrupted run.
+- A chunk is done when `OUTPUT.parts/chunk-K.npy` exists: it is written to a temporary name,
+  flushed to disk, then renamed. A kill at any point leaves whole chunks or no chunk.
+- Every input index gets exactly one row: an output, or a line in the errors file (a record
+  that cannot be read or decoded); none is duplicated or lost. Outputs are keyed by input index
+  and written in input order whatever the bucketing and the number of workers or replicas.
+- On CPU the same code path runs without streams or pinned memory (copies are no-ops).
+
+Timing: on CUDA, copies and compute are timed with CUDA events on their streams; the device
+busy fraction is the compute stream's busy time over wall time. On CPU, perf_counter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import queue
+import shutil
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from overdrive.datasets import OutputChunk, RecordError, RecordSource, open_source, output_format, write_output
+from overdrive.devices import resolve_device
+from overdrive.errors import UserError, one_line
+from overdrive.workloads.base import Workload, logits_fidelity
+
+MANIFEST_VERSION = 1
+DEFAULT_CHUNK_SIZE = 4096
+AUTO_GAIN = 1.05  # `--batch-size auto` doubles while items/s rises by at least 5%
+AUTO_MAX_BATCH = 1024
+
+
+class RunAborted(Exception):
+    """The run stopped before the end (too many failed records, the model raised); the chunks
+    finished so far are kept for `--resume`. The CLI prints it on one line, exit code 1."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """What to run.
+
+    Attributes:
+        workload: workload spec (`minilm`, `digits-cnn`, a torchvision name, module:factory), or None with a plan.
+        input: input file or image folder (see `overdrive.datasets`).
+        output: `.npy`, `.parquet`, `.csv` or `.jsonl`.
+        plan: plan.json from `optimize`: its techniques and batch size.
+        device: "auto", "cpu", "cuda" (every GPU, one replica each) or "cuda:N".
+        batch_size: rows per batch; "auto" measures it; None: the plan's, else the workload's.
+        text_field: JSONL field / CSV column holding the text (default "text").
+        num_workers: DataLoader worker processes; None: 0 on a CPU device with ≤ 2 cores, else up to 8.
+        chunk_size: records per chunk (rounded up to a multiple of the batch size).
+        resume, overwrite: what to do with an existing output (see `prepare_output`).
+        max_errors: stop once more records than this have failed (None: no limit).
+        bucket: sort text by length within each chunk (length bucketing).
+        replicas: model replicas; None: one per GPU on `cuda`, 1 otherwise (tests set 2 on CPU).
+    """
+
+    workload: str | None
+    input: Path
+    output: Path
+    plan: Path | None = None
+    device: str = "auto"
+    batch_size: int | str | None = None
+    text_field: str | None = None
+    num_workers: int | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    resume: bool = False
+    overwrite: bool = False
+    max_errors: int | None = None
+    bucket: bool = True
+    replicas: int | None = None
+
+
+@dataclass
+class RunSummary:
+    """What a run did. Times in seconds; `phases_s` says where the wall time went: `read_decode`
+    (worker processes' time reading, decoding and collating, summed over workers), `wait_input`
+    (replicas idle waiting for a batch), `h2d_copy`, `compute`, `d2h_copy`, `write` (chunks),
+    `assemble` (the final output)."""
+
+    output: str
+    errors_path: str | None
+    records: int
+    done_before: int
+    processed: int
+    failed: int
+    wall_s: float
+    items_per_s: float
+    batch_size: int
+    batch_size_source: str
+    auto_batch: list[dict[str, float]]
+    device: str
+    replicas: int
+    num_workers: int
+    device_busy_fraction: float
+    phases_s: dict[str, float]
+    complete: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- batches -------------------------------------------------------------------------------------
+
+
+@dataclass
+class HostBatch:
+    """One batch as the DataLoader delivers it: the decoded records' indices (batch order), their
+    collated inputs (None when all failed), the records that failed with their reasons, and the
+    worker's seconds spent reading, decoding and collating it."""
+
+    chunk: int
+    indices: list[int]
+    inputs: tuple[torch.Tensor, ...] | None
+    errors: list[tuple[int, str]]
+    read_s: float
+
+    def pin_memory(self) -> HostBatch:  # called by the DataLoader's pin-memory thread (CUDA runs)
+        if self.inputs is not None:
+            self.inputs = tuple(t.pin_memory() for t in self.inputs)
+        return self
+
+
+class _RecordDataset(torch.utils.data.Dataset):
+    """Map-style view of a RecordSource: item i is (i, record or failure reason, seconds)."""
+
+    def __init__(self, source: RecordSource):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int):
+        start = time.perf_counter()
+        try:
+            value, failed = self.source.read(i), False
+        except RecordError as exc:
+            value, failed = str(exc), True
+        except Exception as exc:  # a reader bug or an odd file must not end the run: file it for this record
+            value, failed = f"cannot read: {one_line(exc)}", True
+        return i, value, failed, time.perf_counter() - start
+
+
+class _Collate:
+    """Picklable collate_fn: good records -> the model's inputs (text: the workload's tokenizer,
+    tensors: stacked); a collate failure is narrowed to the records that cause it."""
+
+    def __init__(self, collate_text: Callable | None, chunk_size: int):
+        self.collate_text = collate_text
+        self.chunk_size = chunk_size
+
+    def _collate(self, values: list) -> tuple[torch.Tensor, ...]:
+        if self.collate_text is not None:
+            return tuple(self.collate_text(values))
+        return (torch.stack(values),)
+
+    def __call__(self, items) -> HostBatch:
+        start = time.perf_counter()
+        good = [(i, v) for i, v, failed, _ in items if not failed]
+        errors = [(i, v) for i, v, failed, _ in items if failed]
+        inputs = None
+        if good:
+            try:
+                inputs = self._collate([v for _, v in good])
+            except Exception:  # find the records that break it; the rest go on
+                kept = []
+                for i, v in good:
+                    try:
+                        self._collate([v])
+                        kept.append((i, v))
+                    except Exception as exc:
+                        errors.append((i, f"cannot prepare as model input: {one_line(exc)}"))
+                good = kept
+                inputs = self._collate([v for _, v in good]) if good else None
+        read_s = sum(s for *_, s in items) + time.perf_counter() - start
+        return HostBatch(items[0][0] // self.chunk_size, [i for i, _ in good], inputs, sorted(errors), read_s)
+
+
+def chunk_batches(source: RecordSource, chunk: int, chunk_size: int, batch_size: int, bucket: bool) -> list[list[int]]:
+    """The batches of chunk `chunk`: lists of input indices. Text is sorted by length (longest
+    first, ties by index) when `bucket`, so each batch pads to similar lengths; otherwise input order."""
+    start, stop = chunk * chunk_size, min(len(source), (chunk + 1) * chunk_size)
+    order = list(range(start, stop))
+    if bucket and source.kind == "text":
+        hints = source.length_hints(order)
+        order = [i for _, i in sorted(zip(hints, order), key=lambda p: (-p[0], p[1]))]
+    return [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+# -- replicas ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Staged:
+    batch: HostBatch
+    inputs: tuple[torch.Tensor, ...] | None
+    ready: Any = None  # CUDA event: the copy is done
+    events: tuple = ()
+
+
+@dataclass
+class _Result:
+    batch: HostBatch
+    output: torch.Tensor | None  # host float32 [rows, ...] (pinned on CUDA; valid after `done`)
+    done: Any = None  # CUDA event after the device->host copy
+    events: tuple = ()  # CUDA (h2d start, h2d end, compute start, compute end, d2h end)
+    times: tuple = ()  # CPU seconds (h2d, compute, d2h)
+
+
+class Replica:
+    """One model on one device, with its copy stream (CUDA)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, fixed_batch_size: int | None):
+        self.model = model
+        self.device = device
+        self.fixed_batch_size = fixed_batch_size
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def upload(self, batch: HostBatch) -> _Staged:
+        """Start the host->device copy of `batch` (CUDA: on the copy stream, non_blocking from pinned memory)."""
+        if batch.inputs is None:
+            return _Staged(batch, None)
+        inputs = batch.inputs
+        if self.fixed_batch_size and inputs[0].shape[0] < self.fixed_batch_size:  # a static-batch program: pad with row 0
+            pad = self.fixed_batch_size - inputs[0].shape[0]
+            inputs = tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in inputs)
+        if not self.cuda:
+            return _Staged(batch, inputs)
+        start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            start.record()
+            moved = tuple(t.to(self.device, non_blocking=True) for t in inputs)
+            ready.record()
+        return _Staged(batch, moved, ready, (start, ready))
+
+    def compute(self, staged: _Staged) -> _Result:
+        """Run the model on a staged batch and start copying the float32 output back."""
+        batch = staged.batch
+        if staged.inputs is None:
+            return _Result(batch, None)
+        rows = len(batch.indices)
+        if not self.cuda:
+            start = time.perf_counter()
+            output = self.model(*staged.inputs)
+            mid = time.perf_counter()
+            host = _check_output(output, staged.inputs[0].shape[0])[:rows].float().contiguous()
+            return _Result(batch, host, times=(0.0, mid - start, time.perf_counter() - mid))
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(staged.ready)
+        for t in staged.inputs:
+            t.record_stream(stream)  # the copy stream allocated them; keep them alive until this stream is done
+        begin, end, done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        begin.record(stream)
+        output = self.model(*staged.inputs)
+        end.record(stream)
+        output = _check_output(output, staged.inputs[0].shape[0])[:rows].float()
+        host = torch.empty(output.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(output, non_blocking=True)
+        done.record(stream)
+        return _Result(batch, host, done, (*staged.events, begin, end, done))
+
+    def warm_up(self, inputs: tuple[torch.Tensor, ...]) -> torch.Size:
+        """One call (lazy initialisation, kernel selection); returns the output's row shape."""
+        staged = self.upload(HostBatch(0, list(range(inputs[0].shape[0])), inputs, [], 0.0))
+        result = self.compute(staged)
+        if result.done is not None:
+            result.done.synchronize()
+        return result.output.shape[1:]
+
+
+def _check_output(output, rows: int) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != rows:
+        shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise RuntimeError(f"the model returned {shape} for a batch of {rows} rows; expected one tensor [rows, ...]")
+    return output
+
+
+# -- chunk files ---------------------------------------------------------------------------------
+
+
+class Parts:
+    """The folder `OUTPUT.parts/`: manifest.json and, per finished chunk, chunk-K.npy
+    (float32 [n, *row], NaN rows for failed records) and chunk-K.errors.json ([[index, reason], ...])."""
+
+    def __init__(self, output: Path):
+        self.dir = output.with_name(output.name + ".parts")
+
+    def chunk_path(self, k: int) -> Path:
+        return self.dir / f"chunk-{k:06d}.npy"
+
+    def done(self) -> set[int]:
+        return {int(p.stem.split("-")[1]) for p in self.dir.glob("chunk-*.npy")}
+
+    def write_chunk(self, k: int, outputs: np.ndarray, errors: list[tuple[int, str]]) -> None:
+        """Errors first, then the outputs under a temporary name, flushed, renamed: the .npy's
+        presence is the chunk's completion mark."""
+        _atomic_write(self.dir / f"chunk-{k:06d}.errors.json", json.dumps(errors).encode())
+        buffer = _npy_bytes(outputs)
+        _atomic_write(self.chunk_path(k), buffer)
+
+    def read_chunk(self, k: int, start: int) -> tuple[OutputChunk, list[tuple[int, str]]]:
+        outputs = np.load(self.chunk_path(k), allow_pickle=False)
+        errors = [tuple(e) for e in json.loads((self.dir / f"chunk-{k:06d}.errors.json").read_text())]
+        failed = np.zeros(len(outputs), dtype=bool)
+        failed[[i - start for i, _ in errors]] = True
+        return OutputChunk(start, outputs, failed), errors
+
+    def clean_temporaries(self) -> None:
+        for p in self.dir.glob("*.tmp"):
+            p.unlink(missing_ok=True)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def prepare_output(config: RunConfig, manifest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Decide what to do with what is already at the output path.
+
+    Returns:
+        ("fresh", manifest) to start; ("resume", the stored manifest) to continue an interrupted
+        run; ("complete", {}) when `--resume` finds a finished output.
+
+    Raises:
+        UserError: the output (or an interrupted run's chunks) exists without --resume or
+            --overwrite; the stored run differs from this one (input changed, another model ...);
+            the output cannot be written.
+    """
+    output, parts = config.output, Parts(config.output)
+    errors_path = errors_file(output)
+    if config.resume and config.overwrite:
+        raise UserError("--resume continues a run and --overwrite starts it over; pass one of them")
+    if output.is_dir():
+        raise UserError(f"--output {output} is a folder; give a file path ending in .npy, .parquet, .csv or .jsonl")
+    if config.overwrite:
+        for p in (output, errors_path):
+            p.unlink(missing_ok=True)
+        shutil.rmtree(parts.dir, ignore_errors=True)
+    elif parts.dir.exists() and not config.resume:
+        raise UserError(f"{parts.dir} holds the chunks of an interrupted run; pass --resume to continue it or "
+                        "--overwrite to start over")
+    elif output.exists() and not parts.dir.exists():
+        if config.resume:
+            return "complete", {}
+        raise UserError(f"--output {output} exists; pass --overwrite to replace it (or --resume to continue a run)")
+    if parts.dir.exists() and not (parts.dir / "manifest.json").exists():
+        shutil.rmtree(parts.dir)  # killed before the manifest was written: nothing was done
+    if parts.dir.exists():
+        stored = _read_manifest(parts)
+        differ = [k for k in manifest if k not in ("batch_size", "chunk_size", "created")
+                  and stored.get(k) != manifest[k]]
+        if differ:
+            details = "; ".join(f"{k}: was {stored.get(k)!r}, now {manifest[k]!r}" for k in differ[:3])
+            raise UserError(f"cannot resume into {output}: the interrupted run differs ({details}); pass --overwrite "
+                            "to start over")
+        return "resume", stored
+    try:
+        parts.dir.mkdir(parents=True)
+        _atomic_write(parts.dir / "manifest.json", json.dumps(manifest, indent=1).encode())
+    except OSError as exc:
+        raise UserError(f"--output {output}: cannot write there ({exc.strerror or exc})") from None
+    return "fresh", manifest
+
+
+def _read_manifest(parts: Parts) -> dict[str, Any]:
+    try:
+        stored = json.loads((parts.dir / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{parts.dir}/manifest.json is unreadable ({exc}); pass --overwrite to start over") from None
+    if stored.get("version") != MANIFEST_VERSION:
+        raise UserError(f"{parts.dir} was written by another overdrive version; pass --overwrite to start over")
+    return stored
+
+
+def errors_file(output: Path) -> Path:
+    return output.with_name(output.name + ".errors.jsonl")
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Clock:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("read_decode", "wait_input", "h2d_copy", "compute", "d2h_copy", "write", "assemble"), 0.0))
+
+    def add(self, name: str, seconds: float) -> None:
+        with self.lock:
+            self.phases[name] += seconds
+
+
+_END = object()
+
+
+class _Run:
+    """The threads of one run and what they share; see the module docstring for the flow."""
+
+    def __init__(self, *, source: RecordSource, replicas: list[Replica], parts: Parts, chunk_size: int,
+                 row_shape: tuple[int, ...], pending: list[int], max_errors: int | None, progress, done_before: int,
+                 failed_before: int, crash_after_batches: int | None):
+        self.source, self.replicas, self.parts = source, replicas, parts
+        self.chunk_size, self.row_shape, self.pending = chunk_size, row_shape, pending
+        self.max_errors, self.progress = max_errors, progress
+        self.inputs: queue.Queue = queue.Queue(maxsize=2 * len(replicas))
+        self.results: queue.Queue = queue.Queue(maxsize=4 * len(replicas))
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.clock = _Clock()
+        self.done_items = done_before
+        self.failed = failed_before
+        self.processed = 0
+        self.crash_after_batches = crash_after_batches
+        self.batches_written = 0
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.stop.set()
+
+    # Queues are polled so that a stopping run (an error, Ctrl-C) never leaves a thread blocked.
+    def _get(self, q: queue.Queue):
+        while not self.stop.is_set():
+            try:
+                return q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return _END
+
+    def _put(self, q: queue.Queue, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # replica threads
+    def replica_loop(self, replica: Replica) -> None:
+        try:
+            with torch.inference_mode():
+                if replica.cuda:
+                    torch.cuda.set_device(replica.device)
+                current = self._next_staged(replica)
+                while current is not None:
+                    result = replica.compute(current)  # queued on the device (CUDA) ...
+                    current = self._next_staged(replica)  # ... while the next batch is read and copied
+                    if not self._put(self.results, result):
+                        return
+        except BaseException as exc:  # noqa: BLE001 (re-raised on the main thread)
+            self.fail(RunAborted(f"the model failed on {replica.device}: {one_line(exc)}") if isinstance(exc, Exception)
+                      else exc)
+
+    def _next_staged(self, replica: Replica) -> _Staged | None:
+        start = time.perf_counter()
+        batch = self._get(self.inputs)
+        self.clock.add("wait_input", time.perf_counter() - start)
+        return None if batch is _END else replica.upload(batch)
+
+    # writer thread
+    def writer_loop(self) -> None:
+        buffers: dict[int, dict[str, Any]] = {}
+        try:
+            while (result := self._get(self.results)) is not _END:
+                self._place(result, buffers)
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(exc)
+
+    def _place(self, result: _Result, buffers: dict[int, dict[str, Any]]) -> None:
+        batch = result.batch
+        if result.done is not None:
+            result.done.synchronize()
+            h2d0, h2d1, c0, c1, d1 = result.events
+            self.clock.add("h2d_copy", h2d0.elapsed_time(h2d1) / 1e3)
+            self.clock.add("compute", c0.elapsed_time(c1) / 1e3)
+            self.clock.add("d2h_copy", c1.elapsed_time(d1) / 1e3)
+        elif result.times:
+            for name, seconds in zip(("h2d_copy", "compute", "d2h_copy"), result.times):
+                self.clock.add(name, seconds)
+        self.clock.add("read_decode", batch.read_s)
+        start = time.perf_counter()
+        k = batch.chunk
+        first = k * self.chunk_size
+        size = min(len(self.source), first + self.chunk_size) - first
+        buf = buffers.setdefault(k, {"outputs": np.full((size, *self.row_shape), np.nan, dtype=np.float32),
+                                     "errors": [], "left": size})
+        if result.output is not None:
+            buf["outputs"][np.asarray(batch.indices) - first] = result.output.numpy()
+        buf["errors"].extend(batch.errors)
+        buf["left"] -= len(batch.indices) + len(batch.errors)
+        self.failed += len(batch.errors)
+        self.processed += len(batch.indices) + len(batch.errors)
+        if buf["left"] == 0:
+            self.parts.write_chunk(k, buf.pop("outputs"), sorted(buf["errors"]))
+            del buffers[k]
+            self.done_items += size
+        self.clock.add("write", time.perf_counter() - start)
+        self.batches_written += 1
+        if self.progress:
+            self.progress(self.done_items + sum(b["outputs"].shape[0] - b["left"] for b in buffers.values()), self.failed)
+        if self.max_errors is not None and self.failed > self.max_errors:
+            raise RunAborted(f"{self.failed} records failed, more than --max-errors {self.max_errors}; the reasons are in "
+                             f"{self.parts.dir}/chunk-*.errors.json, and --resume continues after the chunks finished")
+        if self.crash_after_batches is not None and self.batches_written >= self.crash_after_batches:
+            raise _SimulatedCrash(f"crash after {self.batches_written} batches (test hook)")
+
+    # main thread
+    def feed(self, loader) -> None:
+        for batch in loader:
+            if not self._put(self.inputs, batch):
+                return
+
+
+class _SimulatedCrash(Exception):
+    """Raised by the `crash_after_batches` test hook: the run dies as if killed after that many batches."""
+
+
+def _build(config: RunConfig, workload: Workload | None):
+    """(workload, plan, devices, models) from the config; UserError for the user's mistakes."""
+    from overdrive.plan import Plan, build
+    from overdrive.workloads import create_workload
+
+    plan = None
+    device_name = config.device
+    if config.plan is not None:
+        plan = Plan.load(Path(config.plan))
+        plan.check_checkpoints()
+        if config.workload and config.workload not in (plan.workload, Path(plan.workload).name):
+            raise UserError(f"--plan {config.plan} was made for {plan.workload!r}, not {config.workload!r}")
+        if device_name == "auto":
+            device_name = plan.device
+    resolved = resolve_device(device_name)
+    if plan and plan.device != resolved.type:
+        raise UserError(f"--plan {config.plan} was tuned on {plan.device!r} and holds only there; run it with --device "
+                        f"{plan.device} or run `overdrive optimize {plan.workload} --device {resolved.type}`")
+    if workload is None:
+        workload = create_workload(plan.workload if plan else config.workload)
+    if resolved.type == "cuda" and resolved.index is None and device_name in ("cuda", "auto"):
+        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    else:
+        devices = [resolved]
+    count = config.replicas or len(devices)
+    devices = [devices[i % len(devices)] for i in range(count)]
+    models = []
+    for d in devices:
+        try:
+            models.append(build(workload, plan.steps if plan else [], d)[0])
+        except RuntimeError as exc:
+            raise UserError(f"cannot build the plan's model on {d}: {one_line(exc)}") from None
+    return workload, plan, devices, models
+
+
+def _probe_inputs(source: RecordSource, collate: _Collate, limit: int = 256) -> list:
+    """Decoded records from the start of the input (the ones that decode), for warm-up and `auto`."""
+    values = []
+    for i in range(min(len(source), 4 * limit)):
+        try:
+            values.append(source.read(i))
+        except Exception:  # noqa: BLE001 (a bad record at the start is just skipped here)
+            continue
+        if len(values) >= limit:
+            break
+    if source.kind == "text":
+        values.sort(key=len)
+    return values
+
+
+def _batch_from(values: list, size: int, collate: _Collate) -> tuple[torch.Tensor, ...]:
+    """`size` records centred on the middle of `values` (sorted by length for text), cycled when too few."""
+    mid = max(0, len(values) // 2 - size // 2)
+    picked = [values[(mid + j) % len(values)] for j in range(size)]
+    return collate._collate(picked)
+
+
+def measure_auto_batch_size(replica: Replica, values: list, collate: _Collate, *, limit: int,
+                            min_time_s: float = 0.3) -> tuple[int, list[dict[str, float]]]:
+    """The largest batch size, doubling from 1, whose items/s beat the previous size's by ≥ 5%,
+    among those that fit in memory (a CUDA out-of-memory error ends the search).
+
+    Each size: one warm-up call, then calls until `min_time_s` and ≥ 3 calls; items/s = size /
+    median call time (CUDA: synchronised). Text batches are records of median length.
+
+    Returns:
+        (batch size, [{"batch_size", "items_per_s"}, ...] for each size tried).
+    """
+    tried: list[dict[str, float]] = []
+    best, best_rate = 1, 0.0
+    size = 1
+    while size <= limit:
+        inputs = _batch_from(values, size, collate)
+        try:
+            rate = _items_per_s(replica, inputs, min_time_s)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            tried.append({"batch_size": size, "items_per_s": math.nan})
+            break
+        tried.append({"batch_size": size, "items_per_s": rate})
+        if best_rate and rate < AUTO_GAIN * best_rate:
+            break
+        best, best_rate = size, rate
+        size *= 2
+    return best, tried
+
+
+def _items_per_s(replica: Replica, inputs: tuple[torch.Tensor, ...], min_time_s: float) -> float:
+    rows = inputs[0].shape[0]
+    times = []
+    with torch.inference_mode():
+        replica.warm_up(inputs)
+        total_start = time.perf_counter()
+        while len(times) < 3 or time.perf_counter() - total_start < min_time_s:
+            start = time.perf_counter()
+            replica.warm_up(inputs)  # synchronised
+            times.append(time.perf_counter() - start)
+            if len(times) >= 50:
+                break
+    return rows / statistics.median(times)
+
+
+def run_offline(config: RunConfig, *, workload: Workload | None = None, progress=None, status=None,
+                crash_after_batches: int | None = None) -> RunSummary:
+    """Run the workload's (or plan's) model over every record of `config.input` into `config.output`.
+
+    Args:
+        workload: a built workload to use instead of building `config.workload` (tests, benchmarks).
+        progress: called as progress(items_done, items_failed) from the writer thread, and once
+            as progress(None, total) before the first batch.
+        status: called with a line of text before slow steps (building, measuring `auto`).
+        crash_after_batches: test hook: die like a killed process after this many batches.
+
+    Returns:
+        The RunSummary (also when `--resume` finds the output complete: `processed` 0).
+
+    Raises:
+        UserError: bad input, output or options (one line for the CLI, exit 2).
+        RunAborted: more than `max_errors` records failed, or the model raised (exit 1).
+        KeyboardInterrupt: Ctrl-C; the finished chunks stay for `--resume`.
+    """
+    say = status or (lambda text: None)
+    out_fmt = output_format(config.output)
+    say("building the model")
+    workload, plan, devices, models = _build(config, workload)
+    if config.input.resolve() == config.output.resolve():
+        raise UserError("--output is the --input file; choose another path")
+    source = open_source(config.input, workload, text_field=config.text_field)
+    if len(source) == 0:
+        raise UserError(f"--input {config.input} holds no records")
+    collate = _Collate(workload.collate if source.kind == "text" else None, 1)
+    replicas = [Replica(m, d, workload.fixed_batch_size) for m, d in zip(models, devices)]
+
+    # The manifest: everything a resumed run must share with the first one to give the same bytes.
+    manifest = {"version": MANIFEST_VERSION, "workload": workload.name, "plan": file_sha256(config.plan) if config.plan
+                else None, "device": devices[0].type, "input": source.fingerprint(), "text_field": config.text_field,
+                "output_format": out_fmt, "bucket": config.bucket, "batch_size": None, "chunk_size": None}
+    mode, stored = prepare_output(config, manifest)
+    if mode == "complete":
+        return _complete_summary(config, source, workload)
+    values = _probe_inputs(source, collate)
+    if not values:
+        raise UserError(f"--input {config.input}: none of its first records can be read (e.g. {_first_error(source)})")
+    with torch.inference_mode():
+        row_shape = tuple(replicas[0].warm_up(_batch_from(values, 1, collate)))
+        for r in replicas[1:]:
+            r.warm_up(_batch_from(values, 1, collate))
+    auto: list[dict[str, float]] = []
+    if mode == "resume" and stored.get("batch_size"):
+        batch_size, origin = stored["batch_size"], "the interrupted run"
+        chunk_size = stored["chunk_size"]
+    else:
+        batch_size, origin = _choose_batch_size(config, workload, plan, replicas[0], values, collate, len(source), say, auto)
+        chunk_size = math.ceil(config.chunk_size / batch_size) * batch_size
+        stored = manifest | {"batch_size": batch_size, "chunk_size": chunk_size}
+        _atomic_write(Parts(config.output).dir / "manifest.json", json.dumps(stored, indent=1).encode())
+    if workload.fixed_batch_size and batch_size > workload.fixed_batch_size:
+        raise UserError(f"this model runs only at batch size {workload.fixed_batch_size}; --batch-size must be ≤ that")
+    collate.chunk_size = chunk_size
+
+    parts = Parts(config.output)
+    parts.clean_temporaries()
+    chunks = math.ceil(len(source) / chunk_size)
+    finished = parts.done() & set(range(chunks))
+    pending = [k for k in range(chunks) if k not in finished]
+    done_before = sum(min(len(source), (k + 1) * chunk_size) - k * chunk_size for k in finished)
+    failed_before = sum(len(parts.read_chunk(k, k * chunk_size)[1]) for k in finished)
+    num_workers = config.num_workers if config.num_workers is not None else _default_workers(devices[0], source)
+    if num_workers and source.kind == "text":
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers: no tokenizer thread pools
+
+    run = _Run(source=source, replicas=replicas, parts=parts, chunk_size=chunk_size, row_shape=row_shape, pending=pending,
+               max_errors=config.max_errors, progress=progress, done_before=done_before, failed_before=failed_before,
+               crash_after_batches=crash_after_batches)
+    if progress:
+        progress(None, len(source))
+        progress(done_before, failed_before)
+    start = time.perf_counter()
+    if pending:
+        _execute(run, source, collate, batch_size, chunk_size, config.bucket, num_workers, devices[0].type == "cuda")
+    wall = time.perf_counter() - start
+    start = time.perf_counter()
+    failed = _assemble(config.output, out_fmt, parts, source, chunk_size, row_shape, workload)
+    run.clock.add("assemble", time.perf_counter() - start)
+    wall += run.clock.phases["assemble"]
+    busy = run.clock.phases["compute"] / max(wall, 1e-9) / len(replicas)
+    return RunSummary(
+        output=str(config.output), errors_path=str(errors_file(config.output)) if failed else None,
+        records=len(source), done_before=done_before, processed=run.processed, failed=failed, wall_s=wall,
+        items_per_s=run.processed / wall if wall else 0.0, batch_size=batch_size, batch_size_source=origin,
+        auto_batch=auto, device=str(devices[0]) if len(set(devices)) == 1 else f"{len(set(devices))} × {devices[0].type}",
+        replicas=len(replicas), num_workers=num_workers, device_busy_fraction=busy, phases_s=dict(run.clock.phases))
+
+
+def _choose_batch_size(config, workload, plan, replica, values, collate, records, say, auto) -> tuple[int, str]:
+    if config.batch_size == "auto":
+        if workload.fixed_batch_size:
+            return workload.fixed_batch_size, "the model's fixed batch size"
+        say("measuring the batch size (auto)")
+        size, tried = measure_auto_batch_size(replica, values, collate, limit=min(AUTO_MAX_BATCH, records))
+        auto.extend(tried)
+        return size, "auto (measured)"
+    if config.batch_size is not None:
+        return int(config.batch_size), "--batch-size"
+    if plan is not None:
+        return plan.batch_size, "the plan"
+    return workload.fixed_batch_size or workload.default_batch_size, "the workload's default"
+
+
+def _default_workers(device: torch.device, source: RecordSource) -> int:
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and cores <= 2:
+        return 0  # on 2 cores a worker process takes a core from compute; reading in-line is faster
+    return max(1, min(8, cores - 2))
+
+
+def _first_error(source: RecordSource) -> str:
+    try:
+        source.read(0)
+    except Exception as exc:  # noqa: BLE001
+        return f"{source.source_key(0)}: {exc}"
+    return "?"
+
+
+def _execute(run: _Run, source, collate, batch_size, chunk_size, bucket, num_workers, cuda) -> None:
+    def batches() -> Iterator[list[int]]:
+        for k in run.pending:
+            yield from chunk_batches(source, k, chunk_size, batch_size, bucket)
+
+    loader = torch.utils.data.DataLoader(
+        _RecordDataset(source), batch_sampler=batches(), collate_fn=collate, num_workers=num_workers,
+        pin_memory=cuda, prefetch_factor=4 if num_workers else None)
+    threads = [threading.Thread(target=run.replica_loop, args=(r,), name=f"replica-{i}", daemon=True)
+               for i, r in enumerate(run.replicas)]
+    writer = threading.Thread(target=run.writer_loop, name="writer", daemon=True)
+    for t in threads + [writer]:
+        t.start()
+    interrupted: BaseException | None = None
+    try:
+        run.feed(loader)
+    except BaseException as exc:  # KeyboardInterrupt, a worker's death: stop the threads, keep finished chunks
+        interrupted = exc
+        run.stop.set()
+    finally:
+        for _ in threads:
+            run._put(run.inputs, _END)
+        for t in threads:
+            t.join()
+        run._put(run.results, _END)
+        writer.join()
+    if interrupted is not None:
+        raise interrupted
+    if run.error is not None:
+        raise run.error
+
+
+def _assemble(output: Path, fmt: str, parts: Parts, source: RecordSource, chunk_size: int, row_shape, workload) -> int:
+    """Write OUTPUT and OUTPUT.errors.jsonl from the chunks (each to a temporary name, then
+    renamed), then remove the chunks. Returns the number of failed records."""
+    chunks = math.ceil(len(source) / chunk_size)
+    all_errors: list[tuple[int, str]] = []
+
+    def read_all() -> Iterator[OutputChunk]:
+        for k in range(chunks):
+            chunk, errors = parts.read_chunk(k, k * chunk_size)
+            all_errors.extend(errors)
+            yield chunk
+
+    tmp = output.with_name(output.name + ".tmp")
+    keys = source.source_key if source.format == "images" else None
+    write_output(tmp, fmt, read_all(), total=len(source), row_shape=tuple(row_shape), keys=keys,
+                 classifier=workload.fidelity is logits_fidelity)
+    errors_path = errors_file(output)
+    if all_errors:
+        lines = "".join(json.dumps({"index": i, "source": source.source_key(i), "reason": r}) + "\n" for i, r in all_errors)
+        _atomic_write(errors_path, lines.encode())
+    else:
+        errors_path.unlink(missing_ok=True)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    shutil.rmtree(parts.dir, ignore_errors=True)
+    return len(all_errors)
+
+
+def _complete_summary(config: RunConfig, source: RecordSource, workload: Workload) -> RunSummary:
+    errors = errors_file(config.output)
+    failed = sum(1 for _ in errors.open()) if errors.exists() else 0
+    return RunSummary(output=str(config.output), errors_path=str(errors) if failed else None, records=len(source),
+                      done_before=len(source), processed=0, failed=failed, wall_s=0.0, items_per_s=0.0, batch_size=0,
+                      batch_size_source="(already complete)", auto_batch=[], device="-", replicas=0, num_workers=0,
+                      device_busy_fraction=0.0, phases_s={})
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def cmd_run(args) -> int:
+    """`overdrive run`: progress bar with items/s, ETA and device busy %, then the summary table."""
+    import sys
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from overdrive.report import make_console
+
+    config = RunConfig(workload=args.workload, input=Path(args.input), output=Path(args.output),
+                       plan=Path(args.plan) if args.plan else None, device=args.device, batch_size=args.batch_size,
+                       text_field=args.text_field, num_workers=args.num_workers, chunk_size=args.chunk_size,
+                       resume=args.resume, overwrite=args.overwrite, max_errors=args.max_errors)
+    if config.workload is None and config.plan is None:
+        raise UserError("name a workload (e.g. minilm) or give --plan")
+    console = make_console()
+    columns = (TextColumn("run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+               TimeRemainingColumn())
+    state = {"start": None, "first": 0}
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("run", total=None, stats="")
+
+        def progress(done, failed):
+            now = time.perf_counter()
+            if done is None:  # (None, total) before the first batch
+                bar.update(task, total=failed)
+                return
+            if state["start"] is None:
+                state["start"], state["first"] = now, done
+            rate = (done - state["first"]) / max(now - state["start"], 1e-9)
+            bar.update(task, completed=done, stats=f"{rate:,.0f} items/s · {failed} failed")
+
+        try:
+            summary = run_offline(config, progress=progress, status=lambda text: bar.console.print(f"[dim]{text}[/dim]"))
+        except KeyboardInterrupt:
+            bar.stop()
+            sys.stderr.write(f"overdrive run: interrupted; finished chunks are in {Parts(config.output).dir}; rerun with "
+                             "--resume to continue\n")
+            raise
+        except RunAborted as exc:
+            bar.stop()
+            sys.stderr.write(f"overdrive: run stopped: {' '.join(str(exc).split())}\n")
+            return 1
+    print_summary(console, summary)
+    return 0
+
+
+def print_summary(console, s: RunSummary) -> None:
+    """Items done and failed, time, items/s, and where the time went."""
+    from rich.table import Table
+
+    if s.processed == 0 and s.done_before == s.records:
+        console.print(f"{s.output} is already complete ({s.records:,} records, {s.failed} failed); nothing to do",
+                      highlight=False)
+        return
+    resumed = f" ({s.done_before:,} done before the resume)" if s.done_before else ""
+    console.print(f"{s.records - s.failed:,} of {s.records:,} records → {s.output}{resumed}; "
+                  f"{s.failed:,} failed" + (f" (see {s.errors_path})" if s.errors_path else ""), highlight=False)
+    console.print(f"{s.processed:,} records in {s.wall_s:.2f} s = {s.items_per_s:,.1f} items/s on {s.device} "
+                  f"({s.replicas} replica{'s' if s.replicas > 1 else ''}, {s.num_workers} reader processes), batch size "
+                  f"{s.batch_size} from {s.batch_size_source}; device busy {100 * s.device_busy_fraction:.0f}% of the time",
+                  highlight=False)
+    if s.auto_batch:
+        console.print("auto batch size: " + ", ".join(f"{int(t['batch_size'])} → {t['items_per_s']:,.0f}/s"
+                                                      for t in s.auto_batch), highlight=False)
+    table = Table(title="where the time went")
+    for col in ("phase", "seconds", "of wall time", "runs on"):
+        table.add_column(col, justify="left" if col in ("phase", "runs on") else "right")
+    labels = {"read_decode": ("reading / decoding", "reader processes (summed)" if s.num_workers else "main thread"),
+              "wait_input": ("replica waiting for input", "replica threads"),
+              "h2d_copy": ("host → device copy", "copy stream" if s.device.startswith("cuda") else "none on CPU"),
+              "compute": ("compute", "device"), "d2h_copy": ("device → host copy", "device"),
+              "write": ("writing chunks", "writer thread"), "assemble": ("assembling the output", "main thread")}
+    for key, (label, where) in labels.items():
+        seconds = s.phases_s.get(key, 0.0)
+        table.add_row(label, f"{seconds:.3f}", f"{100 * seconds / max(s.wall_s, 1e-9):.0f}%", where)
+    console.print(table)
+    console.print("phases overlap (readers, copies, compute and the writer run at once), so their sum can exceed the "
+                  "wall time", style="dim")
