@@ -891,8 +891,10 @@ def cmd_run(args) -> int:
             summary = run_offline(config, progress=progress, status=lambda text: bar.console.print(f"[dim]{text}[/dim]"))
         except KeyboardInterrupt:
             bar.stop()
-            sys.stderr.write(f"overdrive run: interrupted; finished chunks are in {Parts(config.output).dir}; rerun with "
-                             "--resume to continue\n")
+            parts = Parts(config.output)
+            if parts.dir.exists():
+                sys.stderr.write(f"overdrive run: interrupted; {len(parts.done())} finished chunks are in {parts.dir}; "
+                                 "rerun with --resume to continue\n")
             raise
         except RunAborted as exc:
             bar.stop()
