@@ -24,6 +24,26 @@ def torchvision_names() -> list[str]:
     return sorted(models.list_models(module=models))
 
 
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def image_preset(name: str):
+    """PIL image -> float [3, 224, 224] as the architecture's ImageNet weights expect it (resize,
+    centre crop, normalise), from torchvision's weight metadata (no download); a plain resize with
+    ImageNet normalisation for architectures whose preset has another crop size or none."""
+    from torchvision import models
+
+    from overdrive.datasets import ResizeToTensor
+
+    try:
+        preset = models.get_model_weights(name).DEFAULT.transforms()
+    except (ValueError, KeyError, AttributeError):
+        preset = None
+    if preset is None or list(getattr(preset, "crop_size", [])) != [IMAGE_SIZE]:
+        return ResizeToTensor((IMAGE_SIZE, IMAGE_SIZE), IMAGENET_MEAN, IMAGENET_STD)
+    return preset
+
+
 def build_torchvision(name: str, *, num_samples: int = NUM_SAMPLES) -> Workload:
     """Build a random-weight torchvision classifier.
 
@@ -48,4 +68,5 @@ def build_torchvision(name: str, *, num_samples: int = NUM_SAMPLES) -> Workload:
         default_batch_size=8,
         real_weights=False,
         description=f"torchvision {name}, random weights (speed only)",
+        extra={"image_transform": image_preset(name)},  # for `overdrive run` over a folder of images
     )
