@@ -137,7 +137,7 @@ def test_bucketing_pads_less(tmp_path):
         w = char_text()
         calls = []
         forward = w.model.forward
-        w.model.forward = lambda codes, mask, f=forward: (calls.append(codes.numel()), f(codes, mask))[1]
+        w.model.forward = lambda codes, mask, f=forward, calls=calls: (calls.append(codes.numel()), f(codes, mask))[1]
         run(inp, tmp_path / f"{bucket}.npy", workload=w, batch_size=8, bucket=bucket)
         padded[bucket] = sum(calls)
     assert padded[True] < 0.8 * padded[False]
@@ -378,7 +378,7 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["--input", str(tmp / "folder"), "--output", out], "is a folder"),
         (["--input", str(tmp / "wrong.npy"), "--output", out], "is a text model; give a .txt"),
         (["--input", str(txt), "--output", str(txt.with_suffix(".csv")), "--batch-size", "0"], "expected a positive"),
-        (["--input", str(txt), "--output", str(tmp / "folder")], "unknown format"),
+        (["--input", str(txt), "--output", str(tmp / "folder")], "is a folder; give a file path"),
     ]
 
 
