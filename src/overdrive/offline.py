@@ -504,6 +504,7 @@ class _Run:
         self.processed = 0
         self.crash_after_batches = crash_after_batches
         self.batches_written = 0
+        self.started = time.perf_counter()
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -590,7 +591,9 @@ class _Run:
         self.clock.add("write", time.perf_counter() - start)
         self.batches_written += 1
         if self.progress:
-            self.progress(self.done_items + sum(b["outputs"].shape[0] - b["left"] for b in buffers.values()), self.failed)
+            busy = self.clock.phases["compute"] / max(time.perf_counter() - self.started, 1e-9) / len(self.replicas)
+            self.progress(self.done_items + sum(b["outputs"].shape[0] - b["left"] for b in buffers.values()), self.failed,
+                          min(busy, 1.0))
         if self.max_errors is not None and self.failed > self.max_errors:
             raise RunAborted(f"{self.failed} records failed, more than --max-errors {self.max_errors}; the reasons are in "
                              f"{self.parts.dir}/chunk-*.errors.json, and --resume continues after the chunks finished")
@@ -716,8 +719,8 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
 
     Args:
         workload: a built workload to use instead of building `config.workload` (tests, benchmarks).
-        progress: called as progress(items_done, items_failed) from the writer thread, and once
-            as progress(None, total) before the first batch.
+        progress: called as progress(items_done, items_failed, device_busy_fraction) from the
+            writer thread, and once as progress(None, total, 0.0) before the first batch.
         status: called with a line of text before slow steps (building, measuring `auto`).
         crash_after_batches: test hook: die like a killed process after this many batches.
 
@@ -781,8 +784,8 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
                max_errors=config.max_errors, progress=progress, done_before=done_before, failed_before=failed_before,
                crash_after_batches=crash_after_batches)
     if progress:
-        progress(None, len(source))
-        progress(done_before, failed_before)
+        progress(None, len(source), 0.0)
+        progress(done_before, failed_before, 0.0)
     start = time.perf_counter()
     if pending:
         _execute(run, source, collate, batch_size, chunk_size, config.bucket, num_workers, devices[0].type == "cuda",
@@ -925,7 +928,7 @@ def cmd_run(args) -> int:
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("run", total=None, stats="")
 
-        def progress(done, failed):
+        def progress(done, failed, busy):
             now = time.perf_counter()
             if done is None:  # (None, total) before the first batch
                 bar.update(task, total=failed)
@@ -933,7 +936,7 @@ def cmd_run(args) -> int:
             if state["start"] is None:
                 state["start"], state["first"] = now, done
             rate = (done - state["first"]) / max(now - state["start"], 1e-9)
-            bar.update(task, completed=done, stats=f"{rate:,.0f} items/s · {failed} failed")
+            bar.update(task, completed=done, stats=f"{rate:,.0f} items/s · device busy {100 * busy:.0f}% · {failed} failed")
 
         try:
             summary = run_offline(config, progress=progress, status=lambda text: bar.console.print(f"[dim]{text}[/dim]"))
