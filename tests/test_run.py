@@ -350,6 +350,12 @@ def test_a_model_error_stops_the_run_with_one_line(tmp_path, capsys):
     assert code == 1 and "boom: this model cannot take '#'" in err
     with pytest.raises(RunAborted):
         run(inp, tmp_path / "o2.npy", workload=raising_text())
+    first = write_lines(tmp_path / "first.txt", ["# first"] * 3)  # fails in the warm-up call, before any chunk
+    code = cli.main(["run", "tests.fixtures.run_models:raising_text", "--input", str(first), "--output",
+                     str(tmp_path / "o3.npy"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 1 and "failed on a first batch" in err and len(err.strip().splitlines()) == 1
+    assert not Parts(tmp_path / "o3.npy").dir.exists()  # nothing ran: no half-made run to resume
 
 
 def bad_cases(tmp: Path) -> list[tuple[list[str], str]]:

@@ -749,25 +749,32 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
     mode, stored = prepare_output(config, manifest)
     if mode == "complete":
         return _complete_summary(config, source, workload)
-    values = _probe_inputs(source)
-    if not values:
-        raise UserError(f"--input {config.input}: none of its first records can be read (e.g. {_first_error(source)})")
-    with torch.inference_mode():
-        row_shape = tuple(replicas[0].warm_up(_batch_from(values, 1, collate)))
-        for r in replicas[1:]:
-            r.warm_up(_batch_from(values, 1, collate))
-    auto: list[dict[str, float]] = []
-    if mode == "resume" and stored.get("batch_size"):
-        batch_size, origin = stored["batch_size"], "the interrupted run"
-        chunk_size = stored["chunk_size"]
-    else:
-        batch_size, origin = _choose_batch_size(config, workload, plan, replicas[0], values, collate, len(source), say, auto)
-        chunk_size = math.ceil(config.chunk_size / batch_size) * batch_size
-        stored = manifest | {"batch_size": batch_size, "chunk_size": chunk_size}
-        _atomic_write(Parts(config.output).dir / "manifest.json", json.dumps(stored, indent=1).encode())
-    if workload.fixed_batch_size and batch_size > workload.fixed_batch_size:
-        raise UserError(f"this model runs only at batch size {workload.fixed_batch_size}; --batch-size must be ≤ that")
-    collate.chunk_size = chunk_size
+    try:
+        values = _probe_inputs(source)
+        if not values:
+            raise UserError(f"--input {config.input}: none of its first records can be read (e.g. {_first_error(source)})")
+        with torch.inference_mode():
+            row_shape = tuple(replicas[0].warm_up(_batch_from(values, 1, collate)))
+            for r in replicas[1:]:
+                r.warm_up(_batch_from(values, 1, collate))
+        auto: list[dict[str, float]] = []
+        if mode == "resume" and stored.get("batch_size"):
+            batch_size, origin = stored["batch_size"], "the interrupted run"
+            chunk_size = stored["chunk_size"]
+        else:
+            batch_size, origin = _choose_batch_size(config, workload, plan, replicas[0], values, collate, len(source), say, auto)
+            if workload.fixed_batch_size and batch_size > workload.fixed_batch_size:
+                raise UserError(f"this model runs only at batch size {workload.fixed_batch_size}; --batch-size must be ≤ that")
+            chunk_size = math.ceil(config.chunk_size / batch_size) * batch_size
+            stored = manifest | {"batch_size": batch_size, "chunk_size": chunk_size}
+            _atomic_write(Parts(config.output).dir / "manifest.json", json.dumps(stored, indent=1).encode())
+        collate.chunk_size = chunk_size
+    except BaseException as exc:
+        if mode == "fresh":  # nothing ran yet: leave no half-made run behind to resume
+            shutil.rmtree(Parts(config.output).dir, ignore_errors=True)
+        if isinstance(exc, Exception) and not isinstance(exc, UserError):
+            raise RunAborted(f"the model failed on a first batch of the input: {one_line(exc)}") from exc
+        raise
 
     parts = Parts(config.output)
     parts.clean_temporaries()
