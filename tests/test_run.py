@@ -291,12 +291,12 @@ def wait_for_chunks(out: Path, proc: subprocess.Popen, count: int, timeout: floa
 
 def test_sigkill_and_ctrl_c_then_resume_are_byte_identical(tmp_path):
     """Real kills at random moments (seeded): SIGKILL twice, then Ctrl-C, then --resume to the end."""
-    inp, _, _ = mixed_input(tmp_path, n=120)
+    inp, _, _ = mixed_input(tmp_path, n=240)  # 20 chunks of 3 batches: work is left at every signal
     args = ["--input", str(inp), "--device", "cpu", "--batch-size", "4", "--chunk-size", "12"]
     reference = tmp_path / "ref.parquet"
     run(inp, reference, batch_size=4, chunk_size=12)
     out = tmp_path / "out.parquet"
-    slow = {**ENV, "OVERDRIVE_TEST_BATCH_SLEEP_S": "0.03"}
+    slow = {**ENV, "OVERDRIVE_TEST_BATCH_SLEEP_S": "0.05"}
     rng = random.Random(1)
     for round_, sig in enumerate([signal.SIGKILL, signal.SIGKILL, signal.SIGINT]):
         before = len(Parts(out).done())
