@@ -26,6 +26,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import mmap
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -385,6 +386,15 @@ class ResizeToTensor:
         return tensor
 
 
+def single_input_sample(workload) -> Any:
+    """The workload's first sample as one tensor when the model takes one input (a 1-tuple, as
+    `package.module:factory` and model files give, is unwrapped); otherwise as it is."""
+    sample = workload.samples[0]
+    if isinstance(sample, tuple) and len(sample) == 1:
+        return sample[0]
+    return sample
+
+
 def image_transform(workload) -> tuple[Callable[[Any], torch.Tensor], str]:
     """How a workload turns a PIL image into one input sample: (transform, Pillow mode).
 
@@ -395,7 +405,7 @@ def image_transform(workload) -> tuple[Callable[[Any], torch.Tensor], str]:
     Raises:
         UserError: the workload's samples are not single images [1 or 3, H, W].
     """
-    sample = workload.samples[0]
+    sample = single_input_sample(workload)
     if not isinstance(sample, torch.Tensor) or sample.dim() != 3 or sample.shape[0] not in (1, 3):
         shape = list(sample.shape) if isinstance(sample, torch.Tensor) else type(sample).__name__
         raise UserError(f"workload {workload.name!r} takes inputs {shape}, not images [1 or 3, H, W]; "
@@ -436,7 +446,7 @@ def open_source(path: Path, workload, *, text_field: str | None = None) -> Recor
     if suffix == ".npy":
         if workload.is_text:
             raise UserError(f"--input {path}: {workload.name!r} is a text model; give a .txt, .jsonl or .csv file")
-        sample = workload.samples[0]
+        sample = single_input_sample(workload)
         if not isinstance(sample, torch.Tensor):
             raise UserError(f"workload {workload.name!r} takes several inputs per row; .npy input holds one")
         return NpySource(path, tuple(sample.shape), sample.dtype)
@@ -479,9 +489,10 @@ def write_output(path: Path, fmt: str, chunks: Iterable[OutputChunk], *, total: 
         npy: float32 [total, *row_shape], row i for input i; failed inputs are rows of NaN.
         parquet, csv, jsonl: one row per input that succeeded, in input order, with `index`
             (input index, from 0), `source` (image folders: the file), `prediction` (classifiers:
-            the argmax) and the output: Parquet `output` list<float32>; CSV `output_0..output_{D-1}`
-            (flattened); JSONL `output` (nested as the row shape). Floats are written so that they
-            read back to the same float32 (9 significant digits).
+            the argmax; empty / null for a row holding NaN) and the output: Parquet `output`
+            list<float32>; CSV `output_0..output_{D-1}` (flattened); JSONL `output` (nested as the
+            row shape; NaN and infinities as null, which JSON lacks). Floats are written so that
+            they read back to the same float32 (9 significant digits).
     """
     if fmt == "npy":
         array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(total, *row_shape))
@@ -508,7 +519,8 @@ def write_output(path: Path, fmt: str, chunks: Iterable[OutputChunk], *, total: 
                 if keys:
                     columns.append(pa.array([keys(int(i)) for i in index], pa.string()))
                 if classifier:
-                    columns.append(pa.array(rows.reshape(len(rows), -1).argmax(-1), pa.int64()))
+                    flat_rows = rows.reshape(len(rows), -1)
+                    columns.append(pa.array(flat_rows.argmax(-1), pa.int64(), mask=~np.isfinite(flat_rows).all(-1)))
                 flat = pa.array(rows.reshape(-1).astype(np.float32), pa.float32())
                 columns.append(pa.FixedSizeListArray.from_arrays(flat, width))
                 writer.write_table(pa.Table.from_arrays(columns, schema=schema))
@@ -524,13 +536,16 @@ def write_output(path: Path, fmt: str, chunks: Iterable[OutputChunk], *, total: 
             index, rows = _kept(chunk)
             for i, row in zip(index.tolist(), rows):
                 flat = row.reshape(-1)
-                head = [i] + ([keys(i)] if keys else []) + ([int(flat.argmax())] if classifier else [])
+                finite = bool(np.isfinite(flat).all())
+                prediction = int(flat.argmax()) if finite else None  # no argmax of a row holding NaN
+                head = [i] + ([keys(i)] if keys else []) + ([prediction if finite else ""] if classifier else [])
                 if fmt == "csv":
                     out.writerow(head + [f"{v:.9g}" for v in flat.tolist()])
                 else:
                     record = {"index": i} | ({"source": keys(i)} if keys else {}) \
-                        | ({"prediction": head[-1]} if classifier else {})
-                    values = json.dumps(np.array([float(f"{v:.9g}") for v in flat.tolist()]).reshape(row.shape).tolist())
+                        | ({"prediction": prediction} if classifier else {})
+                    numbers = [float(f"{v:.9g}") if math.isfinite(v) else None for v in flat.tolist()]  # JSON has no NaN
+                    values = json.dumps(np.array(numbers, dtype=object).reshape(row.shape).tolist())
                     f.write(json.dumps(record)[:-1] + ', "output": ' + values + "}\n")
             written += len(index)
     return written

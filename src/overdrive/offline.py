@@ -47,7 +47,7 @@ from torch import nn
 from overdrive.datasets import OutputChunk, RecordError, RecordSource, open_source, output_format, write_output
 from overdrive.devices import resolve_device
 from overdrive.errors import UserError, one_line
-from overdrive.workloads.base import Workload, logits_fidelity
+from overdrive.workloads.base import Workload
 
 MANIFEST_VERSION = 1
 DEFAULT_CHUNK_SIZE = 4096
@@ -74,7 +74,7 @@ class RunConfig:
         text_field: JSONL field / CSV column holding the text (default "text").
         num_workers: DataLoader worker processes; None: 0 on a CPU device with ≤ 2 cores, else up to 8.
         chunk_size: records per chunk (rounded up to a multiple of the batch size).
-        resume, overwrite: what to do with an existing output (see `prepare_output`).
+        resume, overwrite: what to do with an existing output (see `claim_output`).
         max_errors: stop once more records than this have failed (None: no limit).
         bucket: sort text by length within each chunk (length bucketing).
         replicas: model replicas; None: one per GPU on `cuda`, 1 otherwise (tests set 2 on CPU).
@@ -119,7 +119,7 @@ class RunSummary:
     num_workers: int
     device_busy_fraction: float
     phases_s: dict[str, float]
-    complete: bool = True
+    nothing_to_resume: bool = False  # --resume found OUTPUT and no interrupted run recorded for it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -343,6 +343,38 @@ class Parts:
 
     def __init__(self, output: Path):
         self.dir = output.with_name(output.name + ".parts")
+        self._lock_fd: int | None = None
+
+    def lock(self) -> bool:
+        """Take an exclusive lock on the folder for this process (flock; released when the process
+        ends, also by SIGKILL). False when another process holds it."""
+        import fcntl
+
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def locked_by_another(self) -> bool:
+        if not self.dir.is_dir() or self._lock_fd is not None:
+            return False
+        if self.lock():
+            self.unlock()
+            return False
+        return True
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def remove(self) -> None:
+        self.unlock()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def chunk_path(self, k: int) -> Path:
         return self.dir / f"chunk-{k:06d}.npy"
@@ -357,9 +389,12 @@ class Parts:
         buffer = _npy_bytes(outputs)
         _atomic_write(self.chunk_path(k), buffer)
 
+    def read_errors(self, k: int) -> list[tuple[int, str]]:
+        return [tuple(e) for e in json.loads((self.dir / f"chunk-{k:06d}.errors.json").read_text())]
+
     def read_chunk(self, k: int, start: int) -> tuple[OutputChunk, list[tuple[int, str]]]:
         outputs = np.load(self.chunk_path(k), allow_pickle=False)
-        errors = [tuple(e) for e in json.loads((self.dir / f"chunk-{k:06d}.errors.json").read_text())]
+        errors = self.read_errors(k)
         failed = np.zeros(len(outputs), dtype=bool)
         failed[[i - start for i, _ in errors]] = True
         return OutputChunk(start, outputs, failed), errors
@@ -390,68 +425,82 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _precheck(config: RunConfig) -> str:
-    """The checks that need no model, done before building one: input present, formats known,
-    output not in the way. Returns the output format. Raises UserError."""
+def claim_output(config: RunConfig) -> tuple[str, str, Parts]:
+    """The checks that need no model, done before one is built, then the claim on the output:
+    `OUTPUT.parts/` is created (or reused with --resume) and locked for this process.
+
+    Returns:
+        (output format, mode, parts): mode "new" (no run recorded), "resume" (a manifest exists),
+        or "complete" (--resume, and OUTPUT exists with no interrupted run recorded: nothing to do).
+
+    Raises:
+        UserError: a missing input, an unknown format, an output in the way without --resume or
+            --overwrite, both flags, another process writing the same output, an unwritable output.
+    """
     from overdrive.datasets import OUTPUT_FORMATS, TEXT_FORMATS
 
+    output, parts = config.output, Parts(config.output)
     if not config.input.exists():
         raise UserError(f"--input {config.input}: no such file or folder")
     if config.input.is_file() and config.input.suffix.lower() not in {*TEXT_FORMATS, ".npy"}:
         known = sorted(TEXT_FORMATS) + [".npy", "a folder of images"]
         raise UserError(f"--input {config.input}: unknown format {config.input.suffix or '(no suffix)'!r}; expected one of "
                         f"{', '.join(known)}")
-    if config.output.is_dir():
-        raise UserError(f"--output {config.output} is a folder; give a file path ending in {', '.join(OUTPUT_FORMATS)}")
-    fmt = output_format(config.output)
-    if config.input.resolve() == config.output.resolve():
+    if config.text_field is not None and (config.input.is_dir() or TEXT_FORMATS.get(config.input.suffix.lower()) not in
+                                          ("jsonl", "csv")):
+        raise UserError("--text-field applies to .jsonl and .csv input only")
+    if output.is_dir():
+        raise UserError(f"--output {output} is a folder; give a file path ending in {', '.join(OUTPUT_FORMATS)}")
+    fmt = output_format(output)
+    if config.input.resolve() == output.resolve():
         raise UserError("--output is the --input file; choose another path")
     if config.resume and config.overwrite:
         raise UserError("--resume continues a run and --overwrite starts it over; pass one of them")
-    if not config.overwrite:
-        if Parts(config.output).dir.exists() and not config.resume:
-            raise UserError(f"{Parts(config.output).dir} holds the chunks of an interrupted run; pass --resume to continue "
-                            "it or --overwrite to start over")
-        if config.output.exists() and not config.resume:
-            raise UserError(f"--output {config.output} exists; pass --overwrite to replace it (or --resume to continue a run)")
-    return fmt
-
-
-def prepare_output(config: RunConfig, manifest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Decide what to do with what is already at the output path (after `_precheck`).
-
-    Returns:
-        ("fresh", manifest) to start; ("resume", the stored manifest) to continue an interrupted
-        run; ("complete", {}) when `--resume` finds a finished output.
-
-    Raises:
-        UserError: the stored run differs from this one (input changed, another model, ...), or
-            the output cannot be written.
-    """
-    output, parts = config.output, Parts(config.output)
+    if parts.locked_by_another():
+        raise UserError(f"another overdrive run is writing {output} now (it holds {parts.dir}); wait for it or stop it")
     if config.overwrite:
-        for p in (output, errors_file(output)):
-            p.unlink(missing_ok=True)
+        output.unlink(missing_ok=True)
+        errors_file(output).unlink(missing_ok=True)
         shutil.rmtree(parts.dir, ignore_errors=True)
+    elif parts.dir.exists() and not config.resume:
+        raise UserError(f"{parts.dir} holds the chunks of an interrupted run; pass --resume to continue it or "
+                        "--overwrite to start over")
     elif output.exists() and not parts.dir.exists():
-        return "complete", {}  # with --resume (`_precheck` refused it without)
-    if parts.dir.exists() and not (parts.dir / "manifest.json").exists():
-        shutil.rmtree(parts.dir)  # killed before the manifest was written: nothing was done
-    if parts.dir.exists():
-        stored = _read_manifest(parts)
-        differ = [k for k in manifest if k not in ("batch_size", "chunk_size")
-                  and stored.get(k) != manifest[k]]
-        if differ:
-            details = "; ".join(f"{k}: was {stored.get(k)!r}, now {manifest[k]!r}" for k in differ[:3])
-            raise UserError(f"cannot resume into {output}: the interrupted run differs ({details}); pass --overwrite "
-                            "to start over")
-        return "resume", stored
+        if config.resume:
+            return fmt, "complete", parts
+        raise UserError(f"--output {output} exists; pass --overwrite to replace it (or --resume to continue a run)")
     try:
-        parts.dir.mkdir(parents=True)
-        _atomic_write(parts.dir / "manifest.json", json.dumps(manifest, indent=1).encode())
+        parts.dir.mkdir(parents=True, exist_ok=True)
+        probe = output.with_name(output.name + ".errors.jsonl.tmp")  # the longest name this run writes there
+        probe.touch()
+        probe.unlink()
     except OSError as exc:
         raise UserError(f"--output {output}: cannot write there ({exc.strerror or exc})") from None
-    return "fresh", manifest
+    if not parts.lock():
+        raise UserError(f"another overdrive run is writing {output} now (it holds {parts.dir}); wait for it or stop it")
+    return fmt, ("resume" if (parts.dir / "manifest.json").exists() else "new"), parts
+
+
+def check_manifest(parts: Parts, manifest: dict[str, Any], output: Path) -> dict[str, Any]:
+    """The stored manifest of the interrupted run, after checking that this run is the same one.
+
+    Raises:
+        UserError: it differs (input changed, another model or plan, ...) or is unreadable.
+    """
+    stored = _read_manifest(parts)
+    differ = [k for k in manifest if k not in ("batch_size", "chunk_size") and stored.get(k) != manifest[k]]
+    if differ:
+        details = "; ".join(_difference(k, stored.get(k), manifest[k]) for k in differ[:3])
+        raise UserError(f"cannot resume into {output}: the interrupted run differs ({details}); pass --overwrite "
+                        "to start over")
+    return stored
+
+
+def _difference(key: str, was: Any, now: Any) -> str:
+    if isinstance(was, dict) and isinstance(now, dict):
+        fields = [k for k in now if was.get(k) != now[k]]
+        return f"{key} " + ", ".join(f"{k} was {was.get(k)!r}, now {now[k]!r}" for k in fields[:2])
+    return f"{key} was {was!r}, now {now!r}"
 
 
 def _read_manifest(parts: Parts) -> dict[str, Any]:
@@ -505,6 +554,7 @@ class _Run:
         self.crash_after_batches = crash_after_batches
         self.batches_written = 0
         self.started = time.perf_counter()
+        self.first_error: tuple[int, str] | None = None
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -531,6 +581,7 @@ class _Run:
 
     # replica threads
     def replica_loop(self, replica: Replica) -> None:
+        current = None
         try:
             with torch.inference_mode():
                 if replica.cuda:
@@ -542,8 +593,14 @@ class _Run:
                     if not self._put(self.results, result):
                         return
         except BaseException as exc:  # noqa: BLE001 (re-raised on the main thread)
-            self.fail(RunAborted(f"the model failed on {replica.device}: {one_line(exc)}") if isinstance(exc, Exception)
-                      else exc)
+            if isinstance(exc, Exception):
+                where = ""
+                if current is not None and current.batch.indices:
+                    keys = [self.source.source_key(i) for i in current.batch.indices[:3]]
+                    where = f" (a batch of {len(current.batch.indices)} records: {', '.join(keys)}, ...)"
+                exc = RunAborted(f"the model failed on {replica.device}{where}: {one_line(exc)}; the chunks finished "
+                                 "so far are kept for --resume")
+            self.fail(exc)
 
     def _next_staged(self, replica: Replica) -> _Staged | None:
         start = time.perf_counter()
@@ -557,6 +614,8 @@ class _Run:
         try:
             while (result := self._get(self.results)) is not _END:
                 self._place(result, buffers)
+        except OSError as exc:  # disk full, a name too long, ...
+            self.fail(_write_failed(exc))
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
 
@@ -581,6 +640,8 @@ class _Run:
         if result.output is not None:
             buf["outputs"][np.asarray(batch.indices) - first] = result.output.numpy()
         buf["errors"].extend(batch.errors)
+        if batch.errors and (self.first_error is None or batch.errors[0][0] < self.first_error[0]):
+            self.first_error = batch.errors[0]
         buf["left"] -= len(batch.indices) + len(batch.errors)
         self.failed += len(batch.errors)
         self.processed += len(batch.indices) + len(batch.errors)
@@ -595,8 +656,10 @@ class _Run:
             self.progress(self.done_items + sum(b["outputs"].shape[0] - b["left"] for b in buffers.values()), self.failed,
                           min(busy, 1.0))
         if self.max_errors is not None and self.failed > self.max_errors:
-            raise RunAborted(f"{self.failed} records failed, more than --max-errors {self.max_errors}; the reasons are in "
-                             f"{self.parts.dir}/chunk-*.errors.json, and --resume continues after the chunks finished")
+            first = self.first_error or (0, "")
+            raise RunAborted(f"{_records(self.failed)} failed, more than --max-errors {self.max_errors} (the first: "
+                             f"{self.source.source_key(first[0])}: {first[1]}); --resume continues after the chunks "
+                             "finished")
         if self.crash_after_batches is not None and self.batches_written >= self.crash_after_batches:
             raise _SimulatedCrash(f"crash after {self.batches_written} batches (test hook)")
 
@@ -605,6 +668,11 @@ class _Run:
         for batch in loader:
             if not self._put(self.inputs, batch):
                 return
+
+
+def _write_failed(exc: OSError) -> RunAborted:
+    return RunAborted(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}; the chunks finished so far "
+                      "are kept, and --resume continues once the cause is fixed")
 
 
 class _SimulatedCrash(Exception):
@@ -625,6 +693,9 @@ def _build(config: RunConfig, workload: Workload | None):
             raise UserError(f"--plan {config.plan} was made for {plan.workload!r}, not {config.workload!r}")
         if device_name == "auto":
             device_name = plan.device
+            if plan.device == "cuda" and not torch.cuda.is_available():
+                raise UserError(f"--plan {config.plan} was tuned on cuda and this machine has no CUDA GPU; run "
+                                f"`overdrive optimize {plan.workload} --device cpu` for a CPU plan")
     resolved = resolve_device(device_name)
     if plan and plan.device != resolved.type:
         raise UserError(f"--plan {config.plan} was tuned on {plan.device!r} and holds only there; run it with --device "
@@ -669,9 +740,13 @@ def _batch_from(values: list, size: int, collate: _Collate) -> tuple[torch.Tenso
 
 
 def measure_auto_batch_size(replica: Replica, values: list, collate: _Collate, *, limit: int,
-                            min_time_s: float = 0.3) -> tuple[int, list[dict[str, float]]]:
-    """The largest batch size, doubling from 1, whose items/s beat the previous size's by ≥ 5%,
-    among those that fit in memory (a CUDA out-of-memory error ends the search).
+                            min_time_s: float = 0.3, patience: int = 2) -> tuple[int, list[dict[str, float]]]:
+    """The largest batch size, doubling from 1, whose items/s beat the best smaller size's by
+    ≥ 5%, among those that fit in memory (a CUDA out-of-memory error ends the search).
+
+    The search goes on through `patience` doublings without such a gain before it stops: on a
+    flat stretch of the curve one doubling can gain 4% and the next two 10% each, and a single
+    noisy pair of sizes must not settle the batch at 1.
 
     Each size: one warm-up call, then calls until `min_time_s` and ≥ 3 calls; items/s = size /
     median call time (CUDA: synchronised). Text batches are records of median length.
@@ -680,9 +755,9 @@ def measure_auto_batch_size(replica: Replica, values: list, collate: _Collate, *
         (batch size, [{"batch_size", "items_per_s"}, ...] for each size tried).
     """
     tried: list[dict[str, float]] = []
-    best, best_rate = 1, 0.0
+    best, best_rate, misses = 1, 0.0, 0
     size = 1
-    while size <= limit:
+    while size <= limit and misses < patience:
         inputs = _batch_from(values, size, collate)
         try:
             rate = _items_per_s(replica, inputs, min_time_s)
@@ -691,9 +766,10 @@ def measure_auto_batch_size(replica: Replica, values: list, collate: _Collate, *
             tried.append({"batch_size": size, "items_per_s": math.nan})
             break
         tried.append({"batch_size": size, "items_per_s": rate})
-        if best_rate and rate < AUTO_GAIN * best_rate:
-            break
-        best, best_rate = size, rate
+        if rate >= AUTO_GAIN * best_rate:
+            best, best_rate, misses = size, rate, 0
+        else:
+            misses += 1
         size *= 2
     return best, tried
 
@@ -725,31 +801,39 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
         crash_after_batches: test hook: die like a killed process after this many batches.
 
     Returns:
-        The RunSummary (also when `--resume` finds the output complete: `processed` 0).
+        The RunSummary (`nothing_to_resume` when --resume finds OUTPUT and no interrupted run).
 
     Raises:
         UserError: bad input, output or options (one line for the CLI, exit 2).
         RunAborted: more than `max_errors` records failed, or the model raised (exit 1).
         KeyboardInterrupt: Ctrl-C; the finished chunks stay for `--resume`.
     """
-    say = status or (lambda text: None)
-    out_fmt = _precheck(config)
-    say("building the model")
-    workload, plan, devices, models = _build(config, workload)
-    source = open_source(config.input, workload, text_field=config.text_field)
-    if len(source) == 0:
-        raise UserError(f"--input {config.input} holds no records")
-    collate = _Collate(workload.collate if source.kind == "text" else None, 1)
-    replicas = [Replica(m, d, workload.fixed_batch_size) for m, d in zip(models, devices)]
-
-    # The manifest: everything a resumed run must share with the first one to give the same bytes.
-    manifest = {"version": MANIFEST_VERSION, "workload": workload.name, "plan": file_sha256(config.plan) if config.plan
-                else None, "device": devices[0].type, "input": source.fingerprint(), "text_field": config.text_field,
-                "output_format": out_fmt, "bucket": config.bucket, "batch_size": None, "chunk_size": None}
-    mode, stored = prepare_output(config, manifest)
+    out_fmt, mode, parts = claim_output(config)
     if mode == "complete":
-        return _complete_summary(config, source, workload)
+        return _complete_summary(config)
     try:
+        return _run_claimed(config, workload, out_fmt, mode, parts, progress, status or (lambda text: None),
+                            crash_after_batches)
+    finally:
+        parts.unlock()  # a process's end releases it too (SIGKILL included); this is for errors in-process
+
+
+def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mode: str, parts: Parts, progress, say,
+                 crash_after_batches: int | None) -> RunSummary:
+    try:
+        say("building the model")
+        workload, plan, devices, models = _build(config, workload)
+        source = open_source(config.input, workload, text_field=config.text_field)
+        if len(source) == 0:
+            raise UserError(f"--input {config.input} holds no records")
+        collate = _Collate(workload.collate if source.kind == "text" else None, 1)
+        replicas = [Replica(m, d, workload.fixed_batch_size) for m, d in zip(models, devices)]
+        # The manifest: everything a resumed run must share with the first one to give the same bytes.
+        manifest = {"version": MANIFEST_VERSION, "workload": workload.name,
+                    "plan": file_sha256(config.plan) if config.plan else None, "device": devices[0].type,
+                    "input": source.fingerprint(), "text_field": config.text_field, "output_format": out_fmt,
+                    "bucket": config.bucket, "batch_size": None, "chunk_size": None}
+        stored = check_manifest(parts, manifest, config.output) if mode == "resume" else manifest
         values = _probe_inputs(source)
         if not values:
             raise UserError(f"--input {config.input}: none of its first records can be read (e.g. {_first_error(source)})")
@@ -758,31 +842,32 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
             for r in replicas[1:]:
                 r.warm_up(_batch_from(values, 1, collate))
         auto: list[dict[str, float]] = []
-        if mode == "resume" and stored.get("batch_size"):
-            batch_size, origin = stored["batch_size"], "the interrupted run"
-            chunk_size = stored["chunk_size"]
+        if stored.get("batch_size"):
+            batch_size, origin, chunk_size = stored["batch_size"], "the interrupted run", stored["chunk_size"]
         else:
             batch_size, origin = _choose_batch_size(config, workload, plan, replicas[0], values, collate, len(source), say, auto)
             if workload.fixed_batch_size and batch_size > workload.fixed_batch_size:
                 raise UserError(f"this model runs only at batch size {workload.fixed_batch_size}; --batch-size must be ≤ that")
             chunk_size = math.ceil(config.chunk_size / batch_size) * batch_size
             stored = manifest | {"batch_size": batch_size, "chunk_size": chunk_size}
-            _atomic_write(Parts(config.output).dir / "manifest.json", json.dumps(stored, indent=1).encode())
+            _atomic_write(parts.dir / "manifest.json", json.dumps(stored, indent=1).encode())
         collate.chunk_size = chunk_size
     except BaseException as exc:
-        if mode == "fresh":  # nothing ran yet: leave no half-made run behind to resume
-            shutil.rmtree(Parts(config.output).dir, ignore_errors=True)
+        if not parts.done():  # nothing ran yet: leave no half-made run behind to resume
+            parts.remove()
         if isinstance(exc, Exception) and not isinstance(exc, UserError):
             raise RunAborted(f"the model failed on a first batch of the input: {one_line(exc)}") from exc
         raise
 
-    parts = Parts(config.output)
     parts.clean_temporaries()
     chunks = math.ceil(len(source) / chunk_size)
     finished = parts.done() & set(range(chunks))
     pending = [k for k in range(chunks) if k not in finished]
     done_before = sum(min(len(source), (k + 1) * chunk_size) - k * chunk_size for k in finished)
-    failed_before = sum(len(parts.read_chunk(k, k * chunk_size)[1]) for k in finished)
+    failed_before = sum(len(parts.read_errors(k)) for k in finished)
+    if config.max_errors is not None and failed_before > config.max_errors:
+        raise RunAborted(f"{_records(failed_before)} failed in the chunks already done, more than --max-errors "
+                         f"{config.max_errors}; the reasons are in {parts.dir}/chunk-*.errors.json")
     num_workers = config.num_workers if config.num_workers is not None else _default_workers(devices[0], source)
     if num_workers and source.kind == "text":
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers: no tokenizer thread pools
@@ -799,7 +884,10 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
                  text_lengths(workload) if source.kind == "text" else None)
     wall = time.perf_counter() - start
     start = time.perf_counter()
-    failed = _assemble(config.output, out_fmt, parts, source, chunk_size, row_shape, workload)
+    try:
+        failed = _assemble(config.output, out_fmt, parts, source, chunk_size, row_shape, workload)
+    except OSError as exc:
+        raise _write_failed(exc) from exc
     run.clock.add("assemble", time.perf_counter() - start)
     wall += run.clock.phases["assemble"]
     busy = run.clock.phases["compute"] / max(wall, 1e-9) / len(replicas)
@@ -888,7 +976,7 @@ def _assemble(output: Path, fmt: str, parts: Parts, source: RecordSource, chunk_
     tmp = output.with_name(output.name + ".tmp")
     keys = source.source_key if source.format == "images" else None
     write_output(tmp, fmt, read_all(), total=len(source), row_shape=tuple(row_shape), keys=keys,
-                 classifier=workload.fidelity is logits_fidelity)
+                 classifier=workload.has_task_metric or bool(workload.extra.get("classifier")))
     errors_path = errors_file(output)
     if all_errors:
         lines = "".join(json.dumps({"index": i, "source": source.source_key(i), "reason": r}) + "\n" for i, r in all_errors)
@@ -898,17 +986,21 @@ def _assemble(output: Path, fmt: str, parts: Parts, source: RecordSource, chunk_
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, output)
-    shutil.rmtree(parts.dir, ignore_errors=True)
+    parts.remove()
     return len(all_errors)
 
 
-def _complete_summary(config: RunConfig, source: RecordSource, workload: Workload) -> RunSummary:
+def _complete_summary(config: RunConfig) -> RunSummary:
     errors = errors_file(config.output)
     failed = sum(1 for _ in errors.open()) if errors.exists() else 0
-    return RunSummary(output=str(config.output), errors_path=str(errors) if failed else None, records=len(source),
-                      done_before=len(source), processed=0, failed=failed, wall_s=0.0, items_per_s=0.0, batch_size=0,
-                      batch_size_source="(already complete)", auto_batch=[], device="-", replicas=0, num_workers=0,
-                      device_busy_fraction=0.0, phases_s={})
+    return RunSummary(output=str(config.output), errors_path=str(errors) if failed else None, records=0,
+                      done_before=0, processed=0, failed=failed, wall_s=0.0, items_per_s=0.0, batch_size=0,
+                      batch_size_source="", auto_batch=[], device="-", replicas=0, num_workers=0,
+                      device_busy_fraction=0.0, phases_s={}, nothing_to_resume=True)
+
+
+def _records(n: int) -> str:
+    return f"{n} record" + ("" if n == 1 else "s")
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -931,33 +1023,36 @@ def cmd_run(args) -> int:
     console = make_console()
     columns = (TextColumn("run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
                TimeRemainingColumn())
-    state = {"start": None, "first": 0}
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("run", total=None, stats="")
+    state = {"start": None, "first": 0, "shown": False}
+    bar = Progress(*columns, console=console, transient=False)  # shown from the first batch, not before errors
+    task = bar.add_task("run", total=None, stats="")
 
-        def progress(done, failed, busy):
-            now = time.perf_counter()
-            if done is None:  # (None, total) before the first batch
-                bar.update(task, total=failed)
-                return
-            if state["start"] is None:
-                state["start"], state["first"] = now, done
-            rate = (done - state["first"]) / max(now - state["start"], 1e-9)
-            bar.update(task, completed=done, stats=f"{rate:,.0f} items/s · device busy {100 * busy:.0f}% · {failed} failed")
+    def progress(done, failed, busy):
+        now = time.perf_counter()
+        if done is None:  # (None, total) before the first batch
+            bar.start()
+            state["shown"] = True
+            bar.update(task, total=failed)
+            return
+        if state["start"] is None:
+            state["start"], state["first"] = now, done
+        rate = (done - state["first"]) / max(now - state["start"], 1e-9)
+        bar.update(task, completed=done, stats=f"{rate:,.0f} items/s · device busy {100 * busy:.0f}% · {failed} failed")
 
-        try:
-            summary = run_offline(config, progress=progress, status=lambda text: bar.console.print(f"[dim]{text}[/dim]"))
-        except KeyboardInterrupt:
+    try:
+        summary = run_offline(config, progress=progress, status=lambda text: console.print(f"[dim]{text}[/dim]"))
+    except KeyboardInterrupt:
+        parts = Parts(config.output)
+        if parts.dir.exists():
+            sys.stderr.write(f"overdrive run: interrupted; {len(parts.done())} finished chunks are in {parts.dir}; "
+                             "rerun with --resume to continue\n")
+        raise
+    except RunAborted as exc:
+        sys.stderr.write(f"overdrive: run stopped: {' '.join(str(exc).split())}\n")
+        return 1
+    finally:
+        if state["shown"]:
             bar.stop()
-            parts = Parts(config.output)
-            if parts.dir.exists():
-                sys.stderr.write(f"overdrive run: interrupted; {len(parts.done())} finished chunks are in {parts.dir}; "
-                                 "rerun with --resume to continue\n")
-            raise
-        except RunAborted as exc:
-            bar.stop()
-            sys.stderr.write(f"overdrive: run stopped: {' '.join(str(exc).split())}\n")
-            return 1
     print_summary(console, summary)
     return 0
 
@@ -966,9 +1061,9 @@ def print_summary(console, s: RunSummary) -> None:
     """Items done and failed, time, items/s, and where the time went."""
     from rich.table import Table
 
-    if s.processed == 0 and s.done_before == s.records:
-        console.print(f"{s.output} is already complete ({s.records:,} records, {s.failed} failed); nothing to do",
-                      highlight=False)
+    if s.nothing_to_resume:
+        console.print(f"{s.output} exists and no interrupted run is recorded for it ({Parts(Path(s.output)).dir} is "
+                      "absent): nothing to resume; pass --overwrite to run it again", highlight=False)
         return
     resumed = f" ({s.done_before:,} done before the resume)" if s.done_before else ""
     console.print(f"{s.records - s.failed:,} of {s.records:,} records → {s.output}{resumed}; "

@@ -36,7 +36,9 @@ class Workload:
             exported without a dynamic batch dimension); None when any batch size works.
         real_weights: False for random weights: speed figures only, no accuracy claims.
         description: one line for `overdrive list`.
-        extra: workload-specific objects (tokenizer, training split, model path).
+        extra: workload-specific objects (tokenizer, training split, model path). Read by
+            `overdrive run`: "image_transform" (PIL image -> sample tensor, picklable) and
+            "classifier" (True: outputs are logits, and outputs get a `prediction` column).
     """
 
     name: str

@@ -68,5 +68,5 @@ def build_torchvision(name: str, *, num_samples: int = NUM_SAMPLES) -> Workload:
         default_batch_size=8,
         real_weights=False,
         description=f"torchvision {name}, random weights (speed only)",
-        extra={"image_transform": image_preset(name)},  # for `overdrive run` over a folder of images
+        extra={"image_transform": image_preset(name), "classifier": True},  # for `overdrive run` over image folders
     )
