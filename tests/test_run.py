@@ -479,6 +479,7 @@ def test_minilm_run_matches_the_eager_model(tmp_path):
         reference = torch.cat([workload.model(*workload.collate(texts[i:i + 8])) for i in range(0, 96, 8)])
     got = torch.from_numpy(np.load(tmp_path / "e.npy"))
     assert torch.nn.functional.cosine_similarity(got, reference).min() > 0.9999
+    np.testing.assert_allclose(got.norm(dim=1), 1.0, rtol=1e-5)  # the model card's Normalize step, as sentence-transformers
 
 
 @requires_cuda

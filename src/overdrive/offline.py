@@ -120,6 +120,7 @@ class RunSummary:
     device_busy_fraction: float
     phases_s: dict[str, float]
     nothing_to_resume: bool = False  # --resume found OUTPUT and no interrupted run recorded for it
+    setup_s: float = 0.0  # building the model, reading the first records, warm-up, `auto` (before wall_s)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -539,7 +540,7 @@ class _Run:
 
     def __init__(self, *, source: RecordSource, replicas: list[Replica], parts: Parts, chunk_size: int,
                  row_shape: tuple[int, ...], pending: list[int], max_errors: int | None, progress, done_before: int,
-                 failed_before: int, crash_after_batches: int | None):
+                 failed_before: int, crash_after_batches: int | None, normalize: bool = False):
         self.source, self.replicas, self.parts = source, replicas, parts
         self.chunk_size, self.row_shape, self.pending = chunk_size, row_shape, pending
         self.max_errors, self.progress = max_errors, progress
@@ -555,6 +556,7 @@ class _Run:
         self.batches_written = 0
         self.started = time.perf_counter()
         self.first_error: tuple[int, str] | None = None
+        self.normalize = normalize
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -638,7 +640,11 @@ class _Run:
         buf = buffers.setdefault(k, {"outputs": np.full((size, *self.row_shape), np.nan, dtype=np.float32),
                                      "errors": [], "left": size})
         if result.output is not None:
-            buf["outputs"][np.asarray(batch.indices) - first] = result.output.numpy()
+            rows = result.output.numpy()
+            if self.normalize:  # as sentence-transformers' Normalize: x / max(‖x‖₂, 1e-12)
+                norms = np.linalg.norm(rows.reshape(len(rows), -1), axis=1)
+                rows = rows / np.maximum(norms, 1e-12).reshape((-1,) + (1,) * (rows.ndim - 1))
+            buf["outputs"][np.asarray(batch.indices) - first] = rows
         buf["errors"].extend(batch.errors)
         if batch.errors and (self.first_error is None or batch.errors[0][0] < self.first_error[0]):
             self.first_error = batch.errors[0]
@@ -820,6 +826,7 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
 
 def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mode: str, parts: Parts, progress, say,
                  crash_after_batches: int | None) -> RunSummary:
+    setup_start = time.perf_counter()
     try:
         say("building the model")
         workload, plan, devices, models = _build(config, workload)
@@ -874,11 +881,12 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
 
     run = _Run(source=source, replicas=replicas, parts=parts, chunk_size=chunk_size, row_shape=row_shape, pending=pending,
                max_errors=config.max_errors, progress=progress, done_before=done_before, failed_before=failed_before,
-               crash_after_batches=crash_after_batches)
+               crash_after_batches=crash_after_batches, normalize=bool(workload.extra.get("normalize_embeddings")))
     if progress:
         progress(None, len(source), 0.0)
         progress(done_before, failed_before, 0.0)
     start = time.perf_counter()
+    setup_s = start - setup_start
     if pending:
         _execute(run, source, collate, batch_size, chunk_size, config.bucket, num_workers, devices[0].type == "cuda",
                  text_lengths(workload) if source.kind == "text" else None)
@@ -896,7 +904,8 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         records=len(source), done_before=done_before, processed=run.processed, failed=failed, wall_s=wall,
         items_per_s=run.processed / wall if wall else 0.0, batch_size=batch_size, batch_size_source=origin,
         auto_batch=auto, device=str(devices[0]) if len(set(devices)) == 1 else f"{len(set(devices))} × {devices[0].type}",
-        replicas=len(replicas), num_workers=num_workers, device_busy_fraction=busy, phases_s=dict(run.clock.phases))
+        replicas=len(replicas), num_workers=num_workers, device_busy_fraction=busy, phases_s=dict(run.clock.phases),
+        setup_s=setup_s)
 
 
 def _choose_batch_size(config, workload, plan, replica, values, collate, records, say, auto) -> tuple[int, str]:
@@ -1070,7 +1079,8 @@ def print_summary(console, s: RunSummary) -> None:
                   f"{s.failed:,} failed" + (f" (see {s.errors_path})" if s.errors_path else ""), highlight=False)
     console.print(f"{s.processed:,} records in {s.wall_s:.2f} s = {s.items_per_s:,.1f} items/s on {s.device} "
                   f"({s.replicas} replica{'s' if s.replicas > 1 else ''}, {s.num_workers} reader processes), batch size "
-                  f"{s.batch_size} from {s.batch_size_source}; device busy {100 * s.device_busy_fraction:.0f}% of the time",
+                  f"{s.batch_size} from {s.batch_size_source}; device busy {100 * s.device_busy_fraction:.0f}% of the "
+                  f"time; set-up before that {s.setup_s:.1f} s (model, warm-up{', auto batch size' if s.auto_batch else ''})",
                   highlight=False)
     if s.auto_batch:
         console.print("auto batch size: " + ", ".join(f"{int(t['batch_size'])} → {t['items_per_s']:,.0f}/s"

@@ -38,7 +38,8 @@ class Workload:
         description: one line for `overdrive list`.
         extra: workload-specific objects (tokenizer, training split, model path). Read by
             `overdrive run`: "image_transform" (PIL image -> sample tensor, picklable) and
-            "classifier" (True: outputs are logits, and outputs get a `prediction` column).
+            "classifier" (True: outputs are logits, and outputs get a `prediction` column),
+            "normalize_embeddings" (True: output rows are L2-normalised before they are written).
     """
 
     name: str

@@ -6,6 +6,9 @@ The evaluation sentences are the Python language reference bundled with CPython;
 training sentences (for distillation after pruning) are standard-library docstrings, disjoint
 from them (`overdrive.workloads.sentences`). Pooling is the model card's: the mean of the token
 embeddings over the attention mask, at max_seq_length 256 (from `sentence_bert_config.json`).
+The model returns the pooled embeddings; the pipeline's last step, L2 normalisation
+(`modules.json`), is applied by `overdrive run` to what it writes (`extra["normalize_embeddings"]`)
+and left out of the model, so distillation losses and fidelity keep the pooled scale.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ def build_minilm(num_sentences: int = NUM_SENTENCES) -> Workload:
     encoder = AutoModel.from_pretrained(path).eval()
     config_file = path / "sentence_bert_config.json"
     max_seq_length = json.loads(config_file.read_text())["max_seq_length"] if config_file.exists() else 256
+    modules_file = path / "modules.json"
+    modules = json.loads(modules_file.read_text()) if modules_file.exists() else []
+    normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)  # the pipeline's last step
     sentences = list(python_doc_sentences()[:num_sentences])
     lengths = {s: n for s, n in zip(sentences, (len(ids) for ids in tokenizer(sentences)["input_ids"]))}
     return Workload(
@@ -94,5 +100,6 @@ def build_minilm(num_sentences: int = NUM_SENTENCES) -> Workload:
         train_samples=python_docstring_sentences(),  # distillation data, disjoint from the evaluation sentences
         sample_length=lambda s: min(lengths.get(s) or len(tokenizer(s)["input_ids"]), max_seq_length),
         description="all-MiniLM-L6-v2 sentence embeddings (real weights) on Python reference sentences",
-        extra={"tokenizer": tokenizer, "max_seq_length": max_seq_length, "model_path": str(path)},
+        extra={"tokenizer": tokenizer, "max_seq_length": max_seq_length, "model_path": str(path),
+               "normalize_embeddings": normalize},
     )
