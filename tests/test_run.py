@@ -276,9 +276,15 @@ def test_resume_after_a_crash_is_byte_identical(tmp_path_factory, fmt, crash_aft
     assert summary.nothing_to_resume or summary.done_before + summary.processed == 53  # the 2nd run may have finished
 
 
+def _default_sigint() -> None:
+    # A shell starts background jobs with SIGINT ignored (`make test &`), and Python then installs
+    # no KeyboardInterrupt handler: give the child the default disposition a terminal would.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli_run(*args, env=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "overdrive", "run", *args], cwd=ROOT, env=env or ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
 
 
 def wait_for_chunks(out: Path, proc: subprocess.Popen, count: int, timeout: float = 60.0) -> None:
