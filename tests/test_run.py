@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from overdrive import cli
+from overdrive.chunks import Parts
 from overdrive.datasets import CsvSource, JsonlSource, TextLinesSource, csv_record_offsets, line_offsets
 from overdrive.offline import (
-    Parts,
     Replica,
     RunAborted,
     RunConfig,
@@ -584,3 +584,13 @@ def test_a_write_failure_is_one_line_and_resumable(tmp_path, capsys, monkeypatch
     assert cli.main([*args, "--resume"]) == 0
     run(inp, tmp_path / "ref.npy", chunk_size=8)
     assert out.read_bytes() == (tmp_path / "ref.npy").read_bytes()
+
+
+def test_one_replica_per_gpu_unless_one_gpu_is_named(monkeypatch):
+    from overdrive.devices import replica_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cuda0 = torch.device("cuda", 0)  # what resolve_device gives for "cuda" and "auto" on a GPU machine
+    assert replica_devices(cuda0, "cuda") == replica_devices(cuda0, "auto") == [cuda0, torch.device("cuda", 1)]
+    assert replica_devices(torch.device("cuda", 1), "cuda:1") == [torch.device("cuda", 1)]
+    assert replica_devices(torch.device("cpu"), "cpu") == [torch.device("cpu")]

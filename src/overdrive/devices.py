@@ -41,6 +41,14 @@ def resolve_device(name: str | None) -> torch.device:
     raise UserError(f"--device {name}: device type {device.type!r} is not supported; expected 'cpu' or 'cuda'")
 
 
+def replica_devices(resolved: torch.device, requested: str | None) -> list[torch.device]:
+    """Where to put one model replica each: every GPU when the user asked for "cuda" or "auto"
+    (no index) and got CUDA; otherwise just `resolved` (from `resolve_device(requested)`)."""
+    if resolved.type == "cuda" and requested in (None, "", "cuda", "auto"):  # resolve_device gives "cuda" index 0
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [resolved]
+
+
 def supports_bf16(device: torch.device) -> bool:
     """Whether bf16 arithmetic is native on `device` (CUDA: compute capability ≥ 8.0)."""
     if device.type == "cuda":

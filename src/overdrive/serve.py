@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from overdrive.devices import resolve_device
+from overdrive.devices import replica_devices, resolve_device
 from overdrive.errors import UserError, one_line
 from overdrive.plan import Plan, build
 from overdrive.served_model import ServedModel
@@ -40,10 +40,7 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
         raise UserError(f"{spec} was tuned on {plan.device!r} and holds only there; serve it with --device {plan.device} "
                         f"or run `overdrive optimize {plan.workload} --device {resolved.type}`")
     workload = create_workload(plan.workload if plan else spec)
-    if resolved.type == "cuda" and resolved.index is None and device in ("cuda", "auto"):
-        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    else:
-        devices = [resolved]
+    devices = replica_devices(resolved, device)
     instances = instances or len(devices)
     devices = devices[:instances]
     models = []
