@@ -236,6 +236,8 @@ def text_lengths(workload: Workload) -> Callable[[list[str]], list[int]] | None:
         options = {"truncation": True, "max_length": limit} if limit else {}
 
         def count(texts: list[str]) -> list[int]:
+            if limit:  # a token spans at most a word (WordPiece stops at 100 characters): no need to read a huge line whole
+                texts = [t[: 128 * limit] for t in texts]
             return [len(x) for x in tokenizer(texts, **options)["input_ids"]]
 
         return count
