@@ -10,7 +10,7 @@ The flow, one process:
 
 Invariants:
 - Chunks: records [k·C, (k+1)·C) form chunk k. A chunk's batches are cut from the chunk alone
-  (for text: sorted by length, longest first, ties by index), so a chunk's results do not depend
+  (for text: sorted by token count, longest first, ties by index), so a chunk's results do not depend
   on which chunks ran before it, in this run or an earlier one. This is what makes
   `--resume` byte-identical to an uninterrupted run.
 - A chunk is done when `OUTPUT.parts/chunk-K.npy` exists: it is written to a temporary name,
@@ -18,6 +18,8 @@ Invariants:
 - Every input index gets exactly one row: an output, or a line in the errors file (a record
   that cannot be read or decoded); none is duplicated or lost. Outputs are keyed by input index
   and written in input order whatever the bucketing and the number of workers or replicas.
+- One process writes an output at a time: `OUTPUT.parts/` is claimed and flock-ed before the
+  model is built (`overdrive.chunks`), and a second run into it is refused.
 - On CPU the same code path runs without streams or pinned memory (copies are no-ops).
 
 Timing: on CUDA, copies and compute are timed with CUDA events on their streams; the device
