@@ -22,16 +22,8 @@ from hypothesis import strategies as st
 from overdrive import cli
 from overdrive.chunks import Parts
 from overdrive.datasets import CsvSource, JsonlSource, TextLinesSource, csv_record_offsets, line_offsets
-from overdrive.offline import (
-    Replica,
-    RunAborted,
-    RunConfig,
-    _Collate,
-    _SimulatedCrash,
-    chunk_batches,
-    measure_auto_batch_size,
-    run_offline,
-)
+from overdrive.offline import RunAborted, RunConfig, _SimulatedCrash, run_offline
+from overdrive.replica import Collate, Replica, chunk_batches, measure_auto_batch_size
 from tests.fixtures.run_models import char_text, expected_row, raising_text, rgb_means
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -458,7 +450,7 @@ def test_auto_batch_size_stops_where_items_per_second_stop_rising():
     w = char_text()
     values = sentences(64)
     size, tried = measure_auto_batch_size(Replica(Saturating(), torch.device("cpu"), None), values,
-                                          _Collate(w.collate, 1), limit=64, min_time_s=0.05)
+                                          Collate(w.collate, 1), limit=64, min_time_s=0.05)
     assert size == 16
     assert [t["batch_size"] for t in tried] == [1, 2, 4, 8, 16, 32, 64]  # two doublings without a gain end it
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from overdrive.errors import UserError
+from overdrive.errors import UserError, one_line
 from overdrive.techniques import BatchingPolicy, TechniqueConfig, get_technique
 from overdrive.workloads.base import Workload, eval_mode
 
@@ -66,6 +66,21 @@ def build(workload: Workload, steps: list[Step], device: torch.device,
             reports.append(report)
         policy = technique.batching(policy, step.config)
     return model, policy
+
+
+def build_on_devices(workload: Workload, steps: list[Step], devices: list[torch.device]) -> list[nn.Module]:
+    """`build` once per device (one replica or serving instance each).
+
+    Raises:
+        UserError: a step cannot be applied on a device (the message names the device and why).
+    """
+    models = []
+    for d in devices:
+        try:
+            models.append(build(workload, steps, d)[0])
+        except RuntimeError as exc:
+            raise UserError(f"cannot build the plan's model on {d}: {one_line(exc)}") from None
+    return models
 
 
 def save_checkpoints(steps: list[Step], workload: Workload, device: torch.device, folder: Path) -> list[Step]:

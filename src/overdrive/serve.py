@@ -12,7 +12,7 @@ import torch
 
 from overdrive.devices import replica_devices, resolve_device
 from overdrive.errors import UserError, one_line
-from overdrive.plan import Plan, build
+from overdrive.plan import Plan, build_on_devices
 from overdrive.served_model import ServedModel
 from overdrive.server import InferenceServer, ServerConfig, describe_config, run_server
 from overdrive.workloads import create_workload
@@ -43,12 +43,7 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
     devices = replica_devices(resolved, device)
     instances = instances or len(devices)
     devices = devices[:instances]
-    models = []
-    for d in devices:
-        try:
-            models.append(build(workload, plan.steps if plan else [], d)[0])
-        except RuntimeError as exc:
-            raise UserError(f"cannot build the plan's model on {d}: {one_line(exc)}") from None
+    models = build_on_devices(workload, plan.steps if plan else [], devices)
     try:
         served = ServedModel(name or workload.name, workload, models, devices)
     except (ValueError, RuntimeError) as exc:
