@@ -36,7 +36,7 @@ def test_technique_against_fp32(technique, workload_factory):
     reason = technique.unsupported_reason(workload, CPU)
     if reason:
         assert technique.name in ("fp16", "bn-fold", "channels-last", "length-bucketing", "int8-dynamic", "prune-channels",
-                                  "prune-heads", "prune-ffn", "sparsity-2:4", "pipeline-parallel"), reason
+                                  "prune-heads", "prune-ffn", "sparsity-2:4", "pipeline-parallel", "remove-padding"), reason
         pytest.skip(reason)
     reference = reference_outputs(workload)
     model, policy = build(workload, [Step.default(technique.name)], CPU)

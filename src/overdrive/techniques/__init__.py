@@ -12,6 +12,7 @@ from overdrive.techniques import (  # noqa: F401  (importing registers)
     prune_ffn,
     prune_heads,
     prune_unstructured,
+    remove_padding,
     sparsity_24,
     torch_compile,
 )
