@@ -13,6 +13,11 @@ Requests are JSON on every set-up (Open Inference Protocol JSON tensors for over
 own JSON for LitServe). Targets (issue 4), at C = 32: dynamic batching ≥ 3× the requests/s of
 batching off at a lower p99, and ≥ LitServe's requests/s at no worse p99.
 
+After each model's three set-ups it prints the compute ceiling: model time per row alone
+against per row in batches of the size the batcher formed at C = 32 (same length buckets, same
+threads per instance, no server): no batcher can beat that ratio by more than what it also saves
+in per-request server work.
+
 The models are the workloads' eager fp32 ones; MiniLM is also measured served from a plan with
 bf16 autocast (what `optimize` keeps on a CPU with AVX512-BF16), the three set-ups again on that
 same model (LitServe builds it from the same plan.json).
@@ -200,6 +205,49 @@ def bench_workload(workload: str, seconds: float, plan: Path | None = None, inst
     return results
 
 
+def compute_ceiling(workload: str, plan: Path | None, instances: int, rows: int, samples: int = 128) -> dict:
+    """The most any batcher can buy on this model and machine: model time per row at batch 1
+    against per row in batches of `rows` rows cut within the batcher's length buckets, timed in
+    this process with the threads one server instance gets (no HTTP, no queue).
+
+    Returns {"rows", "single_ms_per_row", "batched_ms_per_row", "ceiling"}.
+    """
+    import random
+
+    from overdrive.batcher import length_bucket
+    from overdrive.plan import Plan, build
+    from overdrive.workloads import create_workload
+
+    w = create_workload(workload)
+    model = Plan.load(plan).build(w, torch.device("cpu"))[0] if plan else build(w, [], torch.device("cpu"))[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // instances))
+    picked = random.Random(0).sample(list(w.samples), samples)
+    buckets: dict[int, list] = {}
+    for sample in picked:
+        buckets.setdefault(length_bucket(w.sample_length(sample)) if w.sample_length else 0, []).append(sample)
+    batches = [group[i:i + rows] for group in buckets.values() for i in range(0, len(group), rows)]
+
+    def per_row_ms(groups: list[list]) -> float:
+        inputs = [w.collate(g) for g in groups]
+        with torch.inference_mode():
+            for x in inputs[:2]:
+                model(*x)
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for x in inputs:
+                    model(*x)
+                best = min(best, time.perf_counter() - start)
+        return 1e3 * best / samples
+
+    try:
+        single, batched = per_row_ms([[x] for x in picked]), per_row_ms(batches)
+    finally:
+        torch.set_num_threads(threads)
+    return {"rows": rows, "single_ms_per_row": single, "batched_ms_per_row": batched, "ceiling": single / batched}
+
+
 def verdict(workload: str, results: dict) -> bool:
     at = {label: next(r for r in rows if r["concurrency"] == 32) for label, rows in results.items()}
     dyn, off, lit = at["overdrive, dynamic batching"], at["overdrive, batching off"], at["LitServe, its batching"]
@@ -230,8 +278,12 @@ def main() -> int:
         runs.append(("minilm", bf16_plan("minilm")))
     for workload, plan in runs:
         key = workload + (" (bf16 plan)" if plan else " (eager fp32)")
-        all_results[key] = bench_workload(workload, args.seconds, plan, args.instances)
-        met &= verdict(key, all_results[key])
+        all_results[key] = results = bench_workload(workload, args.seconds, plan, args.instances)
+        met &= verdict(key, results)
+        dynamic = next(r for r in results["overdrive, dynamic batching"] if r["concurrency"] == 32)
+        results["compute ceiling"] = c = compute_ceiling(workload, plan, args.instances, round(dynamic["mean_batch_rows"]))
+        print(f"{key} compute ceiling: {c['single_ms_per_row']:.2f} ms per row alone, {c['batched_ms_per_row']:.2f} ms per row "
+              f"in batches of {c['rows']} (one length bucket) → batching can buy at most {c['ceiling']:.2f}× here", flush=True)
     out = ROOT / "out" / ("serve_cpu.json" if args.instances == 1 else f"serve_cpu_instances{args.instances}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(all_results, indent=2) + "\n")
