@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from overdrive.datasets import OutputChunk, output_format
 from overdrive.errors import UserError
+from overdrive.outputs import OUTPUT_FORMATS, OutputChunk, output_format
 
 MANIFEST_VERSION = 1
 
@@ -124,7 +124,7 @@ def claim_output(config) -> tuple[str, str, Parts]:
         UserError: a missing input, an unknown format, an output in the way without --resume or
             --overwrite, both flags, another process writing the same output, an unwritable output.
     """
-    from overdrive.datasets import OUTPUT_FORMATS, TEXT_FORMATS
+    from overdrive.datasets import TEXT_FORMATS
 
     output, parts = config.output, Parts(config.output)
     if not config.input.exists():

@@ -43,9 +43,10 @@ import numpy as np
 import torch
 
 from overdrive.chunks import MANIFEST_VERSION, Parts, atomic_write, check_manifest, claim_output, errors_file, file_sha256
-from overdrive.datasets import OutputChunk, RecordSource, open_source, write_output
+from overdrive.datasets import RecordSource, open_source
 from overdrive.devices import replica_devices, resolve_device
 from overdrive.errors import UserError, one_line
+from overdrive.outputs import OutputChunk, write_output
 from overdrive.replica import (
     Collate,
     RecordDataset,
