@@ -228,3 +228,33 @@ def test_bad_settings_are_refused():
         DynamicBatcher(ListModel(), max_batch_size=0, max_queue_delay_s=0, max_queue_size=4)
     with pytest.raises(ValueError):
         DynamicBatcher(ListModel(), max_batch_size=1, max_queue_delay_s=-1, max_queue_size=4)
+
+
+def test_each_instance_thread_is_set_up_once_and_runs_only_its_own_work():
+    class ThreadedModel(ListModel):
+        def __init__(self):
+            super().__init__(delay_s=0.01)
+            self.started: dict[int, int] = {}  # instance -> thread id
+            self.ran: list[tuple[int, int]] = []
+
+        def start_instance(self, instance):
+            assert instance not in self.started
+            self.started[instance] = threading.get_ident()
+
+        def execute(self, payloads, instance):
+            self.ran.append((instance, threading.get_ident()))
+            return super().execute(payloads, instance)
+
+    model = ThreadedModel()
+
+    async def main():
+        batcher = await started(model, instances=3, max_batch_size=1)
+        where = await batcher.on_instances(lambda i: (i, threading.get_ident()))
+        await asyncio.gather(*(batcher.infer([i]) for i in range(12)))
+        await batcher.drain(1)
+        return where
+
+    where = run(main())
+    assert dict(where) == model.started and len(set(model.started.values())) == 3
+    assert threading.get_ident() not in model.started.values()
+    assert all(model.started[instance] == thread for instance, thread in model.ran)

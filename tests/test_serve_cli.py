@@ -125,3 +125,19 @@ def test_warmup_runs_each_batch_size_once_within_its_budget():
     served = ServedModel("toy-text", text, [text.model], [torch.device("cpu")])
     assert served.warmup(12, budget_s=60)[0] == 12
     assert [rows for rows, _ in text.model.seen[1:]] == [1, 2, 4, 8, 12]
+
+
+def test_instance_threads_set_their_own_intra_op_threads_and_warm_only_their_model():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from overdrive.served_model import ServedModel
+    from tests.fixtures.serve_models import toy_workload
+
+    first, second = toy_workload(), toy_workload()
+    served = ServedModel("toy", first, [first.model, second.model], [torch.device("cpu")] * 2)
+    served.threads_per_instance = 1
+    probed = len(first.model.seen)  # the constructor runs model 0 once for the output shape
+    with ThreadPoolExecutor(1, initializer=served.start_instance, initargs=(1,)) as thread:
+        assert thread.submit(torch.get_num_threads).result() == 1
+        assert thread.submit(served.warmup, 3, 60, 1).result()[0] == 3
+    assert len(first.model.seen) == probed and [n for n, _ in second.model.seen[1:]] == [1, 2, 3]

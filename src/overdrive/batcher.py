@@ -59,6 +59,9 @@ class BatchModel(Protocol):
     def concat(self, results: list[Any]) -> Any:
         """Join the results of a split request's chunks, in chunk order."""
 
+    # Optional: `start_instance(instance)`, called once in instance `instance`'s thread before
+    # anything else runs there (thread-local set-up such as its intra-op thread count).
+
 
 class BatcherMetrics(Protocol):
     """Observations the batcher reports (the server turns them into Prometheus metrics)."""
@@ -182,8 +185,16 @@ class DynamicBatcher:
 
     def start(self) -> None:
         """Start one scheduler task and thread per instance on the running event loop."""
-        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"overdrive-instance-{i}") for i in range(self.instances)]
+        start_instance = getattr(self.model, "start_instance", None)
+        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"overdrive-instance-{i}",
+                                              initializer=start_instance, initargs=(i,) if start_instance else ())
+                           for i in range(self.instances)]
         self._workers = [asyncio.get_running_loop().create_task(self._worker(i)) for i in range(self.instances)]
+
+    async def on_instances(self, fn: Callable[[int], Any]) -> list[Any]:
+        """Run `fn(instance)` in every instance's thread at once (after `start()`); their results, in order."""
+        loop = asyncio.get_running_loop()
+        return list(await asyncio.gather(*(loop.run_in_executor(e, fn, i) for i, e in enumerate(self._executors))))
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests, let the admitted ones finish, then stop the workers.

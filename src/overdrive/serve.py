@@ -8,9 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
-from overdrive.devices import replica_devices, resolve_device
+from overdrive.devices import replica_devices, resolve_device, serial_main_thread
 from overdrive.errors import UserError, one_line
 from overdrive.plan import Plan, build_on_devices
 from overdrive.served_model import ServedModel
@@ -56,8 +54,13 @@ def cmd_serve(args) -> int:
     if args.model_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.model_name):
         raise UserError(f"--model-name {args.model_name!r} cannot be a URL path segment; use letters, digits, '_', '.' "
                         "and '-' (e.g. minilm-v2)")
+    cores = serial_main_thread()  # the model runs in the instance threads (devices.serial_main_thread)
     served, plan, instances = load_served_model(args.model, device=args.device, instances=args.instances,
                                                 name=args.model_name)
+    # Instances on one CPU split its cores, or each batch's threads fight the others'. Measured on
+    # 2 cores, MiniLM bf16, 32 clients: 2 instances × 1 thread 381 requests/s, 1 instance × 2
+    # threads 279 (benchmarks/RESULTS.md).
+    served.threads_per_instance = max(1, cores // instances)
     max_batch_size = args.max_batch_size or served.fixed_batch_size or (plan.batch_size if plan else None) \
         or served.workload.default_batch_size
     if served.fixed_batch_size and max_batch_size > served.fixed_batch_size:
@@ -66,11 +69,6 @@ def cmd_serve(args) -> int:
     max_queue_size = args.max_queue_size or max(512, 8 * max_batch_size * instances)
     if max_queue_size < max_batch_size:
         raise UserError(f"--max-queue-size {max_queue_size} rows is less than one batch ({max_batch_size} rows)")
-    if served.devices[0].type == "cpu" and instances > 1:
-        # Instances share torch's one intra-op pool: split the cores between them, or each
-        # batch's threads fight the others'. Measured on 2 cores, MiniLM bf16, 32 clients:
-        # 2 instances × 1 thread 381 requests/s, 1 instance × 2 threads 279 (benchmarks/RESULTS.md).
-        torch.set_num_threads(max(1, torch.get_num_threads() // instances))
     config = ServerConfig(max_batch_size=max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms,
                           max_queue_size=max_queue_size, instances=instances,
                           request_timeout_ms=args.request_timeout_ms or None, drain_timeout_s=args.drain_timeout_s,

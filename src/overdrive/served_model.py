@@ -68,6 +68,7 @@ class ServedModel:
         self.models = models
         self.devices = devices
         self.fixed_batch_size = workload.fixed_batch_size
+        self.threads_per_instance: int | None = None  # intra-op threads each instance thread sets (None: leave)
         sample = workload.samples[0]
         if workload.is_text:
             self.inputs = [TensorSpec("text", "BYTES", [-1])]
@@ -89,9 +90,15 @@ class ServedModel:
             return TextPayload([sample], [self.workload.sample_length(sample)])
         return tuple(c.unsqueeze(0) for c in _columns(sample))
 
-    def warmup(self, max_batch_size: int, budget_s: float) -> tuple[int, float]:
-        """Run every batch size 1..max_batch_size once on each instance's model (powers of two
-        for text, whose shapes also vary in length), until `budget_s` seconds have passed.
+    def start_instance(self, instance: int) -> None:
+        """Thread set-up, called once in instance `instance`'s own thread: its intra-op threads."""
+        if self.threads_per_instance:
+            torch.set_num_threads(self.threads_per_instance)
+
+    def warmup(self, max_batch_size: int, budget_s: float, instance: int | None = None) -> tuple[int, float]:
+        """Run every batch size 1..max_batch_size once on instance `instance`'s model (every
+        instance's when None; powers of two for text, whose shapes also vary in length), until
+        `budget_s` seconds have passed. The server calls it in each instance's own thread.
 
         Kernel libraries build and cache per-shape state on first use (oneDNN primitives on
         CPU, cuDNN/cuBLAS plans on GPU): without this, the first batch of each size a server
@@ -110,8 +117,8 @@ class ServedModel:
                 break
             example = self._example()
             payload = self.concat_payloads([example] * size)
-            for instance in range(len(self.models)):
-                self.execute([payload], instance)
+            for i in range(len(self.models)) if instance is None else [instance]:
+                self.execute([payload], i)
             done = size
         return done, time.perf_counter() - start
 

@@ -149,8 +149,9 @@ class InferenceServer:
 
     async def _warm_up(self) -> None:
         if self.config.warmup_s > 0:
-            sizes, seconds = await asyncio.get_running_loop().run_in_executor(
-                None, self.served.warmup, self.config.max_batch_size, self.config.warmup_s)
+            warmed = await self.batcher.on_instances(
+                lambda i: self.served.warmup(self.config.max_batch_size, self.config.warmup_s, instance=i))
+            sizes, seconds = min(n for n, _ in warmed), max(s for _, s in warmed)
             log.info("ready: warmed batch sizes up to %d in %.1f s", sizes, seconds)
         self.warmed = True
 
@@ -360,4 +361,5 @@ def describe_config(server: InferenceServer) -> str:
     return json.dumps({"model": s.name, "devices": [str(d) for d in s.devices], "max_batch_size": c.max_batch_size,
                        "max_queue_delay_ms": c.max_queue_delay_ms, "max_queue_size_rows": c.max_queue_size,
                        "instances": c.instances, "request_timeout_ms": c.request_timeout_ms,
-                       **({"intra_op_threads_each": torch.get_num_threads()} if s.devices[0].type == "cpu" else {})})
+                       **({"intra_op_threads_each": s.threads_per_instance or torch.get_num_threads()}
+                          if s.devices[0].type == "cpu" else {})})
