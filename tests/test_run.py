@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -586,3 +587,18 @@ def test_one_replica_per_gpu_unless_one_gpu_is_named(monkeypatch):
     assert replica_devices(cuda0, "cuda") == replica_devices(cuda0, "auto") == [cuda0, torch.device("cuda", 1)]
     assert replica_devices(torch.device("cuda", 1), "cuda:1") == [torch.device("cuda", 1)]
     assert replica_devices(torch.device("cpu"), "cpu") == [torch.device("cpu")]
+
+
+def test_the_model_runs_off_the_main_thread_with_all_the_cores(tmp_path):
+    from tests.fixtures import run_models
+
+    cores = torch.get_num_threads()
+    run_models.FORWARD_THREADS.clear()
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(run_models.SENTENCES * 4) + "\n")
+    run_offline(RunConfig(workload=None, input=inp, output=tmp_path / "o.npy", device="cpu", batch_size="auto"),
+                workload=char_text())
+    seen = run_models.FORWARD_THREADS
+    assert seen and threading.get_ident() not in {thread for thread, _ in seen}  # warm-up, auto and the run
+    assert {threads for _, threads in seen} == {cores}
+    assert torch.get_num_threads() == cores  # the main thread's setting is given back

@@ -28,6 +28,7 @@ busy fraction is the compute stream's busy time over wall time. On CPU, perf_cou
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -44,7 +45,7 @@ import torch
 
 from overdrive.chunks import MANIFEST_VERSION, Parts, atomic_write, check_manifest, claim_output, errors_file, file_sha256
 from overdrive.datasets import RecordSource, open_source
-from overdrive.devices import replica_devices, resolve_device
+from overdrive.devices import replica_devices, resolve_device, serial_main_thread
 from overdrive.errors import UserError, one_line
 from overdrive.outputs import OutputChunk, write_output
 from overdrive.replica import (
@@ -203,9 +204,8 @@ class _Run:
     def replica_loop(self, replica: Replica) -> None:
         current = None
         try:
+            replica.enter_thread()
             with torch.inference_mode():
-                if replica.cuda:
-                    torch.cuda.set_device(replica.device)
                 current = self._next_staged(replica)
                 while current is not None:
                     result = replica.compute(current)  # queued on the device (CUDA) ...
@@ -354,15 +354,17 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
     out_fmt, mode, parts = claim_output(config)
     if mode == "complete":
         return _complete_summary(config)
+    cores = serial_main_thread()  # the model runs in the replicas' threads (devices.serial_main_thread)
     try:
         return _run_claimed(config, workload, out_fmt, mode, parts, progress, status or (lambda text: None),
-                            crash_after_batches)
+                            crash_after_batches, cores)
     finally:
+        torch.set_num_threads(cores)
         parts.unlock()  # a process's end releases it too (SIGKILL included); this is for errors in-process
 
 
 def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mode: str, parts: Parts, progress, say,
-                 crash_after_batches: int | None) -> RunSummary:
+                 crash_after_batches: int | None, cores: int) -> RunSummary:
     setup_start = time.perf_counter()
     try:
         say("building the model")
@@ -371,7 +373,9 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         if len(source) == 0:
             raise UserError(f"--input {config.input} holds no records")
         collate = Collate(workload.collate if source.kind == "text" else None, 1)
-        replicas = [Replica(m, d, workload.fixed_batch_size) for m, d in zip(models, devices)]
+        on_cpu = sum(d.type == "cpu" for d in devices)  # CPU replicas split the cores
+        replicas = [Replica(m, d, workload.fixed_batch_size, max(1, cores // on_cpu) if d.type == "cpu" else None)
+                    for m, d in zip(models, devices)]
         # The manifest: everything a resumed run must share with the first one to give the same bytes.
         manifest = {"version": MANIFEST_VERSION, "workload": workload.name,
                     "plan": file_sha256(config.plan) if config.plan else None, "device": devices[0].type,
@@ -381,10 +385,9 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         values = probe_inputs(source)
         if not values:
             raise UserError(f"--input {config.input}: none of its first records can be read (e.g. {_first_error(source)})")
-        with torch.inference_mode():
-            row_shape = tuple(replicas[0].warm_up(batch_from(values, 1, collate)))
-            for r in replicas[1:]:
-                r.warm_up(batch_from(values, 1, collate))
+        row_shape = tuple(replicas[0].in_own_thread(replicas[0].warm_up, batch_from(values, 1, collate)))
+        for r in replicas[1:]:
+            r.in_own_thread(r.warm_up, batch_from(values, 1, collate))
         auto: list[dict[str, float]] = []
         if stored.get("batch_size"):
             batch_size, origin, chunk_size = stored["batch_size"], "the interrupted run", stored["chunk_size"]
@@ -450,7 +453,8 @@ def _choose_batch_size(config, workload, plan, replica, values, collate, records
         if workload.fixed_batch_size:
             return workload.fixed_batch_size, "the model's fixed batch size"
         say("measuring the batch size (auto)")
-        size, tried = measure_auto_batch_size(replica, values, collate, limit=min(AUTO_MAX_BATCH, records))
+        size, tried = replica.in_own_thread(functools.partial(measure_auto_batch_size, replica, values, collate,
+                                                              limit=min(AUTO_MAX_BATCH, records)))
         auto.extend(tried)
         return size, "auto (measured)"
     if config.batch_size is not None:

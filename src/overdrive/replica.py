@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,14 +168,46 @@ class Result:
 
 
 class Replica:
-    """One model on one device, with its copy stream (CUDA)."""
+    """One model on one device, with its copy stream (CUDA).
 
-    def __init__(self, model: nn.Module, device: torch.device, fixed_batch_size: int | None):
+    Its work (warm-up, the auto batch-size search, the run's batches) runs in threads of its
+    own, never in the main thread, each set to `threads` intra-op threads (`in_own_thread`;
+    why: `devices.serial_main_thread`).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, fixed_batch_size: int | None, threads: int | None = None):
         self.model = model
         self.device = device
         self.fixed_batch_size = fixed_batch_size
+        self.threads = threads  # intra-op threads of the replica's threads (None: leave as they are)
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def enter_thread(self) -> None:
+        """Set up the calling thread to run this replica: its intra-op threads, its CUDA device."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    def in_own_thread(self, fn, *args):
+        """`fn(*args)` in a new thread set up by `enter_thread`; its result, or its exception re-raised."""
+        outcome: list = []
+
+        def target():
+            try:
+                self.enter_thread()
+                outcome.append((True, fn(*args)))
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the caller)
+                outcome.append((False, exc))
+
+        thread = threading.Thread(target=target, name=f"replica-{self.device}-setup", daemon=True)
+        thread.start()
+        thread.join()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     def upload(self, batch: HostBatch) -> Staged:
         """Start the host->device copy of `batch` (CUDA: on the copy stream, non_blocking from pinned memory)."""
@@ -219,6 +252,7 @@ class Replica:
         done.record(stream)
         return Result(batch, host, done, (*staged.events, begin, end, done))
 
+    @torch.inference_mode()
     def warm_up(self, inputs: tuple[torch.Tensor, ...]) -> torch.Size:
         """One call (lazy initialisation, kernel selection); returns the output's row shape."""
         staged = self.upload(HostBatch(0, list(range(inputs[0].shape[0])), inputs, [], 0.0))
