@@ -58,8 +58,8 @@ def cmd_serve(args) -> int:
     served, plan, instances = load_served_model(args.model, device=args.device, instances=args.instances,
                                                 name=args.model_name)
     # Instances on one CPU split its cores, or each batch's threads fight the others'. Measured on
-    # 2 cores, MiniLM bf16, 32 clients: 2 instances × 1 thread 381 requests/s, 1 instance × 2
-    # threads 279 (benchmarks/RESULTS.md).
+    # 2 cores, MiniLM bf16, 32 clients, dynamic batching: 2 instances × 1 thread 229 requests/s,
+    # 1 instance × 2 threads 197 (benchmarks/RESULTS.md, evening of 2026-12-01).
     served.threads_per_instance = max(1, cores // instances)
     max_batch_size = args.max_batch_size or served.fixed_batch_size or (plan.batch_size if plan else None) \
         or served.workload.default_batch_size
