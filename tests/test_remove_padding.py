@@ -92,3 +92,26 @@ def test_training_mode_runs_the_original_encoder():
     torch.manual_seed(1)
     got = fast(ids, mask).last_hidden_state
     torch.testing.assert_close(got, want)
+
+
+def test_composes_with_int8_dynamic_applied_before_it():
+    workload = make_text_workload()
+    ids, mask = padded_batch([2, 29, 7, 15])
+    int8, _ = build(workload, [Step.default("int8-dynamic")], CPU)
+    fast, _ = build(workload, [Step.default("int8-dynamic"), Step.default("remove-padding")], CPU)
+    assert any(isinstance(m, PaddingFreeEncoder) for m in fast.modules())
+    with torch.inference_mode():
+        assert F.cosine_similarity(fast(ids, mask), int8(ids, mask)).min().item() > 0.999
+
+
+def test_the_pooler_output_of_an_encoder_with_a_pooler_is_kept():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    encoder = BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=128, max_position_embeddings=64)).eval()
+    fast = PaddingFreeEncoder(encoder)
+    ids, mask = padded_batch([3, 11, 6])
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(input_ids=ids, attention_mask=mask).pooler_output,
+                                   encoder(input_ids=ids, attention_mask=mask).pooler_output, rtol=1e-5, atol=1e-5)

@@ -602,3 +602,14 @@ def test_the_model_runs_off_the_main_thread_with_all_the_cores(tmp_path):
     assert seen and threading.get_ident() not in {thread for thread, _ in seen}  # warm-up, auto and the run
     assert {threads for _, threads in seen} == {cores}
     assert torch.get_num_threads() == cores  # the main thread's setting is given back
+
+
+def test_auto_batch_size_probes_records_sorted_by_tokens_not_characters(tmp_path):
+    """A short line of symbols can be many tokens (a user trial: a row of '=' made the batch of 8
+    pad to 65 tokens and `auto` chose 4); the probe batches are cut from records sorted by tokens."""
+    from overdrive.replica import probe_inputs
+
+    source = TextLinesSource(write_lines(tmp_path / "in.txt", ["aaaa", "bb", "=====", "c", "dddddd"]))
+    tokens = {"aaaa": 1, "bb": 1, "=====": 5, "c": 1, "dddddd": 2}
+    assert probe_inputs(source, lengths=lambda texts: [tokens[t] for t in texts])[-1] == "====="
+    assert probe_inputs(source)[-1] == "dddddd"  # characters, without a token count

@@ -141,3 +141,25 @@ def test_instance_threads_set_their_own_intra_op_threads_and_warm_only_their_mod
         assert thread.submit(torch.get_num_threads).result() == 1
         assert thread.submit(served.warmup, 3, 60, 1).result()[0] == 3
     assert len(first.model.seen) == probed and [n for n, _ in second.model.seen[1:]] == [1, 2, 3]
+
+
+def test_a_huge_text_is_counted_from_its_start_only_in_the_request_handler():
+    """The length-bucket hint tokenizes at most 128 × max_seq_length characters of a text: a
+    10 MB string must not block the event loop for seconds (found by a user trial: 8.7 s)."""
+    from overdrive.protocol import InferRequest, Tensor
+    from overdrive.served_model import ServedModel
+    from tests.fixtures.serve_models import toy_text_workload
+
+    seen: list[int] = []
+
+    def tokenizer(texts, **options):
+        seen.extend(len(t) for t in texts)
+        return {"input_ids": [[0] * min(len(t.split()), options["max_length"]) for t in texts]}
+
+    workload = toy_text_workload()
+    workload.extra.update(tokenizer=tokenizer, max_seq_length=8)
+    served = ServedModel("toy-text", workload, [workload.model], [torch.device("cpu")])
+    huge = "word " * 2_000_000
+    payload = served.validate(InferRequest(inputs={"text": Tensor("text", "BYTES", [1], np.array([huge.encode()], dtype=object))},
+                                           outputs={}, parameters={}, id=None, binary_outputs=False))
+    assert payload.lengths == [8] and max(seen) <= 128 * 8

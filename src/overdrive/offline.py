@@ -382,7 +382,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
                     "input": source.fingerprint(), "text_field": config.text_field, "output_format": out_fmt,
                     "bucket": config.bucket, "batch_size": None, "chunk_size": None}
         stored = check_manifest(parts, manifest, config.output) if mode == "resume" else manifest
-        values = probe_inputs(source)
+        values = probe_inputs(source, lengths=text_lengths(workload) if source.kind == "text" else None)
         if not values:
             raise UserError(f"--input {config.input}: none of its first records can be read (e.g. {_first_error(source)})")
         row_shape = tuple(replicas[0].in_own_thread(replicas[0].warm_up, batch_from(values, 1, collate)))

@@ -269,8 +269,9 @@ def _check_output(output, rows: int) -> torch.Tensor:
     return output
 
 
-def probe_inputs(source: RecordSource, limit: int = 256) -> list:
-    """Decoded records from the start of the input (the ones that decode), for warm-up and `auto`."""
+def probe_inputs(source: RecordSource, limit: int = 256, lengths: Callable[[list[str]], list[int]] | None = None) -> list:
+    """Decoded records from the start of the input (the ones that decode), for warm-up and `auto`;
+    text sorted by `lengths` (token counts, `text_lengths`), else by characters."""
     values = []
     for i in range(min(len(source), 4 * limit)):
         try:
@@ -280,7 +281,8 @@ def probe_inputs(source: RecordSource, limit: int = 256) -> list:
         if len(values) >= limit:
             break
     if source.kind == "text":
-        values.sort(key=len)
+        counts = lengths(values) if lengths is not None else [len(v) for v in values]
+        values = [v for _, v in sorted(zip(counts, values), key=lambda pair: pair[0])]
     return values
 
 

@@ -18,9 +18,10 @@ input order, where 58% of the batch is padding, 104 → 195 sentences/s fp32 (1.
 tuner (which tries it after length bucketing) keeps it only when it measures a gain.
 
 An encoder qualifies when it has the Hugging Face BERT layout (`embeddings`, `encoder.layer`
-made of blocks that `find_blocks` recognises), absolute position embeddings and no decoder
-or cross-attention. Pruned blocks (fewer heads, narrower FFN) qualify: heads are counted from
-the Linear widths. The layers' own submodules are called, so quantized Linears compose.
+of layers with attention.self.{query,key,value}, attention.output, intermediate and output),
+absolute position embeddings and no decoder or cross-attention. Pruned blocks (fewer heads,
+narrower FFN) qualify: heads are counted from the projection widths. The layers' own
+submodules are called, so the dynamically quantized Linears of `int8-dynamic` compose.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from overdrive.techniques.base import Stage, Technique, TechniqueConfig, register
-from overdrive.techniques.transformer_blocks import find_blocks
 from overdrive.workloads.base import Workload
 
 
@@ -58,17 +58,30 @@ def _qualifies(module: nn.Module) -> bool:
         return False
     if getattr(config, "position_embedding_type", "absolute") != "absolute":
         return False
-    blocks = find_blocks(module)
-    return len(blocks) == len(layers) and all(b.layer is layer for b, layer in zip(blocks, layers))
+    return all(_is_encoder_layer(layer) for layer in layers)
+
+
+def _is_encoder_layer(layer: nn.Module) -> bool:
+    """The BERT layer layout this rewrite calls into. The projections need only be callable
+    modules, so dynamically quantized Linears (`int8-dynamic`, applied before) qualify too."""
+    try:
+        attention = layer.attention.self
+        parts = (attention.query, attention.key, attention.value, layer.attention.output, layer.intermediate, layer.output)
+        head_size = attention.attention_head_size
+    except AttributeError:
+        return False
+    return isinstance(head_size, int) and all(isinstance(p, nn.Module) for p in parts)
 
 
 class PaddingFreeEncoder(nn.Module):
     """Runs a BERT-layout encoder on packed real tokens (module docstring).
 
     forward(input_ids int64 [B, L], attention_mask int64/bool [B, L] (1 = token),
-    token_type_ids int64 [B, L] or None) -> an object whose `last_hidden_state` is float [B, L, H]
-    (zero at pad positions) — the part of transformers' `BaseModelOutput` that encoders'
-    callers read; it also indexes as `[0]`. Eval only: dropout is skipped.
+    token_type_ids int64 [B, L] or None) -> transformers' `BaseModelOutputWithPooling`:
+    `last_hidden_state` float [B, L, H] (zero at pad positions) and, when the encoder has a
+    pooler, `pooler_output` [B, H] (its pooler on the first token, as the original computes it);
+    it also indexes as `[0]`. Eval only: in training mode, or with other keyword arguments, the
+    original encoder runs.
     """
 
     def __init__(self, encoder: nn.Module):
@@ -78,7 +91,7 @@ class PaddingFreeEncoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutput
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         if kwargs or self.training:
             return self.inner(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, **kwargs)
@@ -97,7 +110,9 @@ class PaddingFreeEncoder(nn.Module):
             flat = layer.output(layer.intermediate(attended), attended)
         if positions is not None:
             flat = flat.new_zeros(batch * length, flat.shape[1]).index_copy_(0, positions, flat)
-        return BaseModelOutput(last_hidden_state=flat.view(batch, length, -1))
+        hidden = flat.view(batch, length, -1)
+        pooler = getattr(self.inner, "pooler", None)
+        return BaseModelOutputWithPooling(last_hidden_state=hidden, pooler_output=pooler(hidden) if pooler is not None else None)
 
     @staticmethod
     def _attention(attention: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None,
