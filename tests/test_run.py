@@ -368,6 +368,8 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "data.xml").write_text("<a/>")
     np.save(tmp / "wrong.npy", np.zeros((2, 5), np.float32))
     (tmp / "folder").mkdir()
+    empty = tmp / "empty.txt"
+    empty.write_bytes(b"")
     out = str(tmp / "o.npy")
     return [
         (["--input", str(tmp / "missing.txt"), "--output", out], "no such file or folder"),
@@ -384,6 +386,8 @@ def bad_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["--input", str(tmp / "wrong.npy"), "--output", out], "is a text model; give a .txt"),
         (["--input", str(txt), "--output", str(txt.with_suffix(".csv")), "--batch-size", "0"], "expected a positive"),
         (["--input", str(txt), "--output", str(tmp / "folder")], "is a folder; give a file path"),
+        (["--input", str(txt), "--output", out, "--batch-size", "autox"], "a positive integer or 'auto', got 'autox'"),
+        (["--input", str(empty), "--output", out], "holds no records (the file is empty)"),
     ]
 
 

@@ -133,6 +133,8 @@ def claim_output(config) -> tuple[str, str, Parts]:
         known = sorted(TEXT_FORMATS) + [".npy", "a folder of images"]
         raise UserError(f"--input {config.input}: unknown format {config.input.suffix or '(no suffix)'!r}; expected one of "
                         f"{', '.join(known)}")
+    if config.input.is_file() and config.input.stat().st_size == 0:
+        raise UserError(f"--input {config.input} holds no records (the file is empty)")  # before the model is built
     if config.text_field is not None and (config.input.is_dir() or TEXT_FORMATS.get(config.input.suffix.lower()) not in
                                           ("jsonl", "csv")):
         raise UserError("--text-field applies to .jsonl and .csv input only")

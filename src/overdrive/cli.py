@@ -85,7 +85,12 @@ def port(text: str) -> int:
 
 
 def batch_size_arg(text: str) -> int | str:
-    return "auto" if text.strip().lower() == "auto" else positive_int(text)
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
 def ratio(text: str) -> float:
