@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 from overdrive import cli
 from overdrive.chunks import Parts
 from overdrive.datasets import CsvSource, JsonlSource, TextLinesSource, csv_record_offsets, line_offsets
-from overdrive.offline import RunAborted, RunConfig, _SimulatedCrash, run_offline
+from overdrive.offline import RunAborted, RunConfig, run_offline
 from overdrive.replica import Collate, Replica, chunk_batches, measure_auto_batch_size
+from overdrive.run_threads import _SimulatedCrash
 from tests.fixtures.run_models import char_text, expected_row, raising_text, rgb_means
 
 ROOT = Path(__file__).resolve().parents[1]
