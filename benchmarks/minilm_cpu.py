@@ -1,7 +1,7 @@
 """MiniLM on 2,048 real sentences at batch 32: overdrive's plan against the usual anchors, in one run.
 
 Entries (all on the same sentences, same batch size, same measurement protocol as
-`overdrive.measure`: warm-up pass apart, then a timed pass, throughput over the whole pass):
+`overdrive.core.measure`: warm-up pass apart, then a timed pass, throughput over the whole pass):
   PyTorch eager fp32 (input order) · bf16 autocast · int8 dynamic (torch.ao) · torch.compile ·
   ONNX Runtime fp32 · ONNX Runtime int8 (dynamic, onnxruntime.quantization) · overdrive's plan.
 The plan is the one in --plan, or else the one `overdrive optimize minilm` chooses here (tuned on
@@ -27,10 +27,10 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from overdrive.measure import measure  # noqa: E402
-from overdrive.plan import Plan, Step, build  # noqa: E402
+from overdrive.core.measure import measure  # noqa: E402
+from overdrive.optimize.plan import Plan, Step, build  # noqa: E402
+from overdrive.optimize.tuner import Tuner  # noqa: E402
 from overdrive.techniques import BatchingPolicy  # noqa: E402
-from overdrive.tuner import Tuner  # noqa: E402
 from overdrive.workloads.minilm import build_minilm  # noqa: E402
 
 FLOOR = 0.99

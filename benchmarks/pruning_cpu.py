@@ -10,7 +10,7 @@
    unpruned model, on standard-library docstring sentences, disjoint from the evaluation ones).
    Target: ≥ 1.3× faster with mean cosine ≥ 0.97.
 
-Both sides run eager fp32 with the same measurement protocol (`overdrive.measure`); the unpruned
+Both sides run eager fp32 with the same measurement protocol (`overdrive.core.measure`); the unpruned
 model is measured before and after the pruned one and the faster of its two runs is the one
 compared with, so drift cannot flatter pruning.
 
@@ -27,10 +27,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from overdrive.measure import Measurement, measure  # noqa: E402
-from overdrive.plan import Step, build  # noqa: E402
+from overdrive.core.measure import Measurement, measure  # noqa: E402
+from overdrive.optimize.plan import Step, build  # noqa: E402
 from overdrive.techniques import get_technique  # noqa: E402
-from overdrive.techniques.recovery import describe  # noqa: E402
+from overdrive.techniques.pruning.recovery import describe  # noqa: E402
 from overdrive.workloads import create_workload  # noqa: E402
 
 CPU = torch.device("cpu")

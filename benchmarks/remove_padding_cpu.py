@@ -1,7 +1,7 @@
 """remove-padding on MiniLM, 2,048 real sentences at batch 32: with and without it, side by side.
 
 Four batching/precision set-ups, each measured with and without `remove-padding`, in one run
-(same sentences, same protocol as `overdrive.measure`: a warm-up pass, then a timed pass):
+(same sentences, same protocol as `overdrive.core.measure`: a warm-up pass, then a timed pass):
 input order (batches pad to their longest sentence) and length-bucketed (sorted, little
 padding left), in fp32 and bf16 autocast. Prints sentences/s, the ratio that remove-padding
 bought, the padding fraction of the batches, and the min cosine against eager fp32.
@@ -19,8 +19,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from overdrive.measure import measure  # noqa: E402
-from overdrive.plan import Step, build  # noqa: E402
+from overdrive.core.measure import measure  # noqa: E402
+from overdrive.optimize.plan import Step, build  # noqa: E402
 from overdrive.workloads.minilm import build_minilm  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -177,7 +177,7 @@ async def client_warm(session, server: Server, bodies: list[bytes]) -> None:
 
 
 def bf16_plan(workload: str) -> Path:
-    from overdrive.plan import Plan, Step
+    from overdrive.optimize.plan import Plan, Step
 
     path = ROOT / "out" / "serve_cpu" / f"{workload}-bf16" / "plan.json"
     Plan(workload=workload, device="cpu", batch_size=SETTINGS[workload]["batch"], steps=[Step.default("bf16")]).save(path)
@@ -214,8 +214,8 @@ def compute_ceiling(workload: str, plan: Path | None, instances: int, rows: int,
     """
     import random
 
-    from overdrive.batcher import length_bucket
-    from overdrive.plan import Plan, build
+    from overdrive.optimize.plan import Plan, build
+    from overdrive.serve.batcher import length_bucket
     from overdrive.workloads import create_workload
 
     w = create_workload(workload)

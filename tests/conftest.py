@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from overdrive.workloads.base import Workload, embedding_fidelity, logits_fidelity, pad_token_ids
+from overdrive.core.workload import Workload, embedding_fidelity, logits_fidelity, pad_token_ids
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overdrive.batcher import (
+from overdrive.serve.batcher import (
     ClientDisconnected,
     DynamicBatcher,
     ExecutionError,

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from overdrive.measure import measure, percentile
+from overdrive.core.measure import measure, percentile
+from overdrive.core.workload import Workload, embedding_fidelity, logits_fidelity
 from overdrive.techniques import BatchingPolicy
-from overdrive.workloads.base import Workload, embedding_fidelity, logits_fidelity
 
 CPU = torch.device("cpu")
 
@@ -105,7 +105,7 @@ def test_logits_fidelity_figures():
 
 
 def test_batch_larger_than_the_data_cycles_samples_to_fill_it():
-    from overdrive.measure import cycle_indices
+    from overdrive.core.measure import cycle_indices
 
     w = _sleep_workload(5)
     indices = cycle_indices(16, len(w.samples))

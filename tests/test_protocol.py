@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
-from overdrive.protocol import HEADER_LENGTH, ProtocolError, TooLarge, decompress, encode_response, parse_request
+from overdrive.serve.protocol import HEADER_LENGTH, ProtocolError, TooLarge, decompress, encode_response, parse_request
 
 
 def binary_request(tensors: list[tuple[str, str, np.ndarray | list[bytes]]]) -> tuple[bytes, str]:

@@ -13,13 +13,13 @@ import copy
 import pytest
 import torch
 
-from overdrive.plan import Step, build
+from overdrive.core.workload import pad_token_ids
+from overdrive.optimize.plan import Step, build
 from overdrive.techniques import get_technique
-from overdrive.techniques.prune_ffn import PruneFFNConfig
-from overdrive.techniques.prune_heads import PruneHeadsConfig
-from overdrive.techniques.recovery import num_parameters, save_checkpoint
-from overdrive.techniques.transformer_blocks import find_blocks, kept_count
-from overdrive.workloads.base import pad_token_ids
+from overdrive.techniques.pruning.encoder import find_blocks, kept_count
+from overdrive.techniques.pruning.ffn import PruneFFNConfig
+from overdrive.techniques.pruning.heads import PruneHeadsConfig
+from overdrive.techniques.pruning.recovery import num_parameters, save_checkpoint
 from tests.conftest import make_conv_workload, make_text_workload
 
 CPU = torch.device("cpu")
@@ -125,7 +125,7 @@ def test_activation_importance_drops_dead_ffn_neurons():
 
 
 def test_refit_is_exact_when_the_dropped_input_is_a_combination_of_kept_ones():
-    from overdrive.techniques.transformer_blocks import input_gram, refit
+    from overdrive.techniques.pruning.encoder import input_gram, refit
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(8, 5)

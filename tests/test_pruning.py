@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from overdrive.core.workload import Workload, logits_fidelity
 from overdrive.techniques import get_technique
-from overdrive.techniques.prune_channels import PruneChannelsConfig
-from overdrive.techniques.recovery import num_parameters, save_checkpoint
-from overdrive.workloads.base import Workload, logits_fidelity
+from overdrive.techniques.pruning.channels import PruneChannelsConfig
+from overdrive.techniques.pruning.recovery import num_parameters, save_checkpoint
 
 CPU = torch.device("cpu")
 

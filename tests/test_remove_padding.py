@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from overdrive.plan import Step, build
+from overdrive.core.workload import pad_token_ids
+from overdrive.optimize.plan import Step, build
 from overdrive.techniques import get_technique
-from overdrive.techniques.remove_padding import PaddingFreeEncoder, bert_encoders
-from overdrive.workloads.base import pad_token_ids
+from overdrive.techniques.graph.remove_padding import PaddingFreeEncoder, bert_encoders
 from tests.conftest import make_conv_workload, make_text_workload, tiny_bert_embedder
 
 CPU = torch.device("cpu")

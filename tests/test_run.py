@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from overdrive import cli
-from overdrive.chunks import Parts
-from overdrive.datasets import CsvSource, JsonlSource, TextLinesSource, csv_record_offsets, line_offsets
-from overdrive.offline import RunAborted, RunConfig, run_offline
-from overdrive.replica import Collate, Replica, chunk_batches, measure_auto_batch_size
-from overdrive.run_threads import _SimulatedCrash
+from overdrive.run.inputs import CsvSource, JsonlSource, TextLinesSource, csv_record_offsets, line_offsets
+from overdrive.run.job import RunAborted, RunConfig, run_offline
+from overdrive.run.replica import Collate, Replica, chunk_batches, measure_auto_batch_size
+from overdrive.run.resume import Parts
+from overdrive.run.threads import _SimulatedCrash
 from tests.fixtures.run_models import char_text, expected_row, raising_text, rgb_means
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -428,7 +428,7 @@ def test_overwrite_replaces_the_output(tmp_path):
 
 def test_next_batch_is_staged_before_the_current_result_is_handed_on(tmp_path, monkeypatch):
     """The overlap path, on CPU: batch k+1 is read and uploaded before batch k's result goes to the writer."""
-    from overdrive import offline
+    from overdrive.run import job as offline
 
     events = []
     upload, compute, place = offline.Replica.upload, offline.Replica.compute, offline._Run._place
@@ -560,7 +560,7 @@ def test_non_finite_outputs_are_valid_json(tmp_path):
 
 
 def test_a_write_failure_is_one_line_and_resumable(tmp_path, capsys, monkeypatch):
-    from overdrive import offline
+    from overdrive.run import job as offline
 
     inp, _, _ = mixed_input(tmp_path, n=40)
     out = tmp_path / "o.npy"
@@ -585,7 +585,7 @@ def test_a_write_failure_is_one_line_and_resumable(tmp_path, capsys, monkeypatch
 
 
 def test_one_replica_per_gpu_unless_one_gpu_is_named(monkeypatch):
-    from overdrive.devices import replica_devices
+    from overdrive.core.devices import replica_devices
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     cuda0 = torch.device("cuda", 0)  # what resolve_device gives for "cuda" and "auto" on a GPU machine
@@ -612,7 +612,7 @@ def test_the_model_runs_off_the_main_thread_with_all_the_cores(tmp_path):
 def test_auto_batch_size_probes_records_sorted_by_tokens_not_characters(tmp_path):
     """A short line of symbols can be many tokens (a user trial: a row of '=' made the batch of 8
     pad to 65 tokens and `auto` chose 4); the probe batches are cut from records sorted by tokens."""
-    from overdrive.replica import probe_inputs
+    from overdrive.run.replica import probe_inputs
 
     source = TextLinesSource(write_lines(tmp_path / "in.txt", ["aaaa", "bb", "=====", "c", "dddddd"]))
     tokens = {"aaaa": 1, "bb": 1, "=====": 5, "c": 1, "dddddd": 2}

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from overdrive.server import _timeout_s
+from overdrive.serve.app import _timeout_s
 from tests.fixtures.live_server import LiveServer, wait_ready
 from tests.fixtures.serve_models import BLOCK, NEVER, RAISE, toy_text_workload, toy_workload
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from overdrive.plan import Plan, Step, build
-from overdrive.serve import load_served_model
+from overdrive.cli.serve import load_served_model
+from overdrive.optimize.plan import Plan, Step, build
 from overdrive.workloads import create_workload
 from tests.fixtures.live_server import wait_ready
 
@@ -113,7 +113,7 @@ def test_a_model_with_a_static_batch_is_padded_to_it_and_unpadded_per_request():
 
 
 def test_warmup_runs_each_batch_size_once_within_its_budget():
-    from overdrive.served_model import ServedModel
+    from overdrive.serve.model import ServedModel
     from tests.fixtures.serve_models import toy_text_workload, toy_workload
 
     workload = toy_workload()
@@ -130,7 +130,7 @@ def test_warmup_runs_each_batch_size_once_within_its_budget():
 def test_instance_threads_set_their_own_intra_op_threads_and_warm_only_their_model():
     from concurrent.futures import ThreadPoolExecutor
 
-    from overdrive.served_model import ServedModel
+    from overdrive.serve.model import ServedModel
     from tests.fixtures.serve_models import toy_workload
 
     first, second = toy_workload(), toy_workload()
@@ -146,8 +146,8 @@ def test_instance_threads_set_their_own_intra_op_threads_and_warm_only_their_mod
 def test_a_huge_text_is_counted_from_its_start_only_in_the_request_handler():
     """The length-bucket hint tokenizes at most 128 × max_seq_length characters of a text: a
     10 MB string must not block the event loop for seconds (found by a user trial: 8.7 s)."""
-    from overdrive.protocol import InferRequest, Tensor
-    from overdrive.served_model import ServedModel
+    from overdrive.serve.model import ServedModel
+    from overdrive.serve.protocol import InferRequest, Tensor
     from tests.fixtures.serve_models import toy_text_workload
 
     seen: list[int] = []

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from overdrive.plan import Step, build
+from overdrive.optimize.plan import Step, build
 from overdrive.techniques import get_technique
-from overdrive.techniques.prune_unstructured import PruneUnstructuredConfig, weight_sparsity
-from overdrive.techniques.recovery import describe
-from overdrive.techniques.sparsity_24 import mask_2_to_4
+from overdrive.techniques.pruning.recovery import describe
+from overdrive.techniques.pruning.unstructured import PruneUnstructuredConfig, weight_sparsity
+from overdrive.techniques.sparsity.semi_structured import mask_2_to_4
 from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
 CPU = torch.device("cpu")
@@ -70,7 +70,7 @@ def test_sparsity_24_gates_each_layer_on_a_gpu():
     technique = get_technique("sparsity-2:4")
     torch.manual_seed(0)
     wide = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
-    from overdrive.workloads.base import Workload, logits_fidelity
+    from overdrive.core.workload import Workload, logits_fidelity
 
     samples = list(torch.randn(512, 1024))
     workload = Workload(name="wide-mlp", model=wide.eval(), samples=samples, collate=lambda s: (torch.stack(s),),

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from overdrive.measure import measure
-from overdrive.plan import Step, build
+from overdrive.core.measure import measure
+from overdrive.optimize.plan import Step, build
 from overdrive.techniques import BatchingPolicy, Stage, list_techniques
 from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
@@ -58,7 +58,7 @@ def test_every_technique_has_a_floor_or_is_lossless():
 
 
 def test_bn_fold_removes_batchnorm_and_keeps_the_math(conv_workload):
-    from overdrive.techniques.bn_fold import num_batchnorm
+    from overdrive.techniques.graph.bn_fold import num_batchnorm
 
     model, _ = build(conv_workload, [Step.default("bn-fold")], CPU)
     assert num_batchnorm(conv_workload.model) == 2 and num_batchnorm(model) == 0
@@ -103,7 +103,7 @@ def test_channels_last_converts_weights_and_inputs(conv_workload):
 
 
 def test_compile_config_round_trip_and_validation():
-    from overdrive.techniques.torch_compile import CompileConfig, CompileMode
+    from overdrive.techniques.runtime.torch_compile import CompileConfig, CompileMode
 
     cfg = CompileConfig(mode="max-autotune", dynamic=True)
     assert cfg.mode is CompileMode.MAX_AUTOTUNE
@@ -129,7 +129,7 @@ def test_techniques_on_cuda(name):
 
 
 def test_bn_fold_reaches_inside_wrappers(conv_workload):
-    from overdrive.techniques.bn_fold import num_batchnorm
+    from overdrive.techniques.graph.bn_fold import num_batchnorm
 
     steps = [Step.default("channels-last"), Step.default("bf16"), Step.default("bn-fold")]
     model, _ = build(conv_workload, steps, CPU)
@@ -152,7 +152,7 @@ def test_module_rewrites_refuse_torchscript(conv_workload):
 @requires_cuda
 @pytest.mark.cuda
 def test_tuner_on_cuda_times_with_events_and_reads_the_allocator():
-    from overdrive.tuner import Guard, Tuner
+    from overdrive.optimize.tuner import Guard, Tuner
 
     workload = make_conv_workload()
     result = Tuner(workload=workload, device=torch.device("cuda"), batch_size=8, guard=Guard(min_gain=1e-6),

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from overdrive.parallel import DistEnv, ParallelConfigError, ParallelDims, find_blocks
-from overdrive.train import SampleStream, TrainConfig, micro_batch_indices, run_training
+from overdrive.train.loop import SampleStream, TrainConfig, micro_batch_indices, run_training
+from overdrive.train.parallel import DistEnv, ParallelConfigError, ParallelDims, find_blocks
 from tests.fixtures import train_models
 from tests.fixtures.train_workers import clean, full
 
@@ -134,7 +134,7 @@ def test_pipeline_of_a_sequential_at_given_split_points(tmp_path):
 
 
 def test_balanced_split_minimises_the_slowest_stage():
-    from overdrive.pipeline import balanced_split
+    from overdrive.train.pipeline import balanced_split
 
     assert balanced_split([1, 1, 1, 1], 2) == [2]
     assert balanced_split([4, 1, 1, 1, 1], 2) == [1]
@@ -156,7 +156,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_losses():
 def test_activation_checkpointing_of_a_sequential_keeps_parameter_names():
     workload = train_models.mlp()
     names = [n for n, _ in workload.model.named_parameters()]
-    from overdrive.parallel import apply_activation_checkpointing
+    from overdrive.train.parallel import apply_activation_checkpointing
 
     assert apply_activation_checkpointing(workload.model) == 3  # Linear-ReLU, Linear-ReLU, Linear
     assert [n for n, _ in workload.model.named_parameters()] == names
@@ -192,7 +192,7 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path):
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
-    from overdrive.errors import UserError
+    from overdrive.core.errors import UserError
 
     with pytest.raises(UserError, match="no checkpoint there"):
         reference("mlp", steps=2, batch_size=8, resume_dir=str(tmp_path))
@@ -309,7 +309,7 @@ def test_one_rank_failing_stops_the_others(tmp_path):
 
 @pytest.mark.parametrize("factory, rows", [("tiny_bert", 8), ("tiny_bert", 1), ("mlp", 7)])
 def test_pipelined_model_equals_the_model(factory, rows):
-    from overdrive.parallel_inference import PipelinedModel
+    from overdrive.techniques.multi_device.pipelined_model import PipelinedModel
 
     workload = getattr(train_models, factory)()
     inputs = workload.collate(list(workload.train_samples[:rows]))
@@ -321,7 +321,7 @@ def test_pipelined_model_equals_the_model(factory, rows):
 
 
 def test_pipelined_model_refuses_one_device():
-    from overdrive.parallel_inference import PipelinedModel
+    from overdrive.techniques.multi_device.pipelined_model import PipelinedModel
 
     with pytest.raises(ValueError, match="≥ 2 stages"):
         PipelinedModel(train_models.mlp().model, [torch.device("cpu")])
@@ -337,7 +337,7 @@ def test_pipeline_parallel_technique_says_why_it_does_not_apply_here():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_pipelined_model_on_the_gpu_equals_the_model():
-    from overdrive.parallel_inference import PipelinedModel
+    from overdrive.techniques.multi_device.pipelined_model import PipelinedModel
 
     workload = train_models.tiny_bert()
     gpu = torch.device("cuda", 0)

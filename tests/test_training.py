@@ -1,4 +1,4 @@
-"""The fine-tune loop (`overdrive.training`): both objectives reduce their loss; bad arguments are refused."""
+"""The fine-tune loop (`overdrive.train.fine_tune`): both objectives reduce their loss; bad arguments are refused."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from overdrive.training import fine_tune, frozen_copy, training_precision
+from overdrive.train.fine_tune import fine_tune, frozen_copy, training_precision
 from tests.conftest import make_conv_workload, make_text_workload
 
 CPU = torch.device("cpu")

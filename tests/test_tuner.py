@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from overdrive.plan import Plan, Step
+from overdrive.optimize.plan import Plan, Step
+from overdrive.optimize.tuner import Guard, Tuner
 from overdrive.techniques import Stage, Technique, TechniqueConfig
-from overdrive.techniques.base import _REGISTRY, ForwardWrapper
-from overdrive.tuner import Guard, Tuner
+from overdrive.techniques.registry import _REGISTRY, ForwardWrapper
 
 CPU = torch.device("cpu")
 
@@ -131,7 +131,7 @@ def test_plan_round_trip_rebuilds_the_same_model(conv_workload, tmp_path):
 
 
 def test_plan_rejects_garbage(tmp_path):
-    from overdrive.errors import UserError
+    from overdrive.core.errors import UserError
 
     bad = tmp_path / "plan.json"
     bad.write_text('{"version": 1, "workload": "x", "device": "cpu", "batch_size": 4, "techniques": [{"name": "warp-drive"}]}')
@@ -148,7 +148,7 @@ def test_step_default_uses_the_registered_config():
 
 
 def test_guard_rejects_nan_fidelity_and_nonfinite_outputs():
-    from overdrive.measure import Measurement
+    from overdrive.core.measure import Measurement
 
     def measurement(**kw):
         return Measurement(batch_size=1, num_samples=1, num_timed_calls=1, latency_ms={}, samples_per_s=1.0,

@@ -1,22 +1,12 @@
 """Technique registry. Importing this package registers every built-in technique."""
 
-from overdrive.techniques import (  # noqa: F401  (importing registers)
-    autocast,
-    bn_fold,
-    channels_last,
-    inference_mode,
-    int8_dynamic,
-    length_bucketing,
-    pipeline_parallel,
-    prune_channels,
-    prune_ffn,
-    prune_heads,
-    prune_unstructured,
-    remove_padding,
-    sparsity_24,
-    torch_compile,
-)
-from overdrive.techniques.base import (
+# Importing each technique module registers it.
+from overdrive.techniques.batching import length_bucketing  # noqa: F401
+from overdrive.techniques.graph import bn_fold, channels_last, remove_padding  # noqa: F401
+from overdrive.techniques.multi_device import pipeline_parallel  # noqa: F401
+from overdrive.techniques.precision import autocast, int8_dynamic  # noqa: F401
+from overdrive.techniques.pruning import channels, ffn, heads, unstructured  # noqa: F401
+from overdrive.techniques.registry import (
     BatchingPolicy,
     Stage,
     Technique,
@@ -25,5 +15,7 @@ from overdrive.techniques.base import (
     list_techniques,
     register,
 )
+from overdrive.techniques.runtime import inference_mode, torch_compile  # noqa: F401
+from overdrive.techniques.sparsity import semi_structured  # noqa: F401
 
 __all__ = ["BatchingPolicy", "Stage", "Technique", "TechniqueConfig", "get_technique", "list_techniques", "register"]

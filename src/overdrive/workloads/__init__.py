@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from overdrive.errors import UserError
-from overdrive.workloads.base import Workload, embedding_fidelity, logits_fidelity
+from overdrive.core.errors import UserError
+from overdrive.core.workload import Workload, embedding_fidelity, logits_fidelity
 
 __all__ = ["Workload", "create_workload", "list_workloads", "embedding_fidelity", "logits_fidelity"]
 

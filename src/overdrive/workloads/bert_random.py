@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from overdrive.workloads.base import Workload, embedding_fidelity, pad_token_ids
+from overdrive.core.workload import Workload, embedding_fidelity, pad_token_ids
 from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
 
 VOCAB_SIZE = 30522

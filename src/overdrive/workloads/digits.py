@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from overdrive.workloads.base import Workload, logits_fidelity
+from overdrive.core.workload import Workload, logits_fidelity
 
 SEED = 0
 NUM_EPOCHS = 40

@@ -20,8 +20,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from overdrive.errors import UserError
-from overdrive.workloads.base import Workload, embedding_fidelity
+from overdrive.core.errors import UserError
+from overdrive.core.workload import Workload, embedding_fidelity
 from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
 
 NUM_SENTENCES = 2048

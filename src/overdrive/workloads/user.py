@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from overdrive.errors import UserError, one_line
-from overdrive.workloads.base import Workload, eval_mode, logits_fidelity
+from overdrive.core.errors import UserError, one_line
+from overdrive.core.workload import Workload, eval_mode, logits_fidelity
 
 NUM_SAMPLES = 64
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from overdrive.errors import UserError
-from overdrive.workloads.base import Workload, logits_fidelity
+from overdrive.core.errors import UserError
+from overdrive.core.workload import Workload, logits_fidelity
 
 NUM_SAMPLES = 64
 IMAGE_SIZE = 224
@@ -33,7 +33,7 @@ def image_preset(name: str):
     ImageNet normalisation for architectures whose preset has another crop size or none."""
     from torchvision import models
 
-    from overdrive.datasets import ResizeToTensor
+    from overdrive.run.inputs import ResizeToTensor
 
     try:
         preset = models.get_model_weights(name).DEFAULT.transforms()

@@ -1,0 +1,111 @@
+"""Device resolution and capability checks, with errors that say what is present."""
+
+from __future__ import annotations
+
+import torch
+
+from overdrive.core.errors import UserError
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """Turn a user's device string into a `torch.device` that exists on this machine.
+
+    Args:
+        name: "cpu", "cuda", "cuda:N", or None/"auto" (CUDA when present, else CPU).
+
+    Returns:
+        The device.
+
+    Raises:
+        UserError: the string is not a device, or the device is not present here.
+    """
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise UserError(f"--device {name!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N'") from exc
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"--device {name} was asked for but no CUDA GPU is present on this machine; "
+                "use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+        return torch.device("cuda", index)
+    raise UserError(f"--device {name}: device type {device.type!r} is not supported; expected 'cpu' or 'cuda'")
+
+
+def replica_devices(resolved: torch.device, requested: str | None) -> list[torch.device]:
+    """Where to put one model replica each: every GPU when the user asked for "cuda" or "auto"
+    (no index) and got CUDA; otherwise just `resolved` (from `resolve_device(requested)`)."""
+    if resolved.type == "cuda" and requested in (None, "", "cuda", "auto"):  # resolve_device gives "cuda" index 0
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [resolved]
+
+
+def supports_bf16(device: torch.device) -> bool:
+    """Whether bf16 arithmetic is native on `device` (CUDA: compute capability ≥ 8.0)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu"
+
+
+def supports_fp16(device: torch.device) -> tuple[bool, str]:
+    """Whether fp16 arithmetic is native on `device`, and why not when it is not.
+
+    On CPU, fp16 autocast exists in PyTorch but runs at fp32 speed or slower unless the
+    CPU has AMX-FP16; we gate on that so the tuner does not measure an emulated path.
+    """
+    if device.type == "cuda":
+        return True, ""
+    if _cpu_feature("_is_amx_fp16_supported"):
+        return True, ""
+    return False, "this CPU has no native fp16 arithmetic (AMX-FP16); fp16 needs a GPU here"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all queued work on `device` (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(device: torch.device) -> str:
+    """A human-readable name for the device, for reports: 'NVIDIA H200', 'cpu (2 threads)'."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _cpu_feature(probe: str) -> bool:
+    """A `torch.cpu._is_*_supported` probe; False where this torch version lacks it."""
+    check = getattr(torch.cpu, probe, None)
+    return bool(check()) if check is not None else False
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic instructions (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    return _cpu_feature("_is_avx512_bf16_supported") or _cpu_feature("_is_amx_tile_supported")
+
+
+def serial_main_thread() -> int:
+    """Set the calling (main) thread to one intra-op thread and return the count it had, for
+    the worker threads that will run the model (each then calls `torch.set_num_threads`).
+
+    Call it before the main thread runs any parallel torch op (before the model is loaded).
+    ATen's OpenMP backend, libgomp, keeps a thread team for every thread that opens a parallel
+    region, and once the process holds more OpenMP threads than CPUs it stops spinning between
+    regions (its throttled spin count is 100), so every parallel op pays a futex wake-up. A
+    process whose main thread loaded the model with N threads and whose workers then compute
+    with N threads each is in that state. Measured on a 2-core CPU, MiniLM bf16, one sentence
+    per call, 2 intra-op threads: 10.3 ms per call in the main thread; 17.6 ms in a worker thread
+    after the main thread had run with 2 threads; 8.4 ms when the main thread had kept 1.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return threads

@@ -1,0 +1,432 @@
+"""`overdrive run`: offline batch inference over a whole dataset, resumable, at the device's speed.
+
+This module sets a run up (claim the output, build the replicas, choose the batch size), then
+hands it to the threads in `overdrive.run.threads`, and assembles the output at the end.
+
+The flow, one process:
+
+    main thread      chunk planner -> DataLoader (worker processes read, decode, tokenize) -> input queue
+    replica threads  one per device: the next batch's host->device copy on a side CUDA stream
+                     while the current batch computes; device->host copy (non_blocking, pinned)
+    writer thread    waits for each batch's copy, places its rows, writes every finished chunk
+    at the end       the chunks are assembled into OUTPUT (atomic rename), errors into OUTPUT.errors.jsonl
+
+Invariants:
+- Chunks: records [k·C, (k+1)·C) form chunk k. A chunk's batches are cut from the chunk alone
+  (for text: sorted by token count, longest first, ties by index), so a chunk's results do not depend
+  on which chunks ran before it, in this run or an earlier one. This is what makes
+  `--resume` byte-identical to an uninterrupted run.
+- A chunk is done when `OUTPUT.parts/chunk-K.npy` exists: it is written to a temporary name,
+  flushed to disk, then renamed. A kill at any point leaves whole chunks or no chunk.
+- Every input index gets exactly one row: an output, or a line in the errors file (a record
+  that cannot be read or decoded); none is duplicated or lost. Outputs are keyed by input index
+  and written in input order whatever the bucketing and the number of workers or replicas.
+- One process writes an output at a time: `OUTPUT.parts/` is claimed and flock-ed before the
+  model is built (`overdrive.run.resume`), and a second run into it is refused.
+- On CPU the same code path runs without streams or pinned memory (copies are no-ops).
+
+Timing: on CUDA, copies and compute are timed with CUDA events on their streams; the device
+busy fraction is the compute stream's busy time over wall time. On CPU, perf_counter.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread
+from overdrive.core.errors import UserError, one_line
+from overdrive.core.workload import Workload
+from overdrive.run.inputs import RecordSource, open_source
+from overdrive.run.outputs import OutputChunk, write_output
+from overdrive.run.replica import (
+    Collate,
+    Replica,
+    batch_from,
+    measure_auto_batch_size,
+    probe_inputs,
+    text_lengths,
+)
+from overdrive.run.resume import MANIFEST_VERSION, Parts, atomic_write, check_manifest, claim_output, errors_file, file_sha256
+from overdrive.run.threads import RunAborted, _execute, _records, _Run, _write_failed
+
+DEFAULT_CHUNK_SIZE = 4096
+AUTO_MAX_BATCH = 1024
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """What to run.
+
+    Attributes:
+        workload: workload spec (`minilm`, `digits-cnn`, a torchvision name, module:factory), or None with a plan.
+        input: input file or image folder (see `overdrive.run.inputs`).
+        output: `.npy`, `.parquet`, `.csv` or `.jsonl`.
+        plan: plan.json from `optimize`: its techniques and batch size.
+        device: "auto", "cpu", "cuda" (every GPU, one replica each) or "cuda:N".
+        batch_size: rows per batch; "auto" measures it; None: the plan's, else the workload's.
+        text_field: JSONL field / CSV column holding the text (default "text").
+        num_workers: DataLoader worker processes; None: 0 on a CPU device with ≤ 2 cores, else up to 8.
+        chunk_size: records per chunk (rounded up to a multiple of the batch size).
+        resume, overwrite: what to do with an existing output (see `claim_output`).
+        max_errors: stop once more records than this have failed (None: no limit).
+        bucket: sort text by length within each chunk (length bucketing).
+        replicas: model replicas; None: one per GPU on `cuda`, 1 otherwise (tests set 2 on CPU).
+    """
+
+    workload: str | None
+    input: Path
+    output: Path
+    plan: Path | None = None
+    device: str = "auto"
+    batch_size: int | str | None = None
+    text_field: str | None = None
+    num_workers: int | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    resume: bool = False
+    overwrite: bool = False
+    max_errors: int | None = None
+    bucket: bool = True
+    replicas: int | None = None
+
+
+@dataclass
+class RunSummary:
+    """What a run did. Times in seconds; `phases_s` says where the wall time went: `read_decode`
+    (worker processes' time reading, decoding and collating, summed over workers), `wait_input`
+    (replicas idle waiting for a batch), `h2d_copy`, `compute`, `d2h_copy`, `write` (chunks),
+    `assemble` (the final output)."""
+
+    output: str
+    errors_path: str | None
+    records: int
+    done_before: int
+    processed: int
+    failed: int
+    wall_s: float
+    items_per_s: float
+    batch_size: int
+    batch_size_source: str
+    auto_batch: list[dict[str, float]]
+    device: str
+    replicas: int
+    num_workers: int
+    device_busy_fraction: float
+    phases_s: dict[str, float]
+    nothing_to_resume: bool = False  # --resume found OUTPUT and no interrupted run recorded for it
+    setup_s: float = 0.0  # building the model, reading the first records, warm-up, `auto` (before wall_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _build(config: RunConfig, workload: Workload | None):
+    """(workload, plan, devices, models) from the config; UserError for the user's mistakes."""
+    from overdrive.optimize.plan import Plan, build_on_devices
+    from overdrive.workloads import create_workload
+
+    plan = None
+    device_name = config.device
+    if config.plan is not None:
+        plan = Plan.load(Path(config.plan))
+        plan.check_checkpoints()
+        if config.workload and config.workload not in (plan.workload, Path(plan.workload).name):
+            raise UserError(f"--plan {config.plan} was made for {plan.workload!r}, not {config.workload!r}")
+        if device_name == "auto":
+            device_name = plan.device
+            if plan.device == "cuda" and not torch.cuda.is_available():
+                raise UserError(f"--plan {config.plan} was tuned on cuda and this machine has no CUDA GPU; run "
+                                f"`overdrive optimize {plan.workload} --device cpu` for a CPU plan")
+    resolved = resolve_device(device_name)
+    if plan and plan.device != resolved.type:
+        raise UserError(f"--plan {config.plan} was tuned on {plan.device!r} and holds only there; run it with --device "
+                        f"{plan.device} or run `overdrive optimize {plan.workload} --device {resolved.type}`")
+    if workload is None:
+        workload = create_workload(plan.workload if plan else config.workload)
+    devices = replica_devices(resolved, device_name)
+    count = config.replicas or len(devices)
+    devices = [devices[i % len(devices)] for i in range(count)]
+    return workload, plan, devices, build_on_devices(workload, plan.steps if plan else [], devices)
+
+
+def run_offline(config: RunConfig, *, workload: Workload | None = None, progress=None, status=None,
+                crash_after_batches: int | None = None) -> RunSummary:
+    """Run the workload's (or plan's) model over every record of `config.input` into `config.output`.
+
+    Args:
+        workload: a built workload to use instead of building `config.workload` (tests, benchmarks).
+        progress: called as progress(items_done, items_failed, device_busy_fraction) from the
+            writer thread, and once as progress(None, total, 0.0) before the first batch.
+        status: called with a line of text before slow steps (building, measuring `auto`).
+        crash_after_batches: test hook: die like a killed process after this many batches.
+
+    Returns:
+        The RunSummary (`nothing_to_resume` when --resume finds OUTPUT and no interrupted run).
+
+    Raises:
+        UserError: bad input, output or options (one line for the CLI, exit 2).
+        RunAborted: more than `max_errors` records failed, or the model raised (exit 1).
+        KeyboardInterrupt: Ctrl-C; the finished chunks stay for `--resume`.
+    """
+    out_fmt, mode, parts = claim_output(config)
+    if mode == "complete":
+        return _complete_summary(config)
+    cores = serial_main_thread()  # the model runs in the replicas' threads (devices.serial_main_thread)
+    try:
+        return _run_claimed(config, workload, out_fmt, mode, parts, progress, status or (lambda text: None),
+                            crash_after_batches, cores)
+    finally:
+        torch.set_num_threads(cores)
+        parts.unlock()  # a process's end releases it too (SIGKILL included); this is for errors in-process
+
+
+def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mode: str, parts: Parts, progress, say,
+                 crash_after_batches: int | None, cores: int) -> RunSummary:
+    setup_start = time.perf_counter()
+    try:
+        say("building the model")
+        workload, plan, devices, models = _build(config, workload)
+        source = open_source(config.input, workload, text_field=config.text_field)
+        if len(source) == 0:
+            raise UserError(f"--input {config.input} holds no records")
+        collate = Collate(workload.collate if source.kind == "text" else None, 1)
+        on_cpu = sum(d.type == "cpu" for d in devices)  # CPU replicas split the cores
+        replicas = [Replica(m, d, workload.fixed_batch_size, max(1, cores // on_cpu) if d.type == "cpu" else None)
+                    for m, d in zip(models, devices)]
+        # The manifest: everything a resumed run must share with the first one to give the same bytes.
+        manifest = {"version": MANIFEST_VERSION, "workload": workload.name,
+                    "plan": file_sha256(config.plan) if config.plan else None, "device": devices[0].type,
+                    "input": source.fingerprint(), "text_field": config.text_field, "output_format": out_fmt,
+                    "bucket": config.bucket, "batch_size": None, "chunk_size": None}
+        stored = check_manifest(parts, manifest, config.output) if mode == "resume" else manifest
+        values = probe_inputs(source, lengths=text_lengths(workload) if source.kind == "text" else None)
+        if not values:
+            raise UserError(f"--input {config.input}: none of its first records can be read (e.g. {_first_error(source)})")
+        row_shape = tuple(replicas[0].in_own_thread(replicas[0].warm_up, batch_from(values, 1, collate)))
+        for r in replicas[1:]:
+            r.in_own_thread(r.warm_up, batch_from(values, 1, collate))
+        auto: list[dict[str, float]] = []
+        if stored.get("batch_size"):
+            batch_size, origin, chunk_size = stored["batch_size"], "the interrupted run", stored["chunk_size"]
+        else:
+            batch_size, origin = _choose_batch_size(config, workload, plan, replicas[0], values, collate, len(source), say, auto)
+            if workload.fixed_batch_size and batch_size > workload.fixed_batch_size:
+                raise UserError(f"this model runs only at batch size {workload.fixed_batch_size}; --batch-size must be ≤ that")
+            chunk_size = math.ceil(config.chunk_size / batch_size) * batch_size
+            stored = manifest | {"batch_size": batch_size, "chunk_size": chunk_size}
+            atomic_write(parts.dir / "manifest.json", json.dumps(stored, indent=1).encode())
+        collate.chunk_size = chunk_size
+    except BaseException as exc:
+        if not parts.done():  # nothing ran yet: leave no half-made run behind to resume
+            parts.remove()
+        if isinstance(exc, Exception) and not isinstance(exc, UserError):
+            raise RunAborted(f"the model failed on a first batch of the input: {one_line(exc)}") from exc
+        raise
+
+    parts.clean_temporaries()
+    chunks = math.ceil(len(source) / chunk_size)
+    finished = parts.done() & set(range(chunks))
+    pending = [k for k in range(chunks) if k not in finished]
+    done_before = sum(min(len(source), (k + 1) * chunk_size) - k * chunk_size for k in finished)
+    failed_before = sum(len(parts.read_errors(k)) for k in finished)
+    if config.max_errors is not None and failed_before > config.max_errors:
+        raise RunAborted(f"{_records(failed_before)} failed in the chunks already done, more than --max-errors "
+                         f"{config.max_errors}; the reasons are in {parts.dir}/chunk-*.errors.json")
+    num_workers = config.num_workers if config.num_workers is not None else _default_workers(devices[0], source)
+    if num_workers and source.kind == "text":
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers: no tokenizer thread pools
+
+    run = _Run(source=source, replicas=replicas, parts=parts, chunk_size=chunk_size, row_shape=row_shape, pending=pending,
+               max_errors=config.max_errors, progress=progress, done_before=done_before, failed_before=failed_before,
+               crash_after_batches=crash_after_batches, normalize=bool(workload.extra.get("normalize_embeddings")))
+    if progress:
+        progress(None, len(source), 0.0)
+        progress(done_before, failed_before, 0.0)
+    start = time.perf_counter()
+    setup_s = start - setup_start
+    if pending:
+        _execute(run, source, collate, batch_size, chunk_size, config.bucket, num_workers, devices[0].type == "cuda",
+                 text_lengths(workload) if source.kind == "text" else None)
+    wall = time.perf_counter() - start
+    start = time.perf_counter()
+    try:
+        failed = _assemble(config.output, out_fmt, parts, source, chunk_size, row_shape, workload)
+    except OSError as exc:
+        raise _write_failed(exc) from exc
+    run.clock.add("assemble", time.perf_counter() - start)
+    wall += run.clock.phases["assemble"]
+    busy = run.clock.phases["compute"] / max(wall, 1e-9) / len(replicas)
+    return RunSummary(
+        output=str(config.output), errors_path=str(errors_file(config.output)) if failed else None,
+        records=len(source), done_before=done_before, processed=run.processed, failed=failed, wall_s=wall,
+        items_per_s=run.processed / wall if wall else 0.0, batch_size=batch_size, batch_size_source=origin,
+        auto_batch=auto, device=str(devices[0]) if len(set(devices)) == 1 else f"{len(set(devices))} × {devices[0].type}",
+        replicas=len(replicas), num_workers=num_workers, device_busy_fraction=busy, phases_s=dict(run.clock.phases),
+        setup_s=setup_s)
+
+
+def _choose_batch_size(config, workload, plan, replica, values, collate, records, say, auto) -> tuple[int, str]:
+    if config.batch_size == "auto":
+        if workload.fixed_batch_size:
+            return workload.fixed_batch_size, "the model's fixed batch size"
+        say("measuring the batch size (auto)")
+        size, tried = replica.in_own_thread(functools.partial(measure_auto_batch_size, replica, values, collate,
+                                                              limit=min(AUTO_MAX_BATCH, records)))
+        auto.extend(tried)
+        return size, "auto (measured)"
+    if config.batch_size is not None:
+        return int(config.batch_size), "--batch-size"
+    if plan is not None:
+        return plan.batch_size, "the plan"
+    return workload.fixed_batch_size or workload.default_batch_size, "the workload's default"
+
+
+def _default_workers(device: torch.device, source: RecordSource) -> int:
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and cores <= 2:
+        return 0  # on 2 cores a worker process takes a core from compute; reading in-line is faster
+    return max(1, min(8, cores - 2))
+
+
+def _first_error(source: RecordSource) -> str:
+    try:
+        source.read(0)
+    except Exception as exc:  # noqa: BLE001
+        return f"{source.source_key(0)}: {exc}"
+    return "?"
+
+
+def _assemble(output: Path, fmt: str, parts: Parts, source: RecordSource, chunk_size: int, row_shape, workload) -> int:
+    """Write OUTPUT and OUTPUT.errors.jsonl from the chunks (each to a temporary name, then
+    renamed), then remove the chunks. Returns the number of failed records."""
+    chunks = math.ceil(len(source) / chunk_size)
+    all_errors: list[tuple[int, str]] = []
+
+    def read_all() -> Iterator[OutputChunk]:
+        for k in range(chunks):
+            chunk, errors = parts.read_chunk(k, k * chunk_size)
+            all_errors.extend(errors)
+            yield chunk
+
+    tmp = output.with_name(output.name + ".tmp")
+    keys = source.source_key if source.format == "images" else None
+    write_output(tmp, fmt, read_all(), total=len(source), row_shape=tuple(row_shape), keys=keys,
+                 classifier=workload.has_task_metric or bool(workload.extra.get("classifier")))
+    errors_path = errors_file(output)
+    if all_errors:
+        lines = "".join(json.dumps({"index": i, "source": source.source_key(i), "reason": r}) + "\n" for i, r in all_errors)
+        atomic_write(errors_path, lines.encode())
+    else:
+        errors_path.unlink(missing_ok=True)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    parts.remove()
+    return len(all_errors)
+
+
+def _complete_summary(config: RunConfig) -> RunSummary:
+    errors = errors_file(config.output)
+    failed = sum(1 for _ in errors.open()) if errors.exists() else 0
+    return RunSummary(output=str(config.output), errors_path=str(errors) if failed else None, records=0,
+                      done_before=0, processed=0, failed=failed, wall_s=0.0, items_per_s=0.0, batch_size=0,
+                      batch_size_source="", auto_batch=[], device="-", replicas=0, num_workers=0,
+                      device_busy_fraction=0.0, phases_s={}, nothing_to_resume=True)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def cmd_run(args) -> int:
+    """`overdrive run`: progress bar with items/s, ETA and device busy %, then the summary table."""
+    import sys
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from overdrive.core.report import make_console
+
+    config = RunConfig(workload=args.workload, input=Path(args.input), output=Path(args.output),
+                       plan=Path(args.plan) if args.plan else None, device=args.device, batch_size=args.batch_size,
+                       text_field=args.text_field, num_workers=args.num_workers, chunk_size=args.chunk_size,
+                       resume=args.resume, overwrite=args.overwrite, max_errors=args.max_errors)
+    if config.workload is None and config.plan is None:
+        raise UserError("name a workload (e.g. minilm) or give --plan")
+    console = make_console()
+    columns = (TextColumn("run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+               TimeRemainingColumn())
+    state = {"start": None, "first": 0, "shown": False}
+    bar = Progress(*columns, console=console, transient=False)  # shown from the first batch, not before errors
+    task = bar.add_task("run", total=None, stats="")
+
+    def progress(done, failed, busy):
+        now = time.perf_counter()
+        if done is None:  # (None, total) before the first batch
+            bar.start()
+            state["shown"] = True
+            bar.update(task, total=failed)
+            return
+        if state["start"] is None:
+            state["start"], state["first"] = now, done
+        rate = (done - state["first"]) / max(now - state["start"], 1e-9)
+        bar.update(task, completed=done, stats=f"{rate:,.0f} items/s · device busy {100 * busy:.0f}% · {failed} failed")
+
+    try:
+        summary = run_offline(config, progress=progress, status=lambda text: console.print(f"[dim]{text}[/dim]"))
+    except KeyboardInterrupt:
+        parts = Parts(config.output)
+        if parts.dir.exists():
+            sys.stderr.write(f"overdrive run: interrupted; {len(parts.done())} finished chunks are in {parts.dir}; "
+                             "rerun with --resume to continue\n")
+        raise
+    except RunAborted as exc:
+        sys.stderr.write(f"overdrive: run stopped: {' '.join(str(exc).split())}\n")
+        return 1
+    finally:
+        if state["shown"]:
+            bar.stop()
+    print_summary(console, summary)
+    return 0
+
+
+def print_summary(console, s: RunSummary) -> None:
+    """Items done and failed, time, items/s, and where the time went."""
+    from rich.table import Table
+
+    if s.nothing_to_resume:
+        console.print(f"{s.output} exists and no interrupted run is recorded for it ({Parts(Path(s.output)).dir} is "
+                      "absent): nothing to resume; pass --overwrite to run it again", highlight=False)
+        return
+    resumed = f" ({s.done_before:,} done before the resume)" if s.done_before else ""
+    console.print(f"{s.records - s.failed:,} of {s.records:,} records → {s.output}{resumed}; "
+                  f"{s.failed:,} failed" + (f" (see {s.errors_path})" if s.errors_path else ""), highlight=False)
+    console.print(f"{s.processed:,} records in {s.wall_s:.2f} s = {s.items_per_s:,.1f} items/s on {s.device} "
+                  f"({s.replicas} replica{'s' if s.replicas > 1 else ''}, {s.num_workers} reader processes), batch size "
+                  f"{s.batch_size} from {s.batch_size_source}; device busy {100 * s.device_busy_fraction:.0f}% of the "
+                  f"time; set-up before that {s.setup_s:.1f} s (model, warm-up{', auto batch size' if s.auto_batch else ''})",
+                  highlight=False)
+    if s.auto_batch:
+        console.print("auto batch size: " + ", ".join(f"{int(t['batch_size'])} → {t['items_per_s']:,.0f}/s"
+                                                      for t in s.auto_batch), highlight=False)
+    table = Table(title="where the time went")
+    for col in ("phase", "seconds", "of wall time", "runs on"):
+        table.add_column(col, justify="left" if col in ("phase", "runs on") else "right")
+    labels = {"read_decode": ("reading / decoding", "reader processes (summed)" if s.num_workers else "main thread"),
+              "wait_input": ("replica waiting for input", "replica threads"),
+              "h2d_copy": ("host → device copy", "copy stream" if s.device.startswith("cuda") else "none on CPU"),
+              "compute": ("compute", "device"), "d2h_copy": ("device → host copy", "device"),
+              "write": ("writing chunks", "writer thread"), "assemble": ("assembling the output", "main thread")}
+    for key, (label, where) in labels.items():
+        seconds = s.phases_s.get(key, 0.0)
+        table.add_row(label, f"{seconds:.3f}", f"{100 * seconds / max(s.wall_s, 1e-9):.0f}%", where)
+    console.print(table)
+    console.print("phases overlap (readers, copies, compute and the writer run at once), so their sum can exceed the "
+                  "wall time", style="dim")

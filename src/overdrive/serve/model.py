@@ -1,0 +1,228 @@
+"""A workload's model behind the Open Inference Protocol: named tensors in, validated, batched,
+run, and split back per request. Implements the batcher's `BatchModel`.
+
+Inputs: text workloads take one BYTES tensor `text` of shape [N] (or [N, 1]) of UTF-8
+sentences, tokenized on the server and padded per batch with an attention mask. Tensor
+workloads take `input` (or `input__0`, `input__1`, ... for several) of shape [N, *row shape]
+in the workload's dtype. Output: `output`, FP32 [N, *output row shape].
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from overdrive.core.measure import to_device
+from overdrive.core.workload import Workload
+from overdrive.run.replica import text_lengths
+from overdrive.serve.protocol import DATATYPES, InferRequest, Tensor, datatype_of
+
+OUTPUT = "output"
+
+
+class ValidationError(ValueError):
+    """The request does not match the model's inputs; the message names what was expected (HTTP 400)."""
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    datatype: str
+    shape: list[int]  # -1 for a variable dimension
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "datatype": self.datatype, "shape": self.shape}
+
+
+@dataclass
+class TextPayload:
+    texts: list[str]
+    lengths: list[int]  # tokens per row
+
+
+def _columns(sample) -> tuple:
+    """A tensor sample as a 1-tuple; a tuple sample (several model inputs) as itself."""
+    return (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
+
+
+class ServedModel:
+    """One workload model, on one or more devices, as the batcher's `BatchModel`.
+
+    Args:
+        name: the model name in URLs.
+        workload: gives the samples' structure, the collate (tokenizer) and the row length.
+        models: one ready-to-call model per device (from `plan.build`), in eval mode.
+        devices: the devices of `models`; instance i runs on models[i % len(models)].
+
+    Raises:
+        ValueError: the workload's samples are neither strings nor tensors / tuples of tensors,
+            or the model does not return one tensor with a batch dimension.
+    """
+
+    def __init__(self, name: str, workload: Workload, models: list[nn.Module], devices: list[torch.device]):
+        self.name = name
+        self.workload = workload
+        self.models = models
+        self.devices = devices
+        self.fixed_batch_size = workload.fixed_batch_size
+        self.threads_per_instance: int | None = None  # intra-op threads each instance thread sets (None: leave)
+        # Token counts for the length buckets, computed in the request handler: the tokenizer reads
+        # at most 128 × max_seq_length characters of a text (a 10 MB string took 8.7 s whole,
+        # blocking every other request meanwhile).
+        self._token_counts = (text_lengths(workload) or (lambda texts: [len(t) for t in texts])) if workload.is_text else None
+        sample = workload.samples[0]
+        if workload.is_text:
+            self.inputs = [TensorSpec("text", "BYTES", [-1])]
+        else:
+            columns = _columns(sample)
+            if not columns or not all(isinstance(c, torch.Tensor) for c in columns):
+                raise ValueError(f"workload {workload.name!r}: serve needs samples that are strings or tensors")
+            names = ["input"] if len(columns) == 1 else [f"input__{i}" for i in range(len(columns))]
+            self.inputs = [TensorSpec(n, datatype_of(np.dtype(str(c.dtype).removeprefix("torch."))), [-1, *c.shape])
+                           for n, c in zip(names, columns)]
+        probe = self.execute([self._example()], 0)[0]  # also warms every instance up below
+        for i in range(1, len(models)):
+            self.execute([self._example()], i)
+        self.outputs = [TensorSpec(OUTPUT, "FP32", [-1, *probe.shape[1:]])]
+
+    def _example(self):
+        sample = self.workload.samples[0]
+        if self.workload.is_text:
+            return TextPayload([sample], self._token_counts([sample]))
+        return tuple(c.unsqueeze(0) for c in _columns(sample))
+
+    def start_instance(self, instance: int) -> None:
+        """Thread set-up, called once in instance `instance`'s own thread: its intra-op threads."""
+        if self.threads_per_instance:
+            torch.set_num_threads(self.threads_per_instance)
+
+    def warmup(self, max_batch_size: int, budget_s: float, instance: int | None = None) -> tuple[int, float]:
+        """Run every batch size 1..max_batch_size once on instance `instance`'s model (every
+        instance's when None; powers of two for text, whose shapes also vary in length), until
+        `budget_s` seconds have passed. The server calls it in each instance's own thread.
+
+        Kernel libraries build and cache per-shape state on first use (oneDNN primitives on
+        CPU, cuDNN/cuBLAS plans on GPU): without this, the first batch of each size a server
+        sees is tens of ms slower, which shows up as its p99 (Triton's `model_warmup`).
+
+        Returns:
+            (batch sizes warmed, seconds taken).
+        """
+        start = time.perf_counter()
+        sizes = range(1, max_batch_size + 1)
+        if self.workload.is_text:
+            sizes = sorted({2 ** i for i in range(max_batch_size.bit_length())} | {max_batch_size})
+        done = 0
+        for size in sizes:
+            if time.perf_counter() - start > budget_s:
+                break
+            example = self._example()
+            payload = self.concat_payloads([example] * size)
+            for i in range(len(self.models)) if instance is None else [instance]:
+                self.execute([payload], i)
+            done = size
+        return done, time.perf_counter() - start
+
+    def concat_payloads(self, payloads: list):
+        if isinstance(payloads[0], TextPayload):
+            return TextPayload([t for p in payloads for t in p.texts], [n for p in payloads for n in p.lengths])
+        return tuple(torch.cat(col) for col in zip(*payloads))
+
+    # -- metadata --------------------------------------------------------------------------------
+
+    def metadata(self) -> dict:
+        """`$metadata_model_response` of the Open Inference Protocol."""
+        return {"name": self.name, "versions": ["1"], "platform": "pytorch_overdrive",
+                "inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs]}
+
+    # -- validation (on the event loop, before a request joins a batch) --------------------------
+
+    def validate(self, request: InferRequest):
+        """Check names, datatypes and shapes, and turn the tensors into a payload.
+
+        Raises:
+            ValidationError: naming the expected inputs, datatypes, shapes or outputs.
+        """
+        expected = {s.name: s for s in self.inputs}
+        if set(request.inputs) != set(expected):
+            raise ValidationError(f"model {self.name!r} takes inputs {self._describe(self.inputs)}; "
+                                  f"got {sorted(request.inputs)}")
+        unknown = set(request.outputs) - {OUTPUT}
+        if unknown:
+            raise ValidationError(f"model {self.name!r} has output {OUTPUT!r} only; unknown requested outputs {sorted(unknown)}")
+        if self.workload.is_text:
+            return self._validate_text(request.inputs["text"])
+        tensors = [self._validate_tensor(request.inputs[s.name], s) for s in self.inputs]
+        rows = {t.shape[0] for t in tensors}
+        if len(rows) != 1:
+            raise ValidationError(f"all inputs must have the same first (batch) dimension; got {sorted(rows)}")
+        return tuple(tensors)
+
+    @staticmethod
+    def _describe(specs: list[TensorSpec]) -> str:
+        return ", ".join(f"{s.name} {s.datatype} {s.shape}" for s in specs)
+
+    def _validate_text(self, tensor: Tensor) -> TextPayload:
+        if tensor.datatype != "BYTES":
+            raise ValidationError(f"input 'text' must be BYTES (UTF-8 strings), got {tensor.datatype}")
+        if len(tensor.shape) not in (1, 2) or (len(tensor.shape) == 2 and tensor.shape[1] != 1) or tensor.shape[0] < 1:
+            raise ValidationError(f"input 'text' must have shape [N] or [N, 1] with N ≥ 1, got {list(tensor.shape)}")
+        texts = []
+        for i, raw in enumerate(tensor.data.reshape(-1)):
+            try:
+                texts.append(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise ValidationError(f"input 'text' element {i} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        return TextPayload(texts, self._token_counts(texts))
+
+    def _validate_tensor(self, tensor: Tensor, spec: TensorSpec) -> torch.Tensor:
+        if tensor.datatype != spec.datatype:
+            raise ValidationError(f"input {spec.name!r} must be {spec.datatype}, got {tensor.datatype}")
+        row = spec.shape[1:]
+        if len(tensor.shape) != len(spec.shape) or list(tensor.shape[1:]) != row or tensor.shape[0] < 1:
+            raise ValidationError(f"input {spec.name!r} must have shape [N, {', '.join(map(str, row))}] with N ≥ 1, "
+                                  f"got {list(tensor.shape)}")
+        return torch.from_numpy(np.ascontiguousarray(tensor.data, dtype=DATATYPES[spec.datatype]))
+
+    # -- BatchModel ----------------------------------------------------------------------------------
+
+    def rows(self, payload) -> int:
+        return len(payload.texts) if isinstance(payload, TextPayload) else payload[0].shape[0]
+
+    def length(self, payload) -> int:
+        """Longest row in tokens (text), the bucketing key; 0 for fixed-shape tensors."""
+        return max(payload.lengths) if isinstance(payload, TextPayload) else 0
+
+    def slice(self, payload, start: int, stop: int):
+        if isinstance(payload, TextPayload):
+            return TextPayload(payload.texts[start:stop], payload.lengths[start:stop])
+        return tuple(t[start:stop] for t in payload)
+
+    def concat(self, results: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(results)
+
+    @torch.inference_mode()
+    def execute(self, payloads: list, instance: int) -> list[np.ndarray]:
+        """Run one batch: collate (pad text to the batch's longest row, with masks), run, split
+        the FP32 output [rows, ...] back per payload."""
+        model, device = self.models[instance % len(self.models)], self.devices[instance % len(self.devices)]
+        sizes = [self.rows(p) for p in payloads]
+        if isinstance(payloads[0], TextPayload):
+            texts = [t for p in payloads for t in p.texts]
+            pad = (self.fixed_batch_size or len(texts)) - len(texts)
+            inputs = self.workload.collate(texts + texts[:1] * pad)
+        else:
+            inputs = self.concat_payloads(payloads)
+            pad = (self.fixed_batch_size or inputs[0].shape[0]) - inputs[0].shape[0]
+            if pad > 0:
+                inputs = tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in inputs)
+        output = model(*to_device(inputs, device))
+        if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != sum(sizes) + max(pad, 0):
+            shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise ValueError(f"the model returned {shape} for a batch of {sum(sizes)} rows; expected [rows, ...]")
+        output = output[: sum(sizes)].float().cpu().numpy()
+        return np.split(output, np.cumsum(sizes)[:-1])

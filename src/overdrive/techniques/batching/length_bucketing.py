@@ -1,0 +1,36 @@
+"""Length bucketing of text batches: sort by token length, pad per batch (a batching technique)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from overdrive.core.workload import Workload
+from overdrive.techniques.registry import BatchingPolicy, Stage, Technique, TechniqueConfig, register
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthBucketingConfig(TechniqueConfig):
+    pass
+
+
+@register
+class LengthBucketing(Technique):
+    """Sort text samples by token length before cutting batches, so each batch pads only to
+    the longest of similar-length neighbours; outputs are returned in input order."""
+
+    name = "length-bucketing"
+    config_cls = LengthBucketingConfig
+    stage = Stage.BATCHING
+    lossless = True
+    description = "sort text by length, pad per batch (batching)"
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        if not workload.is_text:
+            return "not applicable: inputs have a fixed shape (no padding to save)"
+        return None
+
+    def batching(self, policy: BatchingPolicy, config) -> BatchingPolicy:
+        return dataclasses.replace(policy, sort_by_length=True)

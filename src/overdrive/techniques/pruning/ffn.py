@@ -1,0 +1,83 @@
+"""FFN-width pruning for BERT-style encoders: intermediate neurons removed from every layer.
+
+Each layer keeps the same number of intermediate neurons, (1 − ratio) × width rounded to a
+multiple of `round_to` (64 by default, a tensor-core and SIMD friendly width), chosen by
+importance: `activation` (the default when the workload has training samples; else `l2`),
+the L2 norm of the neuron's activation over the tokens of
+training batches × the L2 norm of its output column (Wanda's |W|·‖X‖, Sun et al., ICLR 2024,
+per neuron); `l2`, the norm of its input row (with bias) and output column; or `taylor`,
+first-order Taylor |w · ∂L/∂w| on labelled training batches (Molchanov et al., CVPR 2019).
+The intermediate Linear loses rows, the output Linear columns, and the config's
+`intermediate_size` is updated. Recovery is `recovery.PruningTechnique`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from overdrive.techniques.pruning.encoder import (
+    EncoderBlock,
+    EncoderPruningConfig,
+    EncoderPruningTechnique,
+    find_blocks,
+    keep_ffn,
+    kept_count,
+    update_config,
+    weight_score,
+)
+from overdrive.techniques.registry import register
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruneFFNConfig(EncoderPruningConfig):
+    """EncoderPruningConfig, where `ratio` is the fraction of each layer's intermediate width
+    removed, plus:
+    round_to: the kept width is a multiple of this.
+    """
+
+    round_to: int = 64
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.round_to < 1:
+            raise ValueError(f"PruneFFNConfig.round_to must be ≥ 1, got {self.round_to}")
+
+
+def neuron_scores(block: EncoderBlock, taylor: bool, activation_norms: torch.Tensor | None = None) -> torch.Tensor:
+    """Importance of each intermediate neuron of `block`, float [width]."""
+    if activation_norms is not None:
+        return activation_norms * block.output.weight.detach().float().pow(2).sum(0).sqrt()
+    total = weight_score(block.intermediate.weight, taylor).sum(1) + weight_score(block.output.weight, taylor).sum(0)
+    if block.intermediate.bias is not None:
+        total += weight_score(block.intermediate.bias, taylor)
+    return total
+
+
+@register
+class PruneFFN(EncoderPruningTechnique):
+    name = "prune-ffn"
+    config_cls = PruneFFNConfig
+    description = "narrows the feed-forward (intermediate) layers of BERT-style encoders, then recovers; opt-in"
+
+    def output_linear(self, block):
+        return block.output
+
+    def counts(self, block, config):
+        width = block.intermediate.out_features
+        return width, kept_count(width, config.ratio, config.round_to)
+
+    def scores(self, block, taylor, activation):
+        return neuron_scores(block, taylor, activation)
+
+    def keep(self, block, kept, gram):
+        keep_ffn(block, kept, gram)
+
+    def shrink_to(self, model, state, *, workload, device):
+        blocks = find_blocks(model)
+        for block in blocks:
+            target = state[f"{block.name}.intermediate.dense.weight"].shape[0]
+            if target < block.intermediate.out_features:
+                keep_ffn(block, torch.arange(target))
+        update_config(model, blocks)

@@ -1,0 +1,58 @@
+"""torch.compile with the Inductor backend; compile time is reported apart."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from overdrive.core.workload import Workload
+from overdrive.techniques.registry import Stage, Technique, TechniqueConfig, register
+
+
+class CompileMode(str, enum.Enum):
+    """torch.compile modes (https://pytorch.org/docs/stable/generated/torch.compile.html)."""
+
+    DEFAULT = "default"
+    REDUCE_OVERHEAD = "reduce-overhead"  # CUDA graphs
+    MAX_AUTOTUNE = "max-autotune"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig(TechniqueConfig):
+    """Attributes:
+    mode: a torch.compile mode.
+    dynamic: True compiles one graph with symbolic shapes (text, whose length varies by
+        batch); False specialises on each shape; None lets torch decide after a recompile.
+    """
+
+    mode: CompileMode = CompileMode.DEFAULT
+    dynamic: bool | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", CompileMode(self.mode))
+        if self.dynamic not in (True, False, None):
+            raise ValueError(f"CompileConfig.dynamic must be true, false or null, not {self.dynamic!r}")
+
+
+@register
+class Compile(Technique):
+    """torch.compile with the Inductor backend. Compile time is reported apart (Measurement.compile_s)."""
+
+    name = "compile"
+    config_cls = CompileConfig
+    stage = Stage.COMPILE
+    lossless = False  # Inductor reorders float math; judged by the fidelity floor
+    description = "torch.compile (Inductor); compile time reported apart"
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        if workload.is_torchscript:
+            return "not applicable: torch.compile cannot trace TorchScript modules"
+        return None
+
+    def apply(self, model, config, *, workload, device):
+        dynamic = config.dynamic if config.dynamic is not None else (True if workload.is_text else None)
+        if config.mode == CompileMode.REDUCE_OVERHEAD and device.type != "cuda":
+            raise RuntimeError("mode reduce-overhead uses CUDA graphs and needs a GPU")
+        return torch.compile(model, backend="inductor", mode=config.mode.value, dynamic=dynamic)

@@ -1,0 +1,377 @@
+"""Data and model parallelism on torch.distributed, one plain `apply_*` function per technique.
+
+The strategies are torch's own: DistributedDataParallel, FSDP2 (`fully_shard`), DTensor tensor
+parallelism, and `torch.distributed.pipelining`. Processes are started by torchrun (which also
+spans nodes); `launch` runs it for the user when `overdrive train --nproc N` is given. The
+backend is NCCL on GPUs and gloo on CPU.
+
+The order in which `overdrive.train.loop` applies them to a model, the one torchtitan uses
+(Liang et al., "TorchTitan", ICLR 2025), is:
+
+1. tensor parallel (`apply_tensor_parallel`): it rewrites Linear weights into DTensors, so it
+   must see the plain model;
+2. activation checkpointing per block (`apply_activation_checkpointing`);
+3. torch.compile (per model, after the rewrites, so it traces what will run);
+4. data parallel last (`apply_ddp` or `apply_fsdp`): it wraps or shards the final parameters.
+
+Pipeline parallelism replaces steps 1 and 4: each rank builds only its stage
+(`overdrive.train.pipeline`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+STRATEGIES = ("none", "ddp", "fsdp", "pipeline", "tensor-parallel")
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class ParallelConfigError(ValueError):
+    """Degrees, microbatches or split points that cannot work; raised before any process starts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """How `world_size` processes divide the work: dp × pp × tp = world_size.
+
+    One strategy per run: `ddp` and `fsdp` make every rank a data-parallel replica (dp =
+    world_size), `pipeline` makes every rank a stage (pp = world_size), `tensor-parallel`
+    splits every block across all ranks (tp = world_size); `none` is one process.
+
+    Attributes:
+        strategy: one of STRATEGIES.
+        world_size: processes in the job (torchrun's WORLD_SIZE).
+        microbatches: pipeline microbatches per step (pipeline only; default 2 × stages).
+        schedule: "gpipe" or "1f1b" (pipeline only).
+        split_points: pipeline only: the block index at which each stage after the first
+            starts (pp − 1 increasing indices); None to balance the measured block costs.
+
+    Raises:
+        ParallelConfigError: an unknown strategy or schedule, degrees whose product is not the
+            world size, fewer microbatches than pipeline stages, or malformed split points.
+    """
+
+    strategy: str
+    world_size: int
+    microbatches: int | None = None
+    schedule: str = "gpipe"
+    split_points: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ParallelConfigError(f"unknown strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
+        if self.world_size < 1:
+            raise ParallelConfigError(f"world size must be ≥ 1, got {self.world_size}")
+        if self.strategy == "none" and self.world_size != 1:
+            raise ParallelConfigError(f"strategy 'none' runs one process, but the world size is {self.world_size}; "
+                                      "choose --strategy ddp, fsdp, pipeline or tensor-parallel")
+        if self.dp * self.pp * self.tp != self.world_size:  # guards future mixed degrees
+            raise ParallelConfigError(f"dp {self.dp} × pp {self.pp} × tp {self.tp} must equal the world size {self.world_size}")
+        if self.strategy != "pipeline":
+            if self.microbatches is not None or self.split_points is not None:
+                raise ParallelConfigError("--microbatches and --split-points apply to --strategy pipeline only")
+            return
+        if self.pp < 2:
+            raise ParallelConfigError(f"pipeline parallelism needs ≥ 2 stages (processes), got {self.pp}; use --nproc 2 or more")
+        if self.schedule not in SCHEDULES:
+            raise ParallelConfigError(f"unknown pipeline schedule {self.schedule!r}; expected one of {', '.join(SCHEDULES)}")
+        if self.num_microbatches < self.pp:
+            raise ParallelConfigError(
+                f"{self.num_microbatches} microbatches for {self.pp} pipeline stages would leave stages idle every step "
+                f"(bubble fraction ≥ (p−1)/(m+p−1) = {(self.pp - 1) / (self.num_microbatches + self.pp - 1):.2f}); "
+                f"use --microbatches ≥ {self.pp} (e.g. {2 * self.pp})")
+        if self.split_points is not None:
+            points = list(self.split_points)
+            if len(points) != self.pp - 1 or points != sorted(set(points)) or points[0] < 1:
+                raise ParallelConfigError(f"--split-points needs {self.pp - 1} increasing block indices ≥ 1 for "
+                                          f"{self.pp} stages, got {points}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size if self.strategy in ("ddp", "fsdp") else 1
+
+    @property
+    def pp(self) -> int:
+        return self.world_size if self.strategy == "pipeline" else 1
+
+    @property
+    def tp(self) -> int:
+        return self.world_size if self.strategy == "tensor-parallel" else 1
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else 2 * self.pp
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job. `world_size` 1 with no process group for a plain run."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a process started by torchrun (it sets RANK, WORLD_SIZE and the rendezvous)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def init_distributed(device: torch.device, *, timeout_s: float) -> DistEnv:
+    """Join the torchrun job (or describe a plain single process).
+
+    Under torchrun, creates the default process group: NCCL when `device` is CUDA (each rank on
+    cuda:LOCAL_RANK), gloo on CPU. Every collective then fails after `timeout_s` seconds
+    instead of hanging (NCCL: with TORCH_NCCL_ASYNC_ERROR_HANDLING, the default since 2.2).
+
+    Raises:
+        RuntimeError: the rendezvous fails or times out.
+    """
+    if not launched_by_torchrun():
+        return DistEnv(0, 0, 1, device)
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    return DistEnv(rank, local, world, device)
+
+
+def shutdown_distributed(*, barrier: bool = True) -> None:
+    """Leave the job: wait for every rank (so none tears down a group another still uses), then
+    destroy the process group. barrier=False after an error, when peers may be gone."""
+    if dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def launch(argv: list[str], nproc: int, *, env: dict[str, str] | None = None) -> int:
+    """Run `python -m overdrive <argv>` in `nproc` processes with torchrun on this machine.
+
+    torchrun stops every rank when one fails (its exit code is then non-zero and it prints the
+    failing rank's error). Each rank gets OMP_NUM_THREADS = cores / nproc unless set, so CPU
+    ranks do not oversubscribe the cores.
+
+    Args:
+        env: extra environment variables for the ranks.
+
+    Returns:
+        torchrun's exit code.
+    """
+    env = {**os.environ, **(env or {})}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                "--max-restarts=0", "-m", "overdrive"]
+    return subprocess.run([*torchrun, *argv], env=env).returncode
+
+
+# -- techniques ----------------------------------------------------------------------------------
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
+    """The model's repeated blocks: the ModuleList holding the most parameters (transformer
+    layers, e.g. `encoder.encoder.layer` of a BERT), else its largest nn.Sequential.
+
+    Returns:
+        (qualified name, the container).
+
+    Raises:
+        ValueError: the model has neither.
+    """
+    candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 1]
+    if not candidates:
+        candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Sequential) and len(m) > 1]
+    if not candidates:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks")
+    return max(candidates, key=lambda nm: (sum(p.numel() for p in nm[1].parameters()), len(nm[1])))
+
+
+_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Hardswish, nn.LeakyReLU, nn.Mish)
+
+
+def _segments(seq: nn.Sequential) -> list[list[nn.Module]]:
+    """A Sequential cut after each activation: conv-bn-relu groups are one segment each."""
+    segments, current = [], []
+    for module in seq:
+        current.append(module)
+        if isinstance(module, _ACTIVATIONS):
+            segments.append(current)
+            current = []
+    return segments + ([current] if current else [])
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute each block's activations in the backward pass instead of storing them
+    (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016), with PyTorch's
+    non-reentrant `torch.utils.checkpoint`.
+
+    Blocks are `find_blocks`' entries (transformer layers), or for a Sequential its segments
+    ending at each activation. Parameter names are unchanged (the forward methods are
+    replaced, no wrapper modules are added), so checkpoints load with or without it.
+
+    Recomputation runs BatchNorm's forward twice per step in train mode, so its running
+    statistics take two momentum updates per step; batch statistics, and so the loss and
+    gradients, are unchanged.
+
+    Returns:
+        The number of checkpointed blocks.
+    """
+    _, blocks = find_blocks(model)
+    if isinstance(blocks, nn.ModuleList):
+        for block in blocks:
+            block.forward = _checkpointed(block.forward)
+        return len(blocks)
+    segments = _segments(blocks)
+
+    def forward(x):
+        for segment in segments:
+            x = checkpoint(_run_segment, segment, x, use_reentrant=False)
+        return x
+
+    blocks.forward = forward
+    return len(segments)
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _run_segment(segment, x):
+    for module in segment:
+        x = module(x)
+    return x
+
+
+def apply_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
+    """DistributedDataParallel (Li et al., VLDB 2020): gradients all-reduced in buckets,
+    overlapped with the backward pass. Use `no_sync()` on accumulation micro-steps."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+
+
+def apply_fsdp(model: nn.Module, env: DistEnv, *, param_dtype: torch.dtype | None) -> nn.Module:
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded across the
+    data-parallel ranks (ZeRO-3, Rajbhandari et al. 2020), each block its own unit so one
+    block's parameters are all-gathered while the previous block computes.
+
+    Args:
+        param_dtype: the dtype parameters are all-gathered and computed in (bf16 for mixed
+            precision), with gradients reduced in fp32; None for fp32 throughout.
+
+    Returns:
+        The same module, sharded in place (its parameters become DTensors).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    _, blocks = find_blocks(model)
+    if isinstance(blocks, nn.ModuleList):
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def apply_tensor_parallel(model: nn.Module, env: DistEnv) -> int:
+    """Megatron-style tensor parallelism (Shoeybi et al., 2019) with DTensor: in each
+    transformer block, the attention query/key/value and the FFN's first Linear are split
+    column-wise (each rank computes its own heads and its slice of the FFN width) and the
+    attention output and FFN output Linears row-wise (their partial sums are all-reduced), so a
+    block costs two all-reduces forward and two backward. Embeddings, LayerNorms and the
+    pooling stay replicated.
+
+    Supports BERT-style blocks (`attention.self.{query,key,value}`, `attention.output.dense`,
+    `intermediate.dense`, `output.dense`, as in transformers' BERT, RoBERTa, MiniLM).
+
+    Returns:
+        The number of blocks split.
+
+    Raises:
+        ValueError: the blocks are not BERT-style, or the heads or FFN width do not divide by
+            the number of ranks.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = env.world_size
+    _, blocks = find_blocks(model)
+    plan = {"attention.self.query": ColwiseParallel(), "attention.self.key": ColwiseParallel(),
+            "attention.self.value": ColwiseParallel(), "attention.output.dense": RowwiseParallel(),
+            "intermediate.dense": ColwiseParallel(), "output.dense": RowwiseParallel()}
+    for block in blocks:
+        names = {name for name, _ in block.named_modules()}
+        if not set(plan) <= names:
+            raise ValueError(f"tensor parallel supports BERT-style transformer blocks; {type(block).__name__} lacks "
+                             f"{sorted(set(plan) - names)}")
+        attention = block.get_submodule("attention.self")
+        heads = attention.query.out_features // attention.attention_head_size
+        width = block.get_submodule("intermediate.dense").out_features
+        if heads % tp or width % tp:
+            raise ValueError(f"tensor parallel degree {tp} must divide the {heads} attention heads and the FFN width {width}")
+    mesh = init_device_mesh(env.device.type, (tp,))
+    for block in blocks:
+        parallelize_module(block, mesh, plan)
+        attention = block.get_submodule("attention.self")
+        for attr in ("num_attention_heads", "all_head_size"):  # older transformers reshape with these
+            if hasattr(attention, attr):
+                setattr(attention, attr, getattr(attention, attr) // tp)
+    return len(blocks)
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, *, group=None) -> torch.Tensor:
+    """Clip gradients to a total L2 norm of `max_norm`; returns the norm before clipping (fp32 scalar).
+
+    Works for any mix of plain and DTensor gradients (FSDP shards, tensor-parallel splits):
+    each DTensor's norm is reduced over its mesh. `group`: a process group whose ranks hold
+    disjoint parameters (pipeline stages), over which squared norms are summed.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = []
+    for g in grads:
+        norm = torch.linalg.vector_norm(g.float() if not isinstance(g, DTensor) else g, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    total = total.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else coef.item())
+    return total
