@@ -28,9 +28,12 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.core.measure import measure  # noqa: E402
-from overdrive.optimize.plan import Plan, Step, build  # noqa: E402
+from overdrive.optimize.plan import Plan, build
 from overdrive.optimize.tuner import Tuner  # noqa: E402
-from overdrive.techniques import BatchingPolicy  # noqa: E402
+from overdrive.techniques import (
+    BatchingPolicy,  # noqa: E402
+    default_config,  # noqa: E402
+)
 from overdrive.workloads.minilm import build_minilm  # noqa: E402
 
 FLOOR = 0.99
@@ -96,9 +99,9 @@ def main() -> int:
 
     entries: dict[str, callable] = {
         "PyTorch eager fp32": lambda: build(workload, [], CPU),
-        "bf16 autocast": lambda: build(workload, [Step.default("bf16")], CPU),
-        "int8 dynamic (torch.ao)": lambda: build(workload, [Step.default("int8-dynamic")], CPU),
-        "torch.compile": lambda: build(workload, [Step.default("compile")], CPU),
+        "bf16 autocast": lambda: build(workload, [default_config("bf16")], CPU),
+        "int8 dynamic (torch.ao)": lambda: build(workload, [default_config("int8-dynamic")], CPU),
+        "torch.compile": lambda: build(workload, [default_config("compile")], CPU),
     }
     with tempfile.TemporaryDirectory() as tmp:
         example = workload.collate(list(workload.samples[:2]))

@@ -28,8 +28,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.core.measure import Measurement, measure  # noqa: E402
-from overdrive.optimize.plan import Step, build  # noqa: E402
-from overdrive.techniques import get_technique  # noqa: E402
+from overdrive.optimize.plan import build
+from overdrive.techniques import (
+    get_technique,  # noqa: E402
+)
 from overdrive.techniques.pruning.recovery import describe  # noqa: E402
 from overdrive.workloads import create_workload  # noqa: E402
 
@@ -58,7 +60,7 @@ def compare(workload, steps, *, batch_size, indices) -> dict:
 def digits(finetune_steps: int) -> bool:
     workload = create_workload("digits-cnn")
     config = get_technique("prune-channels").config_cls(ratio=0.5, finetune_steps=finetune_steps)
-    r = compare(workload, [Step(name="prune-channels", config=config)], batch_size=256,
+    r = compare(workload, [config], batch_size=256,
                 indices=list(range(len(workload.samples))))
     (report,) = r["reports"]
     before = report["before"]["accuracy_pct"]
@@ -75,7 +77,7 @@ def digits(finetune_steps: int) -> bool:
 
 def minilm(finetune_steps: int, num_sentences: int) -> bool:
     workload = create_workload("minilm")
-    steps = [Step(name=name, config=get_technique(name).config_cls(finetune_steps=finetune_steps))
+    steps = [get_technique(name).config_cls(finetune_steps=finetune_steps)
              for name in ("prune-heads", "prune-ffn")]
     indices = list(range(min(num_sentences, len(workload.samples))))
     r = compare(workload, steps, batch_size=32, indices=indices)

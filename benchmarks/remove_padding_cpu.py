@@ -20,7 +20,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.core.measure import measure  # noqa: E402
-from overdrive.optimize.plan import Step, build  # noqa: E402
+from overdrive.optimize.plan import build
+from overdrive.techniques import default_config  # noqa: E402
 from overdrive.workloads.minilm import build_minilm  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -52,7 +53,7 @@ def main() -> int:
     for base in ([], ["bf16"], ["length-bucketing"], ["length-bucketing", "bf16"]):
         pair = []
         for steps in (base, [*base, "remove-padding"]):
-            model, policy = build(workload, [Step.default(s) for s in steps], CPU)
+            model, policy = build(workload, [default_config(s) for s in steps], CPU)
             m, out = measure(model, workload, device=CPU, batch_size=bs, indices=indices, policy=policy,
                              reference=reference, min_timed_calls=len(indices) // bs, max_timed_s=120)
             if reference is None:

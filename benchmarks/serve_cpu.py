@@ -177,10 +177,11 @@ async def client_warm(session, server: Server, bodies: list[bytes]) -> None:
 
 
 def bf16_plan(workload: str) -> Path:
-    from overdrive.optimize.plan import Plan, Step
+    from overdrive.optimize.plan import Plan
+    from overdrive.techniques import default_config
 
     path = ROOT / "out" / "serve_cpu" / f"{workload}-bf16" / "plan.json"
-    Plan(workload=workload, device="cpu", batch_size=SETTINGS[workload]["batch"], steps=[Step.default("bf16")]).save(path)
+    Plan(workload=workload, device="cpu", batch_size=SETTINGS[workload]["batch"], steps=[default_config("bf16")]).save(path)
     return path
 
 

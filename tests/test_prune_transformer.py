@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from overdrive.core.workload import pad_token_ids
-from overdrive.optimize.plan import Step, build
+from overdrive.optimize.plan import build
 from overdrive.techniques import get_technique
 from overdrive.techniques.pruning.encoder import find_blocks, kept_count
 from overdrive.techniques.pruning.ffn import PruneFFNConfig
@@ -173,8 +173,8 @@ def test_heads_pruned_over_several_steps():
 
 def test_pruned_encoder_reloads_from_a_checkpoint_and_exports(tmp_path):
     workload = make_text_workload()
-    steps = [Step(name="prune-heads", config=PruneHeadsConfig(ratio=0.5, finetune_steps=0)),
-             Step(name="prune-ffn", config=PruneFFNConfig(ratio=0.5, round_to=8, finetune_steps=0))]
+    steps = [PruneHeadsConfig(ratio=0.5, finetune_steps=0),
+             PruneFFNConfig(ratio=0.5, round_to=8, finetune_steps=0)]
     # a step's checkpoint is the model after it (as `plan.save_checkpoints` writes them)
     paths = []
     for k in (1, 2):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from overdrive.core.workload import pad_token_ids
-from overdrive.optimize.plan import Step, build
-from overdrive.techniques import get_technique
+from overdrive.optimize.plan import build
+from overdrive.techniques import default_config, get_technique
 from overdrive.techniques.graph.remove_padding import PaddingFreeEncoder, bert_encoders
 from tests.conftest import make_conv_workload, make_text_workload, tiny_bert_embedder
 
@@ -55,7 +55,7 @@ def test_real_token_states_equal_the_encoder_and_pads_are_zero(lengths):
 def test_pooled_embeddings_equal_and_the_workload_model_is_rewritten_in_place():
     workload = make_text_workload()
     reference, _ = build(workload, [], CPU)
-    fast, _ = build(workload, [Step.default("remove-padding")], CPU)
+    fast, _ = build(workload, [default_config("remove-padding")], CPU)
     assert isinstance(fast.encoder, PaddingFreeEncoder) and not bert_encoders(fast)  # once, not twice
     ids, mask = padded_batch([2, 29, 7, 15, 15, 3])
     with torch.inference_mode():
@@ -67,9 +67,9 @@ def test_composes_with_bf16_and_with_pruned_heads():
     ids, mask = padded_batch([2, 29, 7, 15])
     for steps in (["bf16"], ["prune-heads"], ["prune-heads", "bf16"]):
         torch.manual_seed(0)
-        plain, _ = build(workload, [Step.default(s) for s in steps], CPU)
+        plain, _ = build(workload, [default_config(s) for s in steps], CPU)
         torch.manual_seed(0)
-        fast, _ = build(workload, [Step.default(s) for s in [*steps, "remove-padding"]], CPU)
+        fast, _ = build(workload, [default_config(s) for s in [*steps, "remove-padding"]], CPU)
         with torch.inference_mode():
             cosine = F.cosine_similarity(fast(ids, mask), plain(ids, mask)).min().item()
         assert cosine > 0.999, (steps, cosine)
@@ -97,8 +97,8 @@ def test_training_mode_runs_the_original_encoder():
 def test_composes_with_int8_dynamic_applied_before_it():
     workload = make_text_workload()
     ids, mask = padded_batch([2, 29, 7, 15])
-    int8, _ = build(workload, [Step.default("int8-dynamic")], CPU)
-    fast, _ = build(workload, [Step.default("int8-dynamic"), Step.default("remove-padding")], CPU)
+    int8, _ = build(workload, [default_config("int8-dynamic")], CPU)
+    fast, _ = build(workload, [default_config("int8-dynamic"), default_config("remove-padding")], CPU)
     assert any(isinstance(m, PaddingFreeEncoder) for m in fast.modules())
     with torch.inference_mode():
         assert F.cosine_similarity(fast(ids, mask), int8(ids, mask)).min().item() > 0.999

@@ -26,6 +26,7 @@ from overdrive.run.job import RunAborted, RunConfig, run_offline
 from overdrive.run.replica import Collate, Replica, chunk_batches, measure_auto_batch_size
 from overdrive.run.resume import Parts
 from overdrive.run.threads import _SimulatedCrash
+from overdrive.run.threads import crash_after as crashing_after
 from tests.fixtures.run_models import char_text, expected_row, raising_text, rgb_means
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,8 +256,9 @@ def test_resume_after_a_crash_is_byte_identical(tmp_path_factory, fmt, crash_aft
         if crash is None:
             continue
         try:  # 14 batches in all: the first crash always comes; the second only if batches are left
-            run_offline(RunConfig(workload=None, input=inp, output=out, device="cpu", resume=True, **options),
-                        workload=char_text(), crash_after_batches=crash)
+            with crashing_after(crash):
+                run_offline(RunConfig(workload=None, input=inp, output=out, device="cpu", resume=True, **options),
+                            workload=char_text())
             assert crash != crash_after, "the first run should have crashed"
         except _SimulatedCrash:
             pass
@@ -323,9 +325,9 @@ def test_sigkill_and_ctrl_c_then_resume_are_byte_identical(tmp_path):
 def test_resume_refuses_a_changed_input(tmp_path):
     inp, _, _ = mixed_input(tmp_path)
     out = tmp_path / "out.npy"
-    with pytest.raises(_SimulatedCrash):
+    with pytest.raises(_SimulatedCrash), crashing_after(3):
         run_offline(RunConfig(workload=None, input=inp, output=out, device="cpu", batch_size=4, chunk_size=8),
-                    workload=char_text(), crash_after_batches=3)
+                    workload=char_text())
     write_lines(inp, sentences(61))
     assert cli.main(["run", CHAR_TEXT, "--input", str(inp), "--output", str(out), "--resume", "--device", "cpu"]) == 2
 

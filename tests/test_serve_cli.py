@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from overdrive.cli.serve import load_served_model
-from overdrive.optimize.plan import Plan, Step, build
+from overdrive.serve.runner import load_served_model
+from overdrive.optimize.plan import Plan, build
+from overdrive.techniques import default_config
 from overdrive.workloads import create_workload
 from tests.fixtures.live_server import wait_ready
 
@@ -35,7 +36,7 @@ def serve(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 def plan_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     Plan(workload="tests.fixtures.user_models:build", device="cpu", batch_size=4,
-         steps=[Step.default("bf16")]).save(path)
+         steps=[default_config("bf16")]).save(path)
     return path
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from overdrive.optimize.plan import Step, build
-from overdrive.techniques import get_technique
-from overdrive.techniques.pruning.recovery import describe
+from overdrive.optimize.plan import build
+from overdrive.techniques import default_config, get_technique
+from overdrive.techniques import describe_report as describe
 from overdrive.techniques.pruning.unstructured import PruneUnstructuredConfig, weight_sparsity
 from overdrive.techniques.sparsity.semi_structured import mask_2_to_4
 from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 def test_unstructured_zeroes_the_smallest_weights_and_reports_size_only(global_pruning):
     workload = make_conv_workload()
     reports = []
-    steps = [Step(name="prune-unstructured", config=PruneUnstructuredConfig(ratio=0.6, global_pruning=global_pruning,
+    steps = [(PruneUnstructuredConfig(ratio=0.6, global_pruning=global_pruning,
                                                                             finetune_steps=0))]
     model, _ = build(workload, steps, CPU, reports)
     head = model.head.weight
@@ -80,7 +80,7 @@ def test_sparsity_24_gates_each_layer_on_a_gpu():
         pytest.skip(reason)
     reports = []
     try:
-        model, _ = build(workload, [Step.default("sparsity-2:4")], device, reports)
+        model, _ = build(workload, [default_config("sparsity-2:4")], device, reports)
     except RuntimeError as exc:
         assert "no layer is faster sparse" in str(exc)  # an honest outcome of the gate
         return

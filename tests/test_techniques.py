@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from overdrive.core.measure import measure
-from overdrive.optimize.plan import Step, build
-from overdrive.techniques import BatchingPolicy, Stage, list_techniques
+from overdrive.optimize.plan import build
+from overdrive.techniques import BatchingPolicy, Stage, default_config, list_techniques
 from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
 # Floors for lossy techniques: min cosine to fp32 on the tiny random models.
@@ -39,7 +39,7 @@ def test_technique_against_fp32(technique, workload_factory):
                                   "prune-heads", "prune-ffn", "sparsity-2:4", "pipeline-parallel", "remove-padding"), reason
         pytest.skip(reason)
     reference = reference_outputs(workload)
-    model, policy = build(workload, [Step.default(technique.name)], CPU)
+    model, policy = build(workload, [default_config(technique.name)], CPU)
     m, out = measure(model, workload, device=CPU, batch_size=8, indices=list(range(len(workload.samples))),
                      policy=policy, reference=reference, min_timed_calls=1, min_timed_s=0.0)
     assert out.shape == reference.shape and out.dtype == torch.float32
@@ -60,7 +60,7 @@ def test_every_technique_has_a_floor_or_is_lossless():
 def test_bn_fold_removes_batchnorm_and_keeps_the_math(conv_workload):
     from overdrive.techniques.graph.bn_fold import num_batchnorm
 
-    model, _ = build(conv_workload, [Step.default("bn-fold")], CPU)
+    model, _ = build(conv_workload, [default_config("bn-fold")], CPU)
     assert num_batchnorm(conv_workload.model) == 2 and num_batchnorm(model) == 0
     x = torch.stack(conv_workload.samples[:4])
     with torch.no_grad():
@@ -76,7 +76,7 @@ def test_bn_fold_refuses_a_model_without_conv_bn_pairs():
 
 
 def test_int8_dynamic_replaces_linear_layers(text_workload):
-    model, _ = build(text_workload, [Step.default("int8-dynamic")], CPU)
+    model, _ = build(text_workload, [default_config("int8-dynamic")], CPU)
     kinds = {type(m).__module__ for m in model.modules()}
     assert any("quantized" in k for k in kinds), kinds
 
@@ -97,7 +97,7 @@ def test_length_bucketing_orders_by_length_and_restores_input_order(text_workloa
 
 
 def test_channels_last_converts_weights_and_inputs(conv_workload):
-    model, _ = build(conv_workload, [Step.default("channels-last")], CPU)
+    model, _ = build(conv_workload, [default_config("channels-last")], CPU)
     conv = model.inner.conv1
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
 
@@ -121,7 +121,7 @@ def test_techniques_on_cuda(name):
     device = torch.device("cuda")
     workload = make_conv_workload()
     reference = reference_outputs(workload, device)
-    model, policy = build(workload, [Step.default(name)], device)
+    model, policy = build(workload, [default_config(name)], device)
     m, out = measure(model, workload, device=device, batch_size=8, indices=list(range(len(workload.samples))),
                      policy=policy, reference=reference, min_timed_calls=2, min_timed_s=0.0)
     assert m.peak_memory_kind == "cuda_max_allocated" and m.peak_memory_bytes > 0
@@ -131,7 +131,7 @@ def test_techniques_on_cuda(name):
 def test_bn_fold_reaches_inside_wrappers(conv_workload):
     from overdrive.techniques.graph.bn_fold import num_batchnorm
 
-    steps = [Step.default("channels-last"), Step.default("bf16"), Step.default("bn-fold")]
+    steps = [default_config("channels-last"), default_config("bf16"), default_config("bn-fold")]
     model, _ = build(conv_workload, steps, CPU)
     assert num_batchnorm(model) == 0
     x = torch.stack(conv_workload.samples[:4])

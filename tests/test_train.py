@@ -192,9 +192,9 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path):
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
-    from overdrive.core.errors import UserError
+    from overdrive.core.errors import ConfigError
 
-    with pytest.raises(UserError, match="no checkpoint there"):
+    with pytest.raises(ConfigError, match="no checkpoint there"):
         reference("mlp", steps=2, batch_size=8, resume_dir=str(tmp_path))
 
 

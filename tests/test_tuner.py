@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from overdrive.optimize.plan import Plan, Step
+from overdrive.optimize.plan import Plan
 from overdrive.optimize.tuner import Guard, Tuner
-from overdrive.techniques import Stage, Technique, TechniqueConfig
-from overdrive.techniques.registry import _REGISTRY, ForwardWrapper
+from overdrive.techniques import Stage, Technique, TechniqueConfig, config_from_dict, config_to_dict, default_config
+from overdrive.techniques.registry import ForwardWrapper, get_technique, register, unregister
 
 CPU = torch.device("cpu")
 
@@ -46,19 +46,21 @@ class _Broken(ForwardWrapper):
 
 
 def _technique(name, wrapper, stage=Stage.GRAPH, group=None):
-    return type(name, (Technique,), {
-        "name": name, "config_cls": _NoConfig, "stage": stage, "lossless": False, "group": group,
+    """A registered technique `name` (with a config class of its own) that wraps the model in `wrapper`."""
+    config = dataclass(frozen=True, kw_only=True)(type(f"{name}-config", (_NoConfig,), {"name": name}))
+    register(type(name, (Technique,), {
+        "config_cls": config, "stage": stage, "lossless": False, "group": group,
         "description": "test", "apply": lambda self, model, config, **_: wrapper(model),
-    })()
+    }))
+    return get_technique(name)
 
 
 @pytest.fixture
 def fake_techniques():
-    added = {t.name: t for t in (_technique("t-noisy", _Noisy), _technique("t-slow", _Slow), _technique("t-broken", _Broken))}
-    _REGISTRY.update(added)
-    yield list(added)
+    added = [_technique("t-noisy", _Noisy).name, _technique("t-slow", _Slow).name, _technique("t-broken", _Broken).name]
+    yield added
     for name in added:
-        _REGISTRY.pop(name)
+        unregister(name)
 
 
 def _row(result, label):
@@ -78,12 +80,12 @@ def test_lossy_slow_and_broken_techniques_are_rejected_with_reasons(conv_workloa
 
 def test_accuracy_budget_rejects_with_the_drop(conv_workload):
     guard = Guard(min_fidelity=0.0, max_accuracy_drop=0.0, min_gain=1e-6)
-    _REGISTRY["t-slightly-noisy"] = _technique("t-slightly-noisy", _SlightlyNoisy)
+    _technique("t-slightly-noisy", _SlightlyNoisy)
     try:
         result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-slightly-noisy"], guard=guard,
                        min_timed_calls=2, min_timed_s=0.2).run()
     finally:
-        _REGISTRY.pop("t-slightly-noisy")
+        unregister("t-slightly-noisy")
     row = _row(result, "t-slightly-noisy")
     assert row.measurement.fidelity["min_cosine"] > 0.0
     if row.measurement.task_metric["accuracy_pct"] < result.baseline.task_metric["accuracy_pct"]:
@@ -94,15 +96,13 @@ def test_accuracy_budget_rejects_with_the_drop(conv_workload):
 
 def test_group_alternatives_compose_at_most_one(conv_workload):
     guard = Guard(min_fidelity=0.9, min_gain=1e-6)  # keep everything that runs
-    _REGISTRY["t-prec-a"] = _technique("t-prec-a", ForwardWrapper, Stage.PRECISION, group="precision")
-    _REGISTRY["t-prec-a"].apply = lambda model, config, **_: model
-    _REGISTRY["t-prec-b"] = _technique("t-prec-b", ForwardWrapper, Stage.PRECISION, group="precision")
-    _REGISTRY["t-prec-b"].apply = lambda model, config, **_: model
+    _technique("t-prec-a", ForwardWrapper, Stage.PRECISION, group="precision").apply = lambda model, config, **_: model
+    _technique("t-prec-b", ForwardWrapper, Stage.PRECISION, group="precision").apply = lambda model, config, **_: model
     try:
         result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-prec-a", "t-prec-b"],
                        guard=guard, min_timed_calls=2, min_timed_s=0.2).run()
     finally:
-        _REGISTRY.pop("t-prec-a"), _REGISTRY.pop("t-prec-b")
+        unregister("t-prec-a"), unregister("t-prec-b")
     composed = [r for r in result.rows if r.phase == "compose"]
     assert len(composed) == 2
     assert sum(r.kept for r in composed) == 1
@@ -131,20 +131,20 @@ def test_plan_round_trip_rebuilds_the_same_model(conv_workload, tmp_path):
 
 
 def test_plan_rejects_garbage(tmp_path):
-    from overdrive.core.errors import UserError
+    from overdrive.core.errors import PlanError
 
     bad = tmp_path / "plan.json"
     bad.write_text('{"version": 1, "workload": "x", "device": "cpu", "batch_size": 4, "techniques": [{"name": "warp-drive"}]}')
-    with pytest.raises(UserError, match="not an overdrive plan"):
+    with pytest.raises(PlanError, match="not an overdrive plan"):
         Plan.load(bad)
-    with pytest.raises(UserError, match="no such file"):
+    with pytest.raises(PlanError, match="no such file"):
         Plan.load(tmp_path / "missing.json")
 
 
 def test_step_default_uses_the_registered_config():
-    step = Step.default("compile")
-    assert step.to_dict()["config"]["mode"] == "default"
-    assert Step.from_dict(step.to_dict()) == step
+    step = default_config("compile")
+    assert config_to_dict(step)["config"]["mode"] == "default"
+    assert config_from_dict(config_to_dict(step)) == step
 
 
 def test_guard_rejects_nan_fidelity_and_nonfinite_outputs():

@@ -1,46 +1,51 @@
-"""`overdrive bench`: the baseline and (optionally) a plan measured at several batch sizes."""
+"""`overdrive bench`: the baseline and (optionally) a plan measured at several batch sizes
+(`overdrive.optimize.sweep.compare_plan`), as a table, bench.json and a plot."""
 
 from __future__ import annotations
 
-from rich.table import Table
-
-from overdrive.core import devices
-from overdrive.core.errors import UserError
-from overdrive.core.report import environment, format_bytes, format_fidelity, make_console, plot_latency_vs_batch, write_results
-from overdrive.optimize.plan import Plan
-from overdrive.optimize.sweep import open_session, sweep
-from overdrive.techniques.pruning.recovery import describe
+from overdrive.cli.args import add_workload_args, int_list
 
 
-def cmd_bench(args) -> int:
+def add_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="measure the baseline and a plan at several batch sizes")
+    add_workload_args(bench)
+    bench.add_argument("--plan", help="plan.json written by `overdrive optimize` (default: baseline only)")
+    bench.add_argument("--batch-sizes", type=int_list, help="comma-separated batch sizes (default: the plan's)")
+
+
+def main(args, argv: list[str]) -> int:
+    from rich.table import Table
+
+    from overdrive.core import devices
+    from overdrive.core.report import (
+        environment,
+        format_bytes,
+        format_fidelity,
+        make_console,
+        plot_latency_vs_batch,
+        write_results,
+    )
+    from overdrive.optimize.plan import load_plan
+    from overdrive.optimize.sweep import compare_plan, open_session
+    from overdrive.techniques import describe_report
+
     console = make_console()
-    plan = Plan.load(args.plan) if args.plan else None
-    if plan and plan.workload != args.workload:
-        raise UserError(f"--plan {args.plan} was made for workload {plan.workload!r}, not {args.workload!r}; "
-                        f"run `overdrive bench {plan.workload} --plan {args.plan}`")
-    if plan:
-        plan.check_checkpoints()  # a missing or foreign checkpoint is an error now, not a failed row later
-    if plan and args.device == "auto":
-        args.device = plan.device  # a plan holds on the device type it was tuned on
-    session = open_session(args, batch_size=plan.batch_size if plan and not args.batch_size else None)
-    if plan and plan.device != session.device.type:
-        raise UserError(f"--plan {args.plan} was tuned on {plan.device!r} and holds only there; run `overdrive optimize "
-                        f"{args.workload} --device {session.device.type}` to make a plan for this device")
+    plan, device = None, args.device
+    if args.plan:
+        plan, device, _ = load_plan(args.plan, device=args.device, workload=args.workload)
+    session = open_session(args.workload, device=device, batch_size=args.batch_size or (plan.batch_size if plan else None),
+                           num_samples=args.num_samples, out=args.out, input_shape=args.input_shape,
+                           input_dtype=args.input_dtype)
     batch_sizes = session.sweep_sizes(args.batch_sizes or [session.batch_size])
-    configs = {"baseline (eager fp32)": []}
-    if plan:
-        configs["plan: " + (" + ".join(plan.names) or "baseline")] = plan.steps
     device_name = devices.describe(session.device)
-    failures: list[str] = []
-    reports: dict[str, list[dict]] = {}
     with console.status("measuring") as status:
-        curves = sweep(session, configs, batch_sizes, progress=lambda d: status.update(f"measuring {d}"), warn=failures.append,
-                       reports=reports)
+        curves, failures, reports = compare_plan(session, plan, batch_sizes,
+                                                 progress=lambda d: status.update(f"measuring {d}"))
 
     table = Table(title=f"overdrive bench {session.workload.name} — {device_name}")
     for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup", "peak memory", "fidelity"):
         table.add_column(col, justify="left" if col in ("configuration", "fidelity") else "right")
-    base = dict(curves["baseline (eager fp32)"])
+    base = dict(next(iter(curves.values())))
     key = session.workload.fidelity_key
     for label, points in curves.items():
         for b, m in points:
@@ -50,7 +55,7 @@ def cmd_bench(args) -> int:
     console.print(table)
     console.print(f"{session.describe_samples()} per measurement")
     for report in (r for label_reports in reports.values() for r in label_reports):
-        console.print(describe(report, key), highlight=False, soft_wrap=True)
+        console.print(describe_report(report, key), highlight=False, soft_wrap=True)
     for failure in failures:
         console.print(f"[yellow]{failure}[/]")
     out = session.out_dir

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from overdrive.core.errors import UserError
+from overdrive.core.errors import ConfigError, arg
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -17,28 +17,26 @@ def resolve_device(name: str | None) -> torch.device:
         The device.
 
     Raises:
-        UserError: the string is not a device, or the device is not present here.
+        ConfigError: the string is not a device, or the device is not present here.
     """
     if name in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as exc:
-        raise UserError(f"--device {name!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N'") from exc
+        raise ConfigError(f"{arg('device', name)} is not a device; expected 'cpu', 'cuda' or 'cuda:N'") from exc
     if device.type == "cpu":
         return device
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise UserError(
-                f"--device {name} was asked for but no CUDA GPU is present on this machine; "
-                "use --device cpu"
-            )
+            raise ConfigError(f"{arg('device', name)} was asked for but no CUDA GPU is present on this machine; "
+                              f"use {arg('device', 'cpu')}")
         count = torch.cuda.device_count()
         index = 0 if device.index is None else device.index
         if index >= count:
-            raise UserError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+            raise ConfigError(f"{arg('device', name)}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
         return torch.device("cuda", index)
-    raise UserError(f"--device {name}: device type {device.type!r} is not supported; expected 'cpu' or 'cuda'")
+    raise ConfigError(f"{arg('device', name)}: device type {device.type!r} is not supported; expected 'cpu' or 'cuda'")
 
 
 def replica_devices(resolved: torch.device, requested: str | None) -> list[torch.device]:

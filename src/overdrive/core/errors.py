@@ -22,9 +22,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-_MARK = "\x1e"  # wraps an argument reference: MARK name [UNIT value] MARK
+_MARK = "\x1e"  # wraps an argument reference: MARK name [UNIT command-line text UNIT Python text] MARK
 _UNIT = "\x1f"
-_REFERENCE = re.compile(f"{_MARK}([A-Za-z_][A-Za-z0-9_]*)(?:{_UNIT}(.*?))?{_MARK}", re.S)
+_REFERENCE = re.compile(f"{_MARK}([A-Za-z_][A-Za-z0-9_]*)(?:{_UNIT}(.*?){_UNIT}(.*?))?{_MARK}", re.S)
 _NO_VALUE = object()
 
 
@@ -33,24 +33,25 @@ def arg(name: str, value=_NO_VALUE) -> str:
     error message: rendered `name=value` by `str(error)` and `--flag value` by the CLI."""
     if value is _NO_VALUE:
         return f"{_MARK}{name}{_MARK}"
-    return f"{_MARK}{name}{_UNIT}{value}{_MARK}"
-
-
-def _python(name: str, value: str | None) -> str:
-    return name if value is None else f"{name}={value}"
+    python = repr(value) if isinstance(value, (str, int, float, bool, tuple, list, type(None))) else repr(str(value))
+    return f"{_MARK}{name}{_UNIT}{value}{_UNIT}{python}{_MARK}"
 
 
 class OverdriveError(Exception):
     """Base of the errors overdrive raises for something the caller can fix; the message says
     what was expected and what to do instead."""
 
-    def render(self, reference: Callable[[str, str | None], str] = _python) -> str:
-        """The message, each argument reference rendered by `reference(name, value or None)`."""
-        text = str(self.args[0]) if self.args else ""
-        return _REFERENCE.sub(lambda m: reference(m.group(1), m.group(2)), text)
+    def render(self, spell: Callable[[str, str | None], str]) -> str:
+        """The message with each argument reference spelled by `spell(name, value as text or None)`
+        (the command line's flags, for instance)."""
+        return _REFERENCE.sub(lambda m: spell(m.group(1), m.group(2)), self._text())
 
     def __str__(self) -> str:
-        return self.render()
+        """The message, argument references as Python keyword arguments (`batch_size=8`)."""
+        return _REFERENCE.sub(lambda m: m.group(1) if m.group(3) is None else f"{m.group(1)}={m.group(3)}", self._text())
+
+    def _text(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class ConfigError(OverdriveError, ValueError):
@@ -82,6 +83,3 @@ def one_line(exc: BaseException, *, max_chars: int = 240) -> str:
     if len(text) > max_chars:
         text = text[:max_chars].rsplit(" ", 1)[0] + " …"
     return text
-
-
-UserError = OverdriveError  # TEMPORARY during the move

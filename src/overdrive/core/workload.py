@@ -26,7 +26,10 @@ class Workload:
             sample order; higher is better for `fidelity_key`.
         fidelity_key: the figure the `--min-fidelity` floor applies to.
         default_batch_size: rows per batch when the user gives none.
-        labels: int64 [N] class labels aligned with `samples`, for workloads with a task metric.
+        labels: int64 [N] class labels aligned with `samples`: the task metric is top-1 accuracy (%).
+        metric: another task metric, `metric(outputs) -> float` on the outputs of all samples
+            (float32 [N, ...] in sample order), higher is better, in its own units (points);
+            used when there are no labels.
         train_samples: samples for fine-tuning (pruning's recovery, `train`), disjoint from
             `samples`; None when the workload has no training data.
         train_labels: int64 [M] labels of `train_samples` (classification); None means the
@@ -50,6 +53,7 @@ class Workload:
     fidelity_key: str
     default_batch_size: int
     labels: torch.Tensor | None = None
+    metric: Callable[[torch.Tensor], float] | None = None
     train_samples: Sequence[Any] | None = None
     train_labels: torch.Tensor | None = None
     sample_length: Callable[[Any], int] | None = None
@@ -60,7 +64,12 @@ class Workload:
 
     @property
     def has_task_metric(self) -> bool:
-        return self.labels is not None
+        return self.labels is not None or self.metric is not None
+
+    @property
+    def task_metric_name(self) -> str:
+        """The key of the task metric in `task_metric`'s result: "accuracy_pct" (labels) or "metric"."""
+        return "accuracy_pct" if self.labels is not None else "metric"
 
     @property
     def is_torchscript(self) -> bool:
@@ -75,13 +84,23 @@ class Workload:
         return any(isinstance(m, nn.modules.conv._ConvNd) for m in self.model.modules())
 
     def task_metric(self, output: torch.Tensor, indices: Sequence[int] | None = None) -> dict[str, float]:
-        """Top-1 accuracy in percent of `output` logits [N, C] against the labels of the samples.
+        """The task metric of `output` [N, ...], the outputs of samples `indices` (default: all, in
+        order): {"accuracy_pct": top-1 accuracy of logits against the labels}, or {"metric": the
+        workload's `metric` on the outputs of every sample, in sample order}.
 
         Raises:
-            ValueError: the workload has no labels.
+            ValueError: the workload has no task metric, or `metric` is asked about a subset of samples.
         """
-        if self.labels is None:
+        if self.labels is None and self.metric is None:
             raise ValueError(f"workload {self.name!r} has no task metric")
+        if self.labels is None:
+            positions = {}
+            for position, index in enumerate(range(len(output)) if indices is None else indices):
+                positions.setdefault(index, position)
+            if set(positions) != set(range(len(self.samples))):
+                raise ValueError(f"workload {self.name!r}: its metric scores all {len(self.samples)} samples, not "
+                                 f"{len(positions)} of them")
+            return {"metric": float(self.metric(output[[positions[i] for i in range(len(self.samples))]]))}
         labels = self.labels if indices is None else self.labels[list(indices)]
         correct = (output.argmax(dim=-1).cpu() == labels).float().mean().item()
         return {"accuracy_pct": 100.0 * correct}

@@ -12,36 +12,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from overdrive.core.errors import UserError, one_line
+from overdrive.core.errors import PlanError, arg, one_line
 from overdrive.core.workload import Workload, eval_mode
-from overdrive.techniques import BatchingPolicy, TechniqueConfig, get_technique
+from overdrive.techniques import BatchingPolicy, TechniqueConfig, config_from_dict, config_to_dict, technique_for
 
 PLAN_VERSION = 1
 
 
-@dataclass(frozen=True, kw_only=True)
-class Step:
-    """One technique with its config, as applied in a plan or candidate."""
-
-    name: str
-    config: TechniqueConfig
-
-    @classmethod
-    def default(cls, name: str) -> Step:
-        return cls(name=name, config=get_technique(name).config_cls())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "config": self.config.to_dict()}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Step:
-        technique = get_technique(data["name"])
-        return cls(name=data["name"], config=technique.config_cls.from_dict(data.get("config", {})))
-
-
-def build(workload: Workload, steps: list[Step], device: torch.device,
+def build(workload: Workload, steps: list[TechniqueConfig], device: torch.device,
           reports: list[dict[str, Any]] | None = None) -> tuple[nn.Module, BatchingPolicy]:
-    """Apply `steps` in order to a private copy of the workload's fp32 model on `device`.
+    """Apply the technique of each config in `steps`, in order, to a private copy of the
+    workload's fp32 model on `device`.
 
     Args:
         reports: when given, receives the report of each step that leaves one (pruning:
@@ -56,46 +37,47 @@ def build(workload: Workload, steps: list[Step], device: torch.device,
     model = eval_mode(copy.deepcopy(workload.model).to(device))
     policy = BatchingPolicy()
     for step in steps:
-        technique = get_technique(step.name)
+        technique = technique_for(step)
         reason = technique.unsupported_reason(workload, device)
         if reason:
             raise RuntimeError(f"{step.name}: {reason}")
-        model = technique.apply(model, step.config, workload=workload, device=device)
+        model = technique.apply(model, step, workload=workload, device=device)
         report = model.__dict__.pop("overdrive_report", None)  # set by the technique on its own output
         if report is not None and reports is not None:
             reports.append(report)
-        policy = technique.batching(policy, step.config)
+        policy = technique.batching(policy, step)
     return model, policy
 
 
-def build_on_devices(workload: Workload, steps: list[Step], devices: list[torch.device]) -> list[nn.Module]:
+def build_on_devices(workload: Workload, steps: list[TechniqueConfig], devices: list[torch.device]) -> list[nn.Module]:
     """`build` once per device (one replica or serving instance each).
 
     Raises:
-        UserError: a step cannot be applied on a device (the message names the device and why).
+        PlanError: a step cannot be applied on a device (the message names the device and why).
     """
     models = []
     for d in devices:
         try:
             models.append(build(workload, steps, d)[0])
         except RuntimeError as exc:
-            raise UserError(f"cannot build the plan's model on {d}: {one_line(exc)}") from None
+            raise PlanError(f"cannot build the plan's model on {d}: {one_line(exc)}") from None
     return models
 
 
-def save_checkpoints(steps: list[Step], workload: Workload, device: torch.device, folder: Path) -> list[Step]:
+def save_checkpoints(steps: list[TechniqueConfig], workload: Workload, device: torch.device,
+                     folder: Path) -> list[TechniqueConfig]:
     """Write the weights of each pruning step to `folder/<technique>.pt` and return the steps
     with `checkpoint` set, so that reloading the plan reuses the pruned, recovered model
     instead of pruning and fine-tuning again."""
     from overdrive.techniques.pruning.recovery import PruningTechnique, save_checkpoint
 
-    out: list[Step] = []
+    out: list[TechniqueConfig] = []
     for step in steps:
-        if isinstance(get_technique(step.name), PruningTechnique) and not step.config.checkpoint:
+        if isinstance(technique_for(step), PruningTechnique) and not step.checkpoint:
             model, _ = build(workload, out + [step], device)  # cached: reshapes and loads, no new fine-tune
             path = Path(folder) / f"{step.name}.pt"
             save_checkpoint(model, path, step.name)
-            step = Step(name=step.name, config=dataclasses.replace(step.config, checkpoint=str(path)))
+            step = dataclasses.replace(step, checkpoint=str(path))
         out.append(step)
     return out
 
@@ -108,17 +90,20 @@ class Plan:
         workload: the workload spec it was made for (name, import path or file).
         device: "cpu" or "cuda" (a device type: the plan moves between GPUs of one kind).
         batch_size: rows per call it was tuned at.
-        steps: techniques in application order.
+        steps: technique configs in application order.
         measured: headline figures of the chosen configuration (samples_per_s, speedup, ...).
         environment: torch version and device name it was measured with.
+        inputs: per model input, the row shape and dtype it was measured with ({"shape": [...],
+            "dtype": "float32"}), for tensor workloads; None for text.
     """
 
     workload: str
     device: str
     batch_size: int
-    steps: list[Step]
+    steps: list[TechniqueConfig]
     measured: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
+    inputs: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -126,9 +111,10 @@ class Plan:
             "workload": self.workload,
             "device": self.device,
             "batch_size": self.batch_size,
-            "techniques": [s.to_dict() for s in self.steps],
+            "techniques": [config_to_dict(s) for s in self.steps],
             "measured": self.measured,
             "environment": self.environment,
+            **({"inputs": self.inputs} if self.inputs else {}),
         }
 
     @classmethod
@@ -146,9 +132,10 @@ class Plan:
             workload=data["workload"],
             device=data["device"],
             batch_size=int(data["batch_size"]),
-            steps=[Step.from_dict(s) for s in data["techniques"]],
+            steps=[config_from_dict(s) for s in data["techniques"]],
             measured=data.get("measured", {}),
             environment=data.get("environment", {}),
+            inputs=data.get("inputs"),
         )
 
     def save(self, path: Path) -> None:
@@ -164,22 +151,22 @@ class Plan:
         path.write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: Path, label: str = "--plan") -> Plan:
-        """Read a plan file; `label` names where the path came from in error messages.
+    def load(cls, path: Path, argument: str = "plan") -> Plan:
+        """Read a plan file; `argument` names the argument the path came from in error messages.
 
         Raises:
-            UserError: the file is missing, not JSON, or not a plan.
+            PlanError: the file is missing, not JSON, or not a plan.
         """
         try:
             plan = cls.from_dict(json.loads(Path(path).read_text()))
             plan.steps = _map_checkpoints(plan.steps, lambda p: str(Path(path).parent / p))  # relative to the plan
             return plan
         except FileNotFoundError:
-            raise UserError(f"{label} {path}: no such file; expected a plan.json written by `overdrive optimize`") from None
+            raise PlanError(f"{arg(argument, path)}: no such file; expected a plan.json written by `overdrive optimize`") from None
         except (IsADirectoryError, UnicodeDecodeError, OSError) as exc:
-            raise UserError(f"{label} {path} cannot be read as a plan.json ({type(exc).__name__})") from None
+            raise PlanError(f"{arg(argument, path)} cannot be read as a plan.json ({type(exc).__name__})") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise UserError(f"{label} {path} is not an overdrive plan ({type(exc).__name__}: {exc})") from None
+            raise PlanError(f"{arg(argument, path)} is not an overdrive plan ({type(exc).__name__}: {exc})") from None
 
     def build(self, workload: Workload, device: torch.device) -> tuple[nn.Module, BatchingPolicy]:
         return build(workload, self.steps, device)
@@ -188,29 +175,66 @@ class Plan:
         """Read every checkpoint the plan names, before anything is measured.
 
         Raises:
-            UserError: one is missing, unreadable, or written by another technique.
+            PlanError: one is missing, unreadable, or written by another technique.
         """
         from overdrive.techniques.pruning.recovery import load_checkpoint
 
         for step in self.steps:
-            checkpoint = getattr(step.config, "checkpoint", None)
+            checkpoint = getattr(step, "checkpoint", None)
             if checkpoint:
                 try:
                     load_checkpoint(checkpoint, step.name)
                 except RuntimeError as exc:
-                    raise UserError(f"plan step {exc}; run `overdrive optimize` again to rewrite it") from None
+                    raise PlanError(f"plan step {exc}; optimize again to rewrite it") from None
 
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.steps]
 
 
-def _map_checkpoints(steps: list[Step], fn) -> list[Step]:
-    """Steps whose config names a `checkpoint` file, with `fn(Path)` applied to that path."""
-    out = []
-    for step in steps:
-        checkpoint = getattr(step.config, "checkpoint", None)
-        if checkpoint:
-            step = Step(name=step.name, config=dataclasses.replace(step.config, checkpoint=fn(Path(checkpoint))))
-        out.append(step)
-    return out
+def load_plan(path: str | Path, *, device: str | None = "auto", workload: str | None = None,
+              argument: str = "plan") -> tuple[Plan, torch.device, str]:
+    """Read a plan and check that it can run here: the one way `bench`, `serve` and `run` load one.
+
+    A plan holds on the device type it was tuned on; `device` "auto" (or None) means that type.
+    Every checkpoint the plan names is read now, so a missing one is an error before anything runs.
+
+    Args:
+        path: the plan.json `optimize` wrote.
+        device: "auto", "cpu", "cuda" or "cuda:N".
+        workload: the workload the caller named, if any; it must be the plan's.
+        argument: the argument `path` came from, for error messages.
+
+    Returns:
+        (plan, the resolved device, the device as asked for with "auto" replaced by the plan's
+        type: "cuda" without an index means every GPU to `replica_devices`).
+
+    Raises:
+        PlanError: the file is not a readable plan, it names missing or foreign checkpoints, it was
+            made for another workload, or tuned on another device type than the one asked for.
+        ConfigError: the device is not a device or not present.
+    """
+    from overdrive.core.devices import resolve_device
+
+    plan = Plan.load(Path(path), argument)
+    if workload and workload not in (plan.workload, Path(plan.workload).name):
+        raise PlanError(f"{arg(argument, path)} was made for workload {plan.workload!r}, not {workload!r}; "
+                        f"use it with {plan.workload!r}")
+    plan.check_checkpoints()
+    if device in (None, "", "auto"):
+        device = plan.device
+        if plan.device == "cuda" and not torch.cuda.is_available():
+            raise PlanError(f"{arg(argument, path)} was tuned on cuda and no CUDA GPU is present on this machine; "
+                            f"optimize {plan.workload} with {arg('device', 'cpu')} for a CPU plan")
+    resolved = resolve_device(device)
+    if plan.device != resolved.type:
+        raise PlanError(f"{arg(argument, path)} was tuned on {plan.device!r} and holds only there; use it with "
+                        f"{arg('device', plan.device)}, or optimize {plan.workload} with {arg('device', resolved.type)} "
+                        "for a plan for this device")
+    return plan, resolved, device
+
+
+def _map_checkpoints(steps: list[TechniqueConfig], fn) -> list[TechniqueConfig]:
+    """The steps, with `fn(Path)` applied to the `checkpoint` file of those that name one."""
+    return [dataclasses.replace(s, checkpoint=fn(Path(s.checkpoint))) if getattr(s, "checkpoint", None) else s
+            for s in steps]

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from overdrive.core.devices import resolve_device
-from overdrive.core.errors import UserError, one_line
+from overdrive.core.errors import ConfigError, arg, one_line
 from overdrive.core.measure import Measurement, cycle_indices, measure
-from overdrive.optimize.plan import Step, build
+from overdrive.optimize.plan import build
+from overdrive.techniques import TechniqueConfig
 from overdrive.workloads import Workload, create_workload
 
 DEFAULT_TEXT_SAMPLES = 512
@@ -25,7 +26,7 @@ class Session:
     batch_size: int
     num_samples: int  # rows evaluated per measurement (≥ batch_size)
     num_distinct_samples: int  # of which distinct; fewer when samples repeat to fill a batch
-    out_dir: Path
+    out_dir: Path | None  # where results are written; None: nowhere
 
     def describe_samples(self) -> str:
         if self.num_distinct_samples < self.num_samples:
@@ -39,51 +40,73 @@ class Session:
         return [fixed] if fixed else requested
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise UserError(f"--input-dtype {name!r} is not a torch dtype; expected e.g. float32, int64")
+        raise ConfigError(f"{arg('input_dtype', name)} is not a torch dtype; expected e.g. float32, int64")
     return dtype
 
 
-def open_session(args, *, batch_size: int | None = None) -> Session:
-    """Resolve device, workload, batch size, sample count and output folder from CLI args.
+def writable_folder(root: str | Path, name: str) -> Path:
+    """ROOT/<name made safe for a path>, created and checked writable now, not after minutes of measuring.
 
     Raises:
-        UserError: any of them is invalid (the message names what was expected).
+        ConfigError: it cannot be written.
     """
-    device = resolve_device(args.device)
-    workload = create_workload(args.workload, input_shape=args.input_shape, input_dtype=parse_dtype(args.input_dtype))
-    batch_size = batch_size or args.batch_size or workload.fixed_batch_size or workload.default_batch_size
-    if workload.fixed_batch_size and batch_size != workload.fixed_batch_size:
-        raise UserError(f"{args.workload} accepts only batch size {workload.fixed_batch_size} (it was exported with a "
-                        f"static batch dimension); pass --batch-size {workload.fixed_batch_size}, or export it with "
-                        "a dynamic batch (torch.export.Dim)")
-    default_n = DEFAULT_TEXT_SAMPLES if workload.is_text else len(workload.samples)
-    distinct = min(args.num_samples or default_n, len(workload.samples))
-    num_samples = max(distinct, batch_size)  # a batch is always full; samples repeat when there are too few
-    safe_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", workload.name).strip("_") or "workload"
-    out_dir = Path(args.out) / safe_name
-    try:  # fail now, not after minutes of measuring
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".write-test"
+    folder = Path(root) / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "workload")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-test"
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise UserError(f"--out {args.out}: cannot write results under {out_dir} ({exc.strerror or exc}); "
-                        "expected a writable folder") from None
+        raise ConfigError(f"{arg('out', root)}: cannot write results under {folder} ({exc.strerror or exc}); "
+                          "expected a writable folder") from None
+    return folder
+
+
+def open_session(workload: str | Workload, *, device: str | torch.device | None = "auto", batch_size: int | None = None,
+                 num_samples: int | None = None, out: str | Path | None = None,
+                 input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32") -> Session:
+    """Resolve the device, workload, batch size, sample count and output folder.
+
+    Args:
+        workload: a workload spec (see `create_workload`) or a built Workload.
+        device: "auto", "cpu", "cuda", "cuda:N" or a torch.device.
+        batch_size: rows per call; None: the workload's (its fixed one for static-batch models).
+        num_samples: distinct evaluation samples; None: 512 for text, all otherwise.
+        out: results go to OUT/<workload name>/ (checked writable now); None: nowhere.
+        input_shape, input_dtype: for model files that store no input shape (TorchScript).
+
+    Raises:
+        ConfigError: a device, batch size, dtype or folder that cannot work (the message names it).
+        WorkloadError: the workload cannot be built.
+    """
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    spec = workload if isinstance(workload, str) else workload.name
+    if isinstance(workload, str):
+        workload = create_workload(workload, input_shape=input_shape, input_dtype=parse_dtype(input_dtype))
+    batch_size = batch_size or workload.fixed_batch_size or workload.default_batch_size
+    if workload.fixed_batch_size and batch_size != workload.fixed_batch_size:
+        raise ConfigError(f"{spec} accepts only batch size {workload.fixed_batch_size} (it was exported with a "
+                          f"static batch dimension); pass {arg('batch_size', workload.fixed_batch_size)}, or export "
+                          "it with a dynamic batch (torch.export.Dim)")
+    default_n = DEFAULT_TEXT_SAMPLES if workload.is_text else len(workload.samples)
+    distinct = min(num_samples or default_n, len(workload.samples))
     return Session(
         workload=workload,
-        spec=args.workload,
+        spec=spec,
         device=device,
         batch_size=batch_size,
-        num_samples=num_samples,
+        num_samples=max(distinct, batch_size),  # a batch is always full; samples repeat when there are too few
         num_distinct_samples=distinct,
-        out_dir=out_dir,
+        out_dir=writable_folder(out, workload.name) if out is not None else None,
     )
 
 
-def measure_steps(session: Session, steps: list[Step], *, batch_size: int, reference: torch.Tensor | None = None,
+def measure_steps(session: Session, steps: list[TechniqueConfig], *, batch_size: int, reference: torch.Tensor | None = None,
                   min_timed_calls: int = 5, reports: list[dict] | None = None) -> tuple[Measurement, torch.Tensor]:
     """Build `steps` on the session's workload and measure them at `batch_size` on the same
     samples `optimize` judged (cycled up to one full batch when there are fewer). Technique
@@ -99,7 +122,7 @@ def measure_steps(session: Session, steps: list[Step], *, batch_size: int, refer
         torch.compiler.reset()
 
 
-def sweep(session: Session, configs: dict[str, list[Step]], batch_sizes: list[int],
+def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_sizes: list[int],
           progress=lambda _: None, warn=lambda _: None,
           reports: dict[str, list[dict]] | None = None) -> dict[str, list[tuple[int, Measurement]]]:
     """Measure each configuration at each batch size; fidelity against the baseline at that size.
@@ -129,3 +152,23 @@ def sweep(session: Session, configs: dict[str, list[Step]], batch_sizes: list[in
                 m.fidelity = session.workload.fidelity(outputs, outputs)
             out[label].append((b, m))
     return out
+
+
+def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda _: None,
+                 ) -> tuple[dict[str, list[tuple[int, Measurement]]], list[str], dict[str, list[dict]]]:
+    """The eager fp32 baseline and `plan` (a Plan, or None for the baseline alone) measured at each
+    batch size, the plan's fidelity against the baseline at the same size; `progress` is called
+    with a description before each measurement.
+
+    Returns:
+        (curves {label: [(batch size, Measurement)]}, the baseline first; the points that failed,
+        one line each; the technique reports of each configuration's first build).
+    """
+    configs = {"baseline (eager fp32)": []}
+    if plan is not None:
+        configs["plan: " + (" + ".join(plan.names) or "baseline")] = plan.steps
+    failures: list[str] = []
+    reports: dict[str, list[dict]] = {}
+    curves = sweep(session, configs, batch_sizes, progress=progress, warn=failures.append, reports=reports)
+    return curves, failures, reports
+

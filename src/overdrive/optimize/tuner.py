@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from overdrive.core import devices
-from overdrive.core.errors import UserError, one_line
+from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.core.measure import Measurement, count_flops_per_sample, cycle_indices, measure
 from overdrive.core.workload import Workload
-from overdrive.optimize.plan import Plan, Step, build
-from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
+from overdrive.optimize.plan import Plan, build
+from overdrive.techniques import TechniqueConfig, default_config, get_technique, list_techniques
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,7 @@ class Guard:
 
     Attributes:
         min_fidelity: floor on the workload's fidelity figure (cosine or agreement), in [0, 1].
-        max_accuracy_drop: most task-metric points a candidate may lose (workloads with labels);
+        max_accuracy_drop: most task-metric points a candidate may lose (workloads with a task metric);
             None: no task-metric budget beyond the fidelity floor.
         min_gain: a candidate must reach this × the throughput it is compared with to be kept.
     """
@@ -40,12 +40,12 @@ class Guard:
     min_gain: float = 1.02
 
     def __post_init__(self):
-        if not 0.0 <= self.min_fidelity <= 1.0:
-            raise ValueError(f"min_fidelity must be in [0, 1], got {self.min_fidelity}")
+        if not 0.0 <= self.min_fidelity <= 1.0:  # NaN fails every comparison, so it is refused too
+            raise ConfigError(f"{arg('min_fidelity', self.min_fidelity)}: expected a number in [0, 1]")
         if self.max_accuracy_drop is not None and not 0 <= self.max_accuracy_drop < math.inf:
-            raise ValueError(f"max_accuracy_drop must be a finite number ≥ 0 points, got {self.max_accuracy_drop}")
+            raise ConfigError(f"{arg('max_accuracy_drop', self.max_accuracy_drop)}: expected a finite number ≥ 0 (points)")
         if not 0 < self.min_gain < math.inf:
-            raise ValueError(f"min_gain must be a finite ratio > 0, got {self.min_gain}")
+            raise ConfigError(f"{arg('min_gain', self.min_gain)}: expected a finite ratio > 0 (e.g. 1.02)")
 
     def violation(self, m: Measurement, baseline: Measurement, fidelity_key: str) -> str | None:
         """The figure that breaks the budget, or None. Non-finite outputs (fp16 overflow) always do."""
@@ -55,7 +55,8 @@ class Guard:
         if value is not None and not value >= self.min_fidelity:  # NaN fails too
             return f"{fidelity_key} {value:.4f} < {self.min_fidelity} floor"
         if self.max_accuracy_drop is not None and m.task_metric and baseline.task_metric:
-            drop = baseline.task_metric["accuracy_pct"] - m.task_metric["accuracy_pct"]
+            key = next(iter(baseline.task_metric))  # "accuracy_pct", or a user metric's "metric"
+            drop = baseline.task_metric[key] - m.task_metric[key]
             if drop > self.max_accuracy_drop:
                 return f"accuracy drop {drop:.2f} pt > {self.max_accuracy_drop} pt budget"
         return None
@@ -135,11 +136,10 @@ class Tuner:
         names = self.techniques if self.techniques is not None else [t.name for t in list_techniques() if not t.opt_in]
         self.techniques = [get_technique(n).name for n in names]  # KeyError names the unknown one
 
-    def _step(self, name: str) -> Step:
-        config = self.configs.get(name)
-        return Step(name=name, config=config) if config is not None else Step.default(name)
+    def _step(self, name: str) -> TechniqueConfig:
+        return self.configs.get(name) or default_config(name)
 
-    def _measure(self, steps: list[Step], reference: torch.Tensor | None, reports: list[dict]) -> Measurement:
+    def _measure(self, steps: list[TechniqueConfig], reference: torch.Tensor | None, reports: list[dict]) -> Measurement:
         model, policy = build(self.workload, steps, self.device, reports)
         try:
             m, _ = measure(
@@ -153,7 +153,7 @@ class Tuner:
             gc.collect()
             torch.compiler.reset()  # drop compiled graphs so the next candidate starts clean
 
-    def _try(self, phase: str, label: str, steps: list[Step], reference: torch.Tensor) -> Row:
+    def _try(self, phase: str, label: str, steps: list[TechniqueConfig], reference: torch.Tensor) -> Row:
         """Measure a candidate; the row is judged later (`_judge`), once its comparison is known."""
         self.progress(label)
         names = [s.name for s in steps]
@@ -185,7 +185,7 @@ class Tuner:
         """Measure eager fp32 and (when asked) count its FLOPs per sample.
 
         Raises:
-            UserError: the user's model fails at this batch size or gives non-finite outputs.
+            WorkloadError: the user's model fails at this batch size or gives non-finite outputs.
         """
         model, _ = build(self.workload, [], self.device)
         flops = count_flops_per_sample(model, self.workload, device=self.device, indices=self.indices) if count_flops else None
@@ -193,16 +193,16 @@ class Tuner:
             m, out = measure(model, self.workload, device=self.device, batch_size=self.batch_size, indices=self.indices,
                              min_timed_calls=self.min_timed_calls, min_timed_s=self.min_timed_s)
         except Exception as exc:  # noqa: BLE001 - the user's model, at the user's batch size
-            raise UserError(f"{self.workload.name}: the eager fp32 model failed at batch size {self.batch_size}: "
+            raise WorkloadError(f"{self.workload.name}: the eager fp32 model failed at batch size {self.batch_size}: "
                             f"{one_line(exc)}") from None
         finally:
             del model
         if m.nonfinite_outputs:
-            raise UserError(f"{self.workload.name}: the eager fp32 model gives {m.nonfinite_outputs} non-finite output "
+            raise WorkloadError(f"{self.workload.name}: the eager fp32 model gives {m.nonfinite_outputs} non-finite output "
                             "values (NaN/inf) on its samples, so no technique can be judged against it")
         return m, out, flops
 
-    def _leave_one_out(self, plan: list[Step], plan_m: Measurement, baseline: Measurement,
+    def _leave_one_out(self, plan: list[TechniqueConfig], plan_m: Measurement, baseline: Measurement,
                        reference: torch.Tensor) -> list[Row]:
         """For each opt-in step of a plan with others (pruning), the plan without it: what that
         step adds on top of the rest (composition measures it first, before the rest exist)."""
@@ -250,7 +250,7 @@ class Tuner:
         # 2. Greedy composition of the winners in canonical order.
         winners = [r for r in alone.values() if r.kept]
         winners.sort(key=lambda r: (get_technique(r.label).stage, -r.measurement.samples_per_s))
-        current: list[Step] = []
+        current: list[TechniqueConfig] = []
         current_m = baseline
         kept_groups: dict[str, str] = {}
         for row in winners:

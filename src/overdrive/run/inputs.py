@@ -15,7 +15,7 @@ a memory map), so any worker process can read any record by index without readin
 `read(i)` decodes one record and raises `RecordError` with a reason when that record alone is
 bad (invalid UTF-8, not JSON, missing field, corrupt image); the run files it and goes on.
 Problems with the input as a whole (missing path, unknown format, no such column, wrong array
-shape) raise `UserError` before anything runs.
+shape) raise `DataError` before anything runs.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from overdrive.core.errors import UserError
+from overdrive.core.errors import ConfigError, DataError, arg
 
 TEXT_FORMATS = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
@@ -170,7 +170,7 @@ class JsonlSource(RecordSource):
     """One JSON object per line; the record is its string field `text_field`.
 
     Raises:
-        UserError: the first object does not have `text_field` (the field name is likely wrong).
+        DataError: the first object does not have `text_field` (the field name is likely wrong).
     """
 
     format = "jsonl"
@@ -187,8 +187,8 @@ class JsonlSource(RecordSource):
             except (ValueError, UnicodeDecodeError):
                 continue
             if isinstance(obj, dict) and text_field not in obj:
-                raise UserError(f"{path}: the first JSON record has no field {text_field!r}; its fields are "
-                                f"{sorted(obj)[:20]} (choose one with --text-field)")
+                raise DataError(f"{path}: the first JSON record has no field {text_field!r}; its fields are "
+                                f"{sorted(obj)[:20]} (choose one with {arg('text_field')})")
             break
 
     def __len__(self) -> int:
@@ -224,7 +224,7 @@ class CsvSource(RecordSource):
     """A CSV file with a header row; the record is the column `text_field` (RFC 4180 quoting).
 
     Raises:
-        UserError: the header is unreadable or has no column `text_field`.
+        DataError: the header is unreadable or has no column `text_field`.
     """
 
     format = "csv"
@@ -235,14 +235,14 @@ class CsvSource(RecordSource):
         self.text_field = text_field
         offsets = csv_record_offsets(path)
         if len(offsets) < 2:
-            raise UserError(f"{path}: empty CSV file; expected a header row naming a column {text_field!r}")
+            raise DataError(f"{path}: empty CSV file; expected a header row naming a column {text_field!r}")
         self.records = _ByteRecords(path, offsets)
         try:
             header = next(csv.reader(io.StringIO(self.records.raw(0).decode("utf-8-sig"))))
         except (UnicodeDecodeError, StopIteration, csv.Error) as exc:
-            raise UserError(f"{path}: cannot read the CSV header ({exc})") from None
+            raise DataError(f"{path}: cannot read the CSV header ({exc})") from None
         if text_field not in header:
-            raise UserError(f"{path}: no column {text_field!r}; the header has {header[:20]} (choose one with --text-field)")
+            raise DataError(f"{path}: no column {text_field!r}; the header has {header[:20]} (choose one with {arg('text_field')})")
         self.column = header.index(text_field)
 
     def __len__(self) -> int:
@@ -280,7 +280,7 @@ class ImageFolderSource(RecordSource):
         self.files = sorted(str(p.relative_to(path)) for p in path.rglob("*")
                             if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
         if not self.files:
-            raise UserError(f"{path}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
+            raise DataError(f"{path}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in this folder")
 
     def __len__(self) -> int:
         return len(self.files)
@@ -309,7 +309,7 @@ class NpySource(RecordSource):
     """Rows of a .npy array [N, *row], memory-mapped; row i is record i, as the model's dtype.
 
     Raises:
-        UserError: not a readable .npy file, or rows of another shape than `row_shape`.
+        DataError: not a readable .npy file, or rows of another shape than `row_shape`.
     """
 
     format = "npy"
@@ -320,12 +320,12 @@ class NpySource(RecordSource):
         try:
             self.array = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as exc:
-            raise UserError(f"{path}: not a readable .npy array ({exc})") from None
+            raise DataError(f"{path}: not a readable .npy array ({exc})") from None
         if self.array.ndim < 1 or tuple(self.array.shape[1:]) != tuple(row_shape):
-            raise UserError(f"{path}: array of shape {list(self.array.shape)}; this model takes rows of shape "
+            raise DataError(f"{path}: array of shape {list(self.array.shape)}; this model takes rows of shape "
                             f"{list(row_shape)}, i.e. an array [N, {', '.join(map(str, row_shape))}]")
         if self.array.dtype.kind not in "biuf":
-            raise UserError(f"{path}: array of dtype {self.array.dtype}; expected a numeric array")
+            raise DataError(f"{path}: array of dtype {self.array.dtype}; expected a numeric array")
         self.dtype = dtype
 
     def __len__(self) -> int:
@@ -397,12 +397,12 @@ def image_transform(workload) -> tuple[Callable[[Any], torch.Tensor], str]:
     resized to the sample shape [C, H, W] (C = 1: greyscale "L", C = 3: "RGB") and scaled to [0, 1].
 
     Raises:
-        UserError: the workload's samples are not single images [1 or 3, H, W].
+        DataError: the workload's samples are not single images [1 or 3, H, W].
     """
     sample = single_input_sample(workload)
     if not isinstance(sample, torch.Tensor) or sample.dim() != 3 or sample.shape[0] not in (1, 3):
         shape = list(sample.shape) if isinstance(sample, torch.Tensor) else type(sample).__name__
-        raise UserError(f"workload {workload.name!r} takes inputs {shape}, not images [1 or 3, H, W]; "
+        raise ConfigError(f"workload {workload.name!r} takes inputs {shape}, not images [1 or 3, H, W]; "
                         "give it a .npy array instead")
     mode = "L" if sample.shape[0] == 1 else "RGB"
     transform = workload.extra.get("image_transform")
@@ -416,33 +416,33 @@ def open_source(path: Path, workload, *, text_field: str | None = None) -> Recor
     """Open the user's input for `workload`, by its suffix (or as an image folder).
 
     Raises:
-        UserError: the path is missing, its format is unknown or does not suit the workload, or
+        DataError: the path is missing, its format is unknown or does not suit the workload, or
             the input as a whole is unreadable (see each source).
     """
     if not path.exists():
-        raise UserError(f"--input {path}: no such file or folder")
+        raise DataError(f"{arg('input', path)}: no such file or folder")
     if path.is_dir():
         if workload.is_text:
-            raise UserError(f"--input {path} is a folder; {workload.name!r} is a text model and reads a .txt, .jsonl "
+            raise DataError(f"{arg('input', path)} is a folder; {workload.name!r} is a text model and reads a .txt, .jsonl "
                             "or .csv file")
         transform, mode = image_transform(workload)
         return ImageFolderSource(path, transform, mode)
     suffix = path.suffix.lower()
     if suffix in TEXT_FORMATS:
         if not workload.is_text:
-            raise UserError(f"--input {path}: {workload.name!r} takes tensors, not text; give a folder of images or a .npy array")
+            raise DataError(f"{arg('input', path)}: {workload.name!r} takes tensors, not text; give a folder of images or a .npy array")
         fmt = TEXT_FORMATS[suffix]
         if fmt == "text":
             if text_field is not None:
-                raise UserError("--text-field applies to .jsonl and .csv input; a .txt file holds one sentence per line")
+                raise ConfigError(f"{arg('text_field')} applies to .jsonl and .csv input; a .txt file holds one sentence per line")
             return TextLinesSource(path)
         return (JsonlSource if fmt == "jsonl" else CsvSource)(path, text_field or "text")
     if suffix == ".npy":
         if workload.is_text:
-            raise UserError(f"--input {path}: {workload.name!r} is a text model; give a .txt, .jsonl or .csv file")
+            raise DataError(f"{arg('input', path)}: {workload.name!r} is a text model; give a .txt, .jsonl or .csv file")
         sample = single_input_sample(workload)
         if not isinstance(sample, torch.Tensor):
-            raise UserError(f"workload {workload.name!r} takes several inputs per row; .npy input holds one")
+            raise ConfigError(f"workload {workload.name!r} takes several inputs per row; .npy input holds one")
         return NpySource(path, tuple(sample.shape), sample.dtype)
     known = sorted(TEXT_FORMATS) + [".npy", "a folder of images"]
-    raise UserError(f"--input {path}: unknown format {suffix or '(no suffix)'!r}; expected one of {', '.join(known)}")
+    raise DataError(f"{arg('input', path)}: unknown format {suffix or '(no suffix)'!r}; expected one of {', '.join(known)}")

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread
-from overdrive.core.errors import UserError, one_line
+from overdrive.core.errors import ConfigError, DataError, OverdriveError, RunAborted, arg, one_line
 from overdrive.core.workload import Workload
 from overdrive.run.inputs import RecordSource, open_source
 from overdrive.run.outputs import OutputChunk, write_output
@@ -57,7 +57,7 @@ from overdrive.run.replica import (
     text_lengths,
 )
 from overdrive.run.resume import MANIFEST_VERSION, Parts, atomic_write, check_manifest, claim_output, errors_file, file_sha256
-from overdrive.run.threads import RunAborted, _execute, _records, _Run, _write_failed
+from overdrive.run.threads import _execute, _records, _Run, _write_failed
 
 DEFAULT_CHUNK_SIZE = 4096
 AUTO_MAX_BATCH = 1024
@@ -130,26 +130,16 @@ class RunSummary:
 
 
 def _build(config: RunConfig, workload: Workload | None):
-    """(workload, plan, devices, models) from the config; UserError for the user's mistakes."""
-    from overdrive.optimize.plan import Plan, build_on_devices
+    """(workload, plan, devices, models) from the config; OverdriveError for the user's mistakes."""
+    from overdrive.optimize.plan import build_on_devices, load_plan
     from overdrive.workloads import create_workload
 
     plan = None
     device_name = config.device
     if config.plan is not None:
-        plan = Plan.load(Path(config.plan))
-        plan.check_checkpoints()
-        if config.workload and config.workload not in (plan.workload, Path(plan.workload).name):
-            raise UserError(f"--plan {config.plan} was made for {plan.workload!r}, not {config.workload!r}")
-        if device_name == "auto":
-            device_name = plan.device
-            if plan.device == "cuda" and not torch.cuda.is_available():
-                raise UserError(f"--plan {config.plan} was tuned on cuda and this machine has no CUDA GPU; run "
-                                f"`overdrive optimize {plan.workload} --device cpu` for a CPU plan")
-    resolved = resolve_device(device_name)
-    if plan and plan.device != resolved.type:
-        raise UserError(f"--plan {config.plan} was tuned on {plan.device!r} and holds only there; run it with --device "
-                        f"{plan.device} or run `overdrive optimize {plan.workload} --device {resolved.type}`")
+        plan, resolved, device_name = load_plan(config.plan, device=config.device, workload=config.workload)
+    else:
+        resolved = resolve_device(device_name)
     if workload is None:
         workload = create_workload(plan.workload if plan else config.workload)
     devices = replica_devices(resolved, device_name)
@@ -158,8 +148,7 @@ def _build(config: RunConfig, workload: Workload | None):
     return workload, plan, devices, build_on_devices(workload, plan.steps if plan else [], devices)
 
 
-def run_offline(config: RunConfig, *, workload: Workload | None = None, progress=None, status=None,
-                crash_after_batches: int | None = None) -> RunSummary:
+def run_offline(config: RunConfig, *, workload: Workload | None = None, progress=None, status=None) -> RunSummary:
     """Run the workload's (or plan's) model over every record of `config.input` into `config.output`.
 
     Args:
@@ -167,13 +156,12 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
         progress: called as progress(items_done, items_failed, device_busy_fraction) from the
             writer thread, and once as progress(None, total, 0.0) before the first batch.
         status: called with a line of text before slow steps (building, measuring `auto`).
-        crash_after_batches: test hook: die like a killed process after this many batches.
 
     Returns:
         The RunSummary (`nothing_to_resume` when --resume finds OUTPUT and no interrupted run).
 
     Raises:
-        UserError: bad input, output or options (one line for the CLI, exit 2).
+        OverdriveError: bad input, output or options (one line for the CLI, exit 2).
         RunAborted: more than `max_errors` records failed, or the model raised (exit 1).
         KeyboardInterrupt: Ctrl-C; the finished chunks stay for `--resume`.
     """
@@ -183,21 +171,21 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
     cores = serial_main_thread()  # the model runs in the replicas' threads (devices.serial_main_thread)
     try:
         return _run_claimed(config, workload, out_fmt, mode, parts, progress, status or (lambda text: None),
-                            crash_after_batches, cores)
+                            cores)
     finally:
         torch.set_num_threads(cores)
         parts.unlock()  # a process's end releases it too (SIGKILL included); this is for errors in-process
 
 
 def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mode: str, parts: Parts, progress, say,
-                 crash_after_batches: int | None, cores: int) -> RunSummary:
+                 cores: int) -> RunSummary:
     setup_start = time.perf_counter()
     try:
         say("building the model")
         workload, plan, devices, models = _build(config, workload)
         source = open_source(config.input, workload, text_field=config.text_field)
         if len(source) == 0:
-            raise UserError(f"--input {config.input} holds no records")
+            raise DataError(f"{arg('input', config.input)} holds no records")
         collate = Collate(workload.collate if source.kind == "text" else None, 1)
         on_cpu = sum(d.type == "cpu" for d in devices)  # CPU replicas split the cores
         replicas = [Replica(m, d, workload.fixed_batch_size, max(1, cores // on_cpu) if d.type == "cpu" else None)
@@ -210,7 +198,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         stored = check_manifest(parts, manifest, config.output) if mode == "resume" else manifest
         values = probe_inputs(source, lengths=text_lengths(workload) if source.kind == "text" else None)
         if not values:
-            raise UserError(f"--input {config.input}: none of its first records can be read (e.g. {_first_error(source)})")
+            raise DataError(f"{arg('input', config.input)}: none of its first records can be read (e.g. {_first_error(source)})")
         row_shape = tuple(replicas[0].in_own_thread(replicas[0].warm_up, batch_from(values, 1, collate)))
         for r in replicas[1:]:
             r.in_own_thread(r.warm_up, batch_from(values, 1, collate))
@@ -220,7 +208,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         else:
             batch_size, origin = _choose_batch_size(config, workload, plan, replicas[0], values, collate, len(source), say, auto)
             if workload.fixed_batch_size and batch_size > workload.fixed_batch_size:
-                raise UserError(f"this model runs only at batch size {workload.fixed_batch_size}; --batch-size must be ≤ that")
+                raise ConfigError(f"this model runs only at batch size {workload.fixed_batch_size}; {arg('batch_size')} must be ≤ that")
             chunk_size = math.ceil(config.chunk_size / batch_size) * batch_size
             stored = manifest | {"batch_size": batch_size, "chunk_size": chunk_size}
             atomic_write(parts.dir / "manifest.json", json.dumps(stored, indent=1).encode())
@@ -228,7 +216,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
     except BaseException as exc:
         if not parts.done():  # nothing ran yet: leave no half-made run behind to resume
             parts.remove()
-        if isinstance(exc, Exception) and not isinstance(exc, UserError):
+        if isinstance(exc, Exception) and not isinstance(exc, OverdriveError):
             raise RunAborted(f"the model failed on a first batch of the input: {one_line(exc)}") from exc
         raise
 
@@ -239,7 +227,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
     done_before = sum(min(len(source), (k + 1) * chunk_size) - k * chunk_size for k in finished)
     failed_before = sum(len(parts.read_errors(k)) for k in finished)
     if config.max_errors is not None and failed_before > config.max_errors:
-        raise RunAborted(f"{_records(failed_before)} failed in the chunks already done, more than --max-errors "
+        raise RunAborted(f"{_records(failed_before)} failed in the chunks already done, more than {arg('max_errors')} "
                          f"{config.max_errors}; the reasons are in {parts.dir}/chunk-*.errors.json")
     num_workers = config.num_workers if config.num_workers is not None else _default_workers(devices[0], source)
     if num_workers and source.kind == "text":
@@ -247,7 +235,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
 
     run = _Run(source=source, replicas=replicas, parts=parts, chunk_size=chunk_size, row_shape=row_shape, pending=pending,
                max_errors=config.max_errors, progress=progress, done_before=done_before, failed_before=failed_before,
-               crash_after_batches=crash_after_batches, normalize=bool(workload.extra.get("normalize_embeddings")))
+               normalize=bool(workload.extra.get("normalize_embeddings")))
     if progress:
         progress(None, len(source), 0.0)
         progress(done_before, failed_before, 0.0)
@@ -344,89 +332,3 @@ def _complete_summary(config: RunConfig) -> RunSummary:
 
 
 # -- the command ---------------------------------------------------------------------------------
-
-
-def cmd_run(args) -> int:
-    """`overdrive run`: progress bar with items/s, ETA and device busy %, then the summary table."""
-    import sys
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from overdrive.core.report import make_console
-
-    config = RunConfig(workload=args.workload, input=Path(args.input), output=Path(args.output),
-                       plan=Path(args.plan) if args.plan else None, device=args.device, batch_size=args.batch_size,
-                       text_field=args.text_field, num_workers=args.num_workers, chunk_size=args.chunk_size,
-                       resume=args.resume, overwrite=args.overwrite, max_errors=args.max_errors)
-    if config.workload is None and config.plan is None:
-        raise UserError("name a workload (e.g. minilm) or give --plan")
-    console = make_console()
-    columns = (TextColumn("run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-               TimeRemainingColumn())
-    state = {"start": None, "first": 0, "shown": False}
-    bar = Progress(*columns, console=console, transient=False)  # shown from the first batch, not before errors
-    task = bar.add_task("run", total=None, stats="")
-
-    def progress(done, failed, busy):
-        now = time.perf_counter()
-        if done is None:  # (None, total) before the first batch
-            bar.start()
-            state["shown"] = True
-            bar.update(task, total=failed)
-            return
-        if state["start"] is None:
-            state["start"], state["first"] = now, done
-        rate = (done - state["first"]) / max(now - state["start"], 1e-9)
-        bar.update(task, completed=done, stats=f"{rate:,.0f} items/s · device busy {100 * busy:.0f}% · {failed} failed")
-
-    try:
-        summary = run_offline(config, progress=progress, status=lambda text: console.print(f"[dim]{text}[/dim]"))
-    except KeyboardInterrupt:
-        parts = Parts(config.output)
-        if parts.dir.exists():
-            sys.stderr.write(f"overdrive run: interrupted; {len(parts.done())} finished chunks are in {parts.dir}; "
-                             "rerun with --resume to continue\n")
-        raise
-    except RunAborted as exc:
-        sys.stderr.write(f"overdrive: run stopped: {' '.join(str(exc).split())}\n")
-        return 1
-    finally:
-        if state["shown"]:
-            bar.stop()
-    print_summary(console, summary)
-    return 0
-
-
-def print_summary(console, s: RunSummary) -> None:
-    """Items done and failed, time, items/s, and where the time went."""
-    from rich.table import Table
-
-    if s.nothing_to_resume:
-        console.print(f"{s.output} exists and no interrupted run is recorded for it ({Parts(Path(s.output)).dir} is "
-                      "absent): nothing to resume; pass --overwrite to run it again", highlight=False)
-        return
-    resumed = f" ({s.done_before:,} done before the resume)" if s.done_before else ""
-    console.print(f"{s.records - s.failed:,} of {s.records:,} records → {s.output}{resumed}; "
-                  f"{s.failed:,} failed" + (f" (see {s.errors_path})" if s.errors_path else ""), highlight=False)
-    console.print(f"{s.processed:,} records in {s.wall_s:.2f} s = {s.items_per_s:,.1f} items/s on {s.device} "
-                  f"({s.replicas} replica{'s' if s.replicas > 1 else ''}, {s.num_workers} reader processes), batch size "
-                  f"{s.batch_size} from {s.batch_size_source}; device busy {100 * s.device_busy_fraction:.0f}% of the "
-                  f"time; set-up before that {s.setup_s:.1f} s (model, warm-up{', auto batch size' if s.auto_batch else ''})",
-                  highlight=False)
-    if s.auto_batch:
-        console.print("auto batch size: " + ", ".join(f"{int(t['batch_size'])} → {t['items_per_s']:,.0f}/s"
-                                                      for t in s.auto_batch), highlight=False)
-    table = Table(title="where the time went")
-    for col in ("phase", "seconds", "of wall time", "runs on"):
-        table.add_column(col, justify="left" if col in ("phase", "runs on") else "right")
-    labels = {"read_decode": ("reading / decoding", "reader processes (summed)" if s.num_workers else "main thread"),
-              "wait_input": ("replica waiting for input", "replica threads"),
-              "h2d_copy": ("host → device copy", "copy stream" if s.device.startswith("cuda") else "none on CPU"),
-              "compute": ("compute", "device"), "d2h_copy": ("device → host copy", "device"),
-              "write": ("writing chunks", "writer thread"), "assemble": ("assembling the output", "main thread")}
-    for key, (label, where) in labels.items():
-        seconds = s.phases_s.get(key, 0.0)
-        table.add_row(label, f"{seconds:.3f}", f"{100 * seconds / max(s.wall_s, 1e-9):.0f}%", where)
-    console.print(table)
-    console.print("phases overlap (readers, copies, compute and the writer run at once), so their sum can exceed the "
-                  "wall time", style="dim")

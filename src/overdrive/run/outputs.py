@@ -14,22 +14,22 @@ from pathlib import Path
 
 import numpy as np
 
-from overdrive.core.errors import UserError
+from overdrive.core.errors import ConfigError, arg
 
 OUTPUT_FORMATS = {".npy": "npy", ".parquet": "parquet", ".csv": "csv", ".jsonl": "jsonl"}
 
 
 def output_format(path: Path) -> str:
-    """The writer for `path`, by suffix. Raises UserError for an unknown one."""
+    """The writer for `path`, by suffix. Raises ConfigError for an unknown one."""
     fmt = OUTPUT_FORMATS.get(path.suffix.lower())
     if fmt is None:
-        raise UserError(f"--output {path}: unknown format {path.suffix or '(no suffix)'!r}; expected one of "
+        raise ConfigError(f"{arg('output', path)}: unknown format {path.suffix or '(no suffix)'!r}; expected one of "
                         f"{', '.join(OUTPUT_FORMATS)}")
     if fmt == "parquet":
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise UserError("--output .parquet needs pyarrow; pip install pyarrow") from None
+            raise ConfigError(f"{arg('output', '.parquet')} needs pyarrow; pip install pyarrow") from None
     return fmt
 
 

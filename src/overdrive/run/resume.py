@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from overdrive.core.errors import UserError
+from overdrive.core.errors import ConfigError, DataError, arg
 from overdrive.run.outputs import OUTPUT_FORMATS, OutputChunk, output_format
 
 MANIFEST_VERSION = 1
@@ -114,59 +114,60 @@ def file_sha256(path: Path) -> str:
 def claim_output(config) -> tuple[str, str, Parts]:
     """The checks that need no model, done before one is built, then the claim on the output
     (`config`: an `overdrive.run.job.RunConfig`):
-    `OUTPUT.parts/` is created (or reused with --resume) and locked for this process.
+    `OUTPUT.parts/` is created (or reused with `resume`) and locked for this process.
 
     Returns:
         (output format, mode, parts): mode "new" (no run recorded), "resume" (a manifest exists),
-        or "complete" (--resume, and OUTPUT exists with no interrupted run recorded: nothing to do).
+        or "complete" (`resume`, and OUTPUT exists with no interrupted run recorded: nothing to do).
 
     Raises:
-        UserError: a missing input, an unknown format, an output in the way without --resume or
-            --overwrite, both flags, another process writing the same output, an unwritable output.
+        DataError: a missing input, an unknown format, an output in the way without `resume` or
+            `overwrite`, another process writing the same output, an unwritable output.
+        ConfigError: both `resume` and `overwrite`, or a `text_field` for input that has no fields.
     """
     from overdrive.run.inputs import TEXT_FORMATS
 
     output, parts = config.output, Parts(config.output)
     if not config.input.exists():
-        raise UserError(f"--input {config.input}: no such file or folder")
+        raise DataError(f"{arg('input', config.input)}: no such file or folder")
     if config.input.is_file() and config.input.suffix.lower() not in {*TEXT_FORMATS, ".npy"}:
         known = sorted(TEXT_FORMATS) + [".npy", "a folder of images"]
-        raise UserError(f"--input {config.input}: unknown format {config.input.suffix or '(no suffix)'!r}; expected one of "
+        raise DataError(f"{arg('input', config.input)}: unknown format {config.input.suffix or '(no suffix)'!r}; expected one of "
                         f"{', '.join(known)}")
     if config.input.is_file() and config.input.stat().st_size == 0:
-        raise UserError(f"--input {config.input} holds no records (the file is empty)")  # before the model is built
+        raise DataError(f"{arg('input', config.input)} holds no records (the file is empty)")  # before the model is built
     if config.text_field is not None and (config.input.is_dir() or TEXT_FORMATS.get(config.input.suffix.lower()) not in
                                           ("jsonl", "csv")):
-        raise UserError("--text-field applies to .jsonl and .csv input only")
+        raise ConfigError(f"{arg('text_field')} applies to .jsonl and .csv input only")
     if output.is_dir():
-        raise UserError(f"--output {output} is a folder; give a file path ending in {', '.join(OUTPUT_FORMATS)}")
+        raise DataError(f"{arg('output', output)} is a folder; give a file path ending in {', '.join(OUTPUT_FORMATS)}")
     fmt = output_format(output)
     if config.input.resolve() == output.resolve():
-        raise UserError("--output is the --input file; choose another path")
+        raise DataError(f"{arg('output')} is the {arg('input')} file; choose another path")
     if config.resume and config.overwrite:
-        raise UserError("--resume continues a run and --overwrite starts it over; pass one of them")
+        raise ConfigError(f"{arg('resume', True)} continues a run and {arg('overwrite', True)} starts it over; pass one of them")
     if parts.locked_by_another():
-        raise UserError(f"another overdrive run is writing {output} now (it holds {parts.dir}); wait for it or stop it")
+        raise DataError(f"another overdrive run is writing {output} now (it holds {parts.dir}); wait for it or stop it")
     if config.overwrite:
         output.unlink(missing_ok=True)
         errors_file(output).unlink(missing_ok=True)
         shutil.rmtree(parts.dir, ignore_errors=True)
     elif parts.dir.exists() and not config.resume:
-        raise UserError(f"{parts.dir} holds the chunks of an interrupted run; pass --resume to continue it or "
-                        "--overwrite to start over")
+        raise DataError(f"{parts.dir} holds the chunks of an interrupted run; pass {arg('resume', True)} to continue it or "
+                        f"{arg('overwrite', True)} to start over")
     elif output.exists() and not parts.dir.exists():
         if config.resume:
             return fmt, "complete", parts
-        raise UserError(f"--output {output} exists; pass --overwrite to replace it (or --resume to continue a run)")
+        raise DataError(f"{arg('output', output)} exists; pass {arg('overwrite', True)} to replace it (or {arg('resume', True)} to continue a run)")
     try:
         parts.dir.mkdir(parents=True, exist_ok=True)
         probe = output.with_name(output.name + ".errors.jsonl.tmp")  # the longest name this run writes there
         probe.touch()
         probe.unlink()
     except OSError as exc:
-        raise UserError(f"--output {output}: cannot write there ({exc.strerror or exc})") from None
+        raise DataError(f"{arg('output', output)}: cannot write there ({exc.strerror or exc})") from None
     if not parts.lock():
-        raise UserError(f"another overdrive run is writing {output} now (it holds {parts.dir}); wait for it or stop it")
+        raise DataError(f"another overdrive run is writing {output} now (it holds {parts.dir}); wait for it or stop it")
     return fmt, ("resume" if (parts.dir / "manifest.json").exists() else "new"), parts
 
 
@@ -174,13 +175,13 @@ def check_manifest(parts: Parts, manifest: dict[str, Any], output: Path) -> dict
     """The stored manifest of the interrupted run, after checking that this run is the same one.
 
     Raises:
-        UserError: it differs (input changed, another model or plan, ...) or is unreadable.
+        DataError: it differs (input changed, another model or plan, ...) or is unreadable.
     """
     stored = _read_manifest(parts)
     differ = [k for k in manifest if k not in ("batch_size", "chunk_size") and stored.get(k) != manifest[k]]
     if differ:
         details = "; ".join(_difference(k, stored.get(k), manifest[k]) for k in differ[:3])
-        raise UserError(f"cannot resume into {output}: the interrupted run differs ({details}); pass --overwrite "
+        raise DataError(f"cannot resume into {output}: the interrupted run differs ({details}); pass {arg('overwrite', True)} "
                         "to start over")
     return stored
 
@@ -196,9 +197,9 @@ def _read_manifest(parts: Parts) -> dict[str, Any]:
     try:
         stored = json.loads((parts.dir / "manifest.json").read_text())
     except (OSError, ValueError) as exc:
-        raise UserError(f"{parts.dir}/manifest.json is unreadable ({exc}); pass --overwrite to start over") from None
+        raise DataError(f"{parts.dir}/manifest.json is unreadable ({exc}); pass {arg('overwrite', True)} to start over") from None
     if stored.get("version") != MANIFEST_VERSION:
-        raise UserError(f"{parts.dir} was written by another overdrive version; pass --overwrite to start over")
+        raise DataError(f"{parts.dir} was written by another overdrive version; pass {arg('overwrite', True)} to start over")
     return stored
 
 

@@ -6,6 +6,7 @@ uploads and computes, and the writer thread places rows and writes each finished
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -16,16 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from overdrive.core.errors import one_line
+from overdrive.core.errors import RunAborted, arg, one_line
 from overdrive.run.inputs import RecordSource
 from overdrive.run.replica import RecordDataset, Replica, Result, Staged, chunk_batches
 from overdrive.run.resume import Parts
-
-
-class RunAborted(Exception):
-    """The run stopped before the end (too many failed records, the model raised); the chunks
-    finished so far are kept for `--resume`. The CLI prints it on one line, exit code 1."""
-
 
 # -- the run -------------------------------------------------------------------------------------
 
@@ -49,7 +44,7 @@ class _Run:
 
     def __init__(self, *, source: RecordSource, replicas: list[Replica], parts: Parts, chunk_size: int,
                  row_shape: tuple[int, ...], pending: list[int], max_errors: int | None, progress, done_before: int,
-                 failed_before: int, crash_after_batches: int | None, normalize: bool = False):
+                 failed_before: int, normalize: bool = False):
         self.source, self.replicas, self.parts = source, replicas, parts
         self.chunk_size, self.row_shape, self.pending = chunk_size, row_shape, pending
         self.max_errors, self.progress = max_errors, progress
@@ -61,7 +56,7 @@ class _Run:
         self.done_items = done_before
         self.failed = failed_before
         self.processed = 0
-        self.crash_after_batches = crash_after_batches
+        self.crash_after_batches = _crash_after_batches
         self.batches_written = 0
         self.started = time.perf_counter()
         self.first_error: tuple[int, str] | None = None
@@ -109,7 +104,7 @@ class _Run:
                     keys = [self.source.source_key(i) for i in current.batch.indices[:3]]
                     where = f" (a batch of {len(current.batch.indices)} records: {', '.join(keys)}, ...)"
                 exc = RunAborted(f"the model failed on {replica.device}{where}: {one_line(exc)}; the chunks finished "
-                                 "so far are kept for --resume")
+                                 f"so far are kept for {arg('resume', True)}")
             self.fail(exc)
 
     def _next_staged(self, replica: Replica) -> Staged | None:
@@ -171,8 +166,8 @@ class _Run:
                           min(busy, 1.0))
         if self.max_errors is not None and self.failed > self.max_errors:
             first = self.first_error or (0, "")
-            raise RunAborted(f"{_records(self.failed)} failed, more than --max-errors {self.max_errors} (the first: "
-                             f"{self.source.source_key(first[0])}: {first[1]}); --resume continues after the chunks "
+            raise RunAborted(f"{_records(self.failed)} failed, more than {arg('max_errors', self.max_errors)} (the first: "
+                             f"{self.source.source_key(first[0])}: {first[1]}); {arg('resume', True)} continues after the chunks "
                              "finished")
         if self.crash_after_batches is not None and self.batches_written >= self.crash_after_batches:
             raise _SimulatedCrash(f"crash after {self.batches_written} batches (test hook)")
@@ -186,11 +181,25 @@ class _Run:
 
 def _write_failed(exc: OSError) -> RunAborted:
     return RunAborted(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}; the chunks finished so far "
-                      "are kept, and --resume continues once the cause is fixed")
+                      f"are kept, and {arg('resume', True)} continues once the cause is fixed")
 
 
 class _SimulatedCrash(Exception):
-    """Raised by the `crash_after_batches` test hook: the run dies as if killed after that many batches."""
+    """Raised by the `crash_after` test hook: the run dies as if killed after that many batches."""
+
+
+_crash_after_batches: int | None = None
+
+
+@contextlib.contextmanager
+def crash_after(batches: int):
+    """Test hook: a run started inside this block dies as if killed once `batches` batches are written."""
+    global _crash_after_batches
+    _crash_after_batches = batches
+    try:
+        yield
+    finally:
+        _crash_after_batches = None
 
 
 def _execute(run: _Run, source, collate, batch_size, chunk_size, bucket, num_workers, cuda, lengths) -> None:

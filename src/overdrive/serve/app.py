@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
-import json
 import logging
-import signal
-import socket
 import time
 from dataclasses import dataclass
 
-import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -36,7 +31,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from overdrive import __version__
-from overdrive.core.errors import UserError
 from overdrive.serve.batcher import BatcherError, DynamicBatcher, QueueFull, RequestTooLarge, ShuttingDown
 from overdrive.serve.model import OUTPUT, ServedModel, ValidationError
 from overdrive.serve.protocol import (
@@ -299,75 +293,3 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 def _error(status: int, message: str, *, retry_after: bool = False) -> Response:
     headers = {"Retry-After": "1"} if retry_after else None
     return Response(error_body(message), status_code=status, headers=headers, media_type="application/json")
-
-
-def run_server(server: InferenceServer, *, host: str, port: int, access_log: bool = False, on_started=None) -> int:
-    """Serve until SIGTERM/SIGINT, then drain and exit; a second signal exits at once.
-
-    Args:
-        on_started: called with the bound port once the server listens.
-
-    Returns:
-        0 after a clean drain.
-    """
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            if server.draining:  # a second signal: uvicorn's own (force) exit
-                return super().handle_exit(sig, frame)
-            log.info("received %s: draining (readiness false, new requests get 503)", signal.Signals(sig).name)
-            server.draining = True
-            self._loop.call_soon_threadsafe(self._begin_drain)
-
-        def _begin_drain(self):
-            self._drain_task = self._loop.create_task(self._drain_then_exit())  # referenced: not collected mid-drain
-
-        async def _drain_then_exit(self):
-            await server.drain()
-            self.should_exit = True
-
-        async def startup(self, sockets=None):
-            self._loop = asyncio.get_running_loop()
-            await super().startup(sockets)
-            if on_started and self.servers:
-                on_started(self.servers[0].sockets[0].getsockname()[1])
-
-    config = uvicorn.Config(server.app, host=host, port=port, access_log=access_log, log_level="warning",
-                            timeout_graceful_shutdown=5, lifespan="on")
-    sock = bind(host, port)
-    # The model and its libraries live as long as the server: move them out of the cyclic
-    # collector's reach, or every gen-2 collection walks them all and stalls the event loop
-    # (measured here: a full collection with MiniLM loaded takes 0.33–0.66 s, which showed up
-    # as 100–160 ms p99 stalls at 64 clients; after gc.freeze() it takes under 1 ms).
-    gc.collect()
-    gc.freeze()
-    _Server(config).run(sockets=[sock])
-    return 0
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (IPv4 or IPv6).
-
-    Raises:
-        UserError: the address is in use, not local, or not allowed (a port below 1024).
-    """
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host") from None
-    sock.set_inheritable(True)
-    return sock
-
-
-def describe_config(server: InferenceServer) -> str:
-    c, s = server.config, server.served
-    return json.dumps({"model": s.name, "devices": [str(d) for d in s.devices], "max_batch_size": c.max_batch_size,
-                       "max_queue_delay_ms": c.max_queue_delay_ms, "max_queue_size_rows": c.max_queue_size,
-                       "instances": c.instances, "request_timeout_ms": c.request_timeout_ms,
-                       **({"intra_op_threads_each": s.threads_per_instance or torch.get_num_threads()}
-                          if s.devices[0].type == "cpu" else {})})

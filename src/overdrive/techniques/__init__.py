@@ -11,11 +11,19 @@ from overdrive.techniques.registry import (
     Stage,
     Technique,
     TechniqueConfig,
+    config_from_dict,
+    config_to_dict,
+    default_config,
+    describe_report,
     get_technique,
     list_techniques,
     register,
+    technique_for,
+    unregister,
 )
 from overdrive.techniques.runtime import inference_mode, torch_compile  # noqa: F401
 from overdrive.techniques.sparsity import semi_structured  # noqa: F401
 
-__all__ = ["BatchingPolicy", "Stage", "Technique", "TechniqueConfig", "get_technique", "list_techniques", "register"]
+__all__ = ["BatchingPolicy", "Stage", "Technique", "TechniqueConfig", "config_from_dict", "config_to_dict", "default_config",
+           "describe_report", "get_technique", "list_techniques", "register", "technique_for",
+           "unregister"]

@@ -1,9 +1,14 @@
-"""Technique = a frozen config dataclass + one registered transform.
+"""Technique = a frozen config dataclass + one registered transform, keyed by the config's type.
 
-`apply(model, config, workload=..., device=...) -> model` returns the transformed model
-(the caller hands it a private copy, so transforms may work in place). A technique that
-changes how samples are grouped into batches (length bucketing) overrides `batching`.
-Registration makes the technique visible to the CLI, the tuner and the test battery.
+As in torchao's `quantize_(model, Int8WeightOnlyConfig())`, a config says what to do and the
+registry finds the transform from the config's class: `technique_for(config).apply(model,
+config, workload=..., device=...) -> model` returns the transformed model (the caller hands
+it a private copy, so transforms may work in place). A plan step is its config; the
+technique's name (`bf16`, `int8-dynamic`, what the CLI and plan.json spell) is the config
+class's `name`. A technique that changes how samples are grouped into batches (length
+bucketing) overrides `batching`; one that leaves a report (pruning: parameters, FLOPs,
+recovery) formats its own lines in `describe_report`. Registration makes the technique
+visible to the CLI, the tuner and the test battery.
 """
 
 from __future__ import annotations
@@ -52,8 +57,10 @@ class BatchingPolicy:
 
 @dataclass(frozen=True, kw_only=True)
 class TechniqueConfig:
-    """Base of all technique configs; subclasses are frozen, kw-only, validated in __post_init__."""
+    """Base of all technique configs; subclasses are frozen, kw-only, validated in __post_init__,
+    and set `name`, the name of the technique they configure."""
 
+    name: ClassVar[str]
     VERSION: ClassVar[int] = 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,8 +85,8 @@ class Technique:
     """One acceleration technique. Subclasses set the class attributes and `apply`.
 
     Attributes:
-        name: the CLI name (`bf16`, `int8-dynamic`, ...).
-        config_cls: its TechniqueConfig subclass.
+        name: the technique's name (`bf16`, `int8-dynamic`, ...): its config class's `name`.
+        config_cls: its TechniqueConfig subclass (one technique per config class).
         stage: where it sits in the canonical composition order.
         lossless: True when outputs must match fp32 within float tolerance (tested with
             assert_close); False when a fidelity floor judges it.
@@ -90,7 +97,6 @@ class Technique:
             follow-up step, or slow to apply).
     """
 
-    name: ClassVar[str]
     config_cls: ClassVar[type[TechniqueConfig]]
     stage: ClassVar[Stage]
     lossless: ClassVar[bool]
@@ -99,6 +105,10 @@ class Technique:
     rewrites_modules: ClassVar[bool] = False  # needs nn.Module internals, which TorchScript hides
     opt_in: ClassVar[bool] = False  # tried only when named in --techniques
     description: ClassVar[str] = ""
+
+    @property
+    def name(self) -> str:
+        return self.config_cls.name
 
     def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
         """Why this technique cannot run on this workload and device, or None when it can."""
@@ -118,21 +128,33 @@ class Technique:
     def batching(self, policy: BatchingPolicy, config: TechniqueConfig) -> BatchingPolicy:
         return policy
 
+    def describe_report(self, report: dict[str, Any], fidelity_key: str) -> str:
+        """One line for the report this technique's `apply` left (`model.overdrive_report`)."""
+        return f"{self.name}: " + ", ".join(f"{k} {v}" for k, v in report.items() if k != "technique")
 
-_REGISTRY: dict[str, Technique] = {}
+
+_BY_CONFIG: dict[type[TechniqueConfig], Technique] = {}
+_BY_NAME: dict[str, Technique] = {}
 
 
 def register(cls: type[Technique]) -> type[Technique]:
-    """Class decorator: instantiate and register a technique under `cls.name`."""
-    if cls.name in _REGISTRY:
-        raise ValueError(f"technique {cls.name!r} registered twice")
-    _REGISTRY[cls.name] = cls()
+    """Class decorator: instantiate and register a technique under its config class (and name)."""
+    config_cls = cls.config_cls
+    if config_cls in _BY_CONFIG or config_cls.name in _BY_NAME:
+        raise ValueError(f"technique {config_cls.name!r} ({config_cls.__name__}) registered twice")
+    _BY_CONFIG[config_cls] = _BY_NAME[config_cls.name] = cls()
     return cls
+
+
+def unregister(name: str) -> None:
+    """Remove technique `name` from the registry (tests and plugins that register their own)."""
+    technique = _BY_NAME.pop(name)
+    del _BY_CONFIG[technique.config_cls]
 
 
 def list_techniques() -> list[Technique]:
     """All registered techniques, in canonical order (stage, then name)."""
-    return sorted(_REGISTRY.values(), key=lambda t: (t.stage, t.name))
+    return sorted(_BY_NAME.values(), key=lambda t: (t.stage, t.name))
 
 
 def get_technique(name: str) -> Technique:
@@ -142,9 +164,45 @@ def get_technique(name: str) -> Technique:
         KeyError: no such technique (the message lists the known names).
     """
     try:
-        return _REGISTRY[name]
+        return _BY_NAME[name]
     except KeyError:
-        raise KeyError(f"unknown technique {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+        raise KeyError(f"unknown technique {name!r}; known: {', '.join(sorted(_BY_NAME))}") from None
+
+
+def technique_for(config: TechniqueConfig) -> Technique:
+    """The technique that `config` configures (by its type).
+
+    Raises:
+        TypeError: `config` is not a registered technique's config.
+    """
+    try:
+        return _BY_CONFIG[type(config)]
+    except KeyError:
+        raise TypeError(f"{type(config).__name__} is not the config of a registered technique") from None
+
+
+def default_config(name: str) -> TechniqueConfig:
+    """The default config of technique `name` (KeyError when there is none by that name)."""
+    return get_technique(name).config_cls()
+
+
+def config_to_dict(config: TechniqueConfig) -> dict[str, Any]:
+    """A plan.json step: {"name": technique name, "config": its fields with a version}."""
+    return {"name": config.name, "config": config.to_dict()}
+
+
+def config_from_dict(data: dict[str, Any]) -> TechniqueConfig:
+    """The config of a plan.json step (`config_to_dict`'s inverse).
+
+    Raises:
+        KeyError: an unknown technique; ValueError: unknown or invalid fields.
+    """
+    return get_technique(data["name"]).config_cls.from_dict(data.get("config", {}))
+
+
+def describe_report(report: dict[str, Any], fidelity_key: str) -> str:
+    """One line for a technique's report, formatted by the technique that left it."""
+    return get_technique(report["technique"]).describe_report(report, fidelity_key)
 
 
 class ForwardWrapper(nn.Module):

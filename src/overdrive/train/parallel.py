@@ -2,7 +2,7 @@
 
 The strategies are torch's own: DistributedDataParallel, FSDP2 (`fully_shard`), DTensor tensor
 parallelism, and `torch.distributed.pipelining`. Processes are started by torchrun (which also
-spans nodes); `launch` runs it for the user when `overdrive train --nproc N` is given. The
+spans nodes); `overdrive.train.launch` starts it for the user when asked for N processes. The
 backend is NCCL on GPUs and gloo on CPU.
 
 The order in which `overdrive.train.loop` applies them to a model, the one torchtitan uses
@@ -20,10 +20,6 @@ Pipeline parallelism replaces steps 1 and 4: each rank builds only its stage
 
 from __future__ import annotations
 
-import datetime
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +27,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from overdrive.core.errors import ConfigError, arg
+from overdrive.train.launch import DistEnv
+
 STRATEGIES = ("none", "ddp", "fsdp", "pipeline", "tensor-parallel")
 SCHEDULES = ("gpipe", "1f1b")
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(ConfigError):
     """Degrees, microbatches or split points that cannot work; raised before any process starts."""
 
 
@@ -73,26 +72,26 @@ class ParallelDims:
             raise ParallelConfigError(f"world size must be ≥ 1, got {self.world_size}")
         if self.strategy == "none" and self.world_size != 1:
             raise ParallelConfigError(f"strategy 'none' runs one process, but the world size is {self.world_size}; "
-                                      "choose --strategy ddp, fsdp, pipeline or tensor-parallel")
+                                      f"choose {arg('strategy')} ddp, fsdp, pipeline or tensor-parallel")
         if self.dp * self.pp * self.tp != self.world_size:  # guards future mixed degrees
             raise ParallelConfigError(f"dp {self.dp} × pp {self.pp} × tp {self.tp} must equal the world size {self.world_size}")
         if self.strategy != "pipeline":
             if self.microbatches is not None or self.split_points is not None:
-                raise ParallelConfigError("--microbatches and --split-points apply to --strategy pipeline only")
+                raise ParallelConfigError(f"{arg('microbatches')} and {arg('split_points')} apply to {arg('strategy')} pipeline only")
             return
         if self.pp < 2:
-            raise ParallelConfigError(f"pipeline parallelism needs ≥ 2 stages (processes), got {self.pp}; use --nproc 2 or more")
+            raise ParallelConfigError(f"pipeline parallelism needs ≥ 2 stages (processes), got {self.pp}; use {arg('world_size', 2)} or more")
         if self.schedule not in SCHEDULES:
             raise ParallelConfigError(f"unknown pipeline schedule {self.schedule!r}; expected one of {', '.join(SCHEDULES)}")
         if self.num_microbatches < self.pp:
             raise ParallelConfigError(
                 f"{self.num_microbatches} microbatches for {self.pp} pipeline stages would leave stages idle every step "
                 f"(bubble fraction ≥ (p−1)/(m+p−1) = {(self.pp - 1) / (self.num_microbatches + self.pp - 1):.2f}); "
-                f"use --microbatches ≥ {self.pp} (e.g. {2 * self.pp})")
+                f"use {arg('microbatches')} ≥ {self.pp} (e.g. {2 * self.pp})")
         if self.split_points is not None:
             points = list(self.split_points)
             if len(points) != self.pp - 1 or points != sorted(set(points)) or points[0] < 1:
-                raise ParallelConfigError(f"--split-points needs {self.pp - 1} increasing block indices ≥ 1 for "
+                raise ParallelConfigError(f"{arg('split_points')} needs {self.pp - 1} increasing block indices ≥ 1 for "
                                           f"{self.pp} stages, got {points}")
 
     @property
@@ -112,85 +111,7 @@ class ParallelDims:
         return self.microbatches if self.microbatches is not None else 2 * self.pp
 
 
-# -- processes -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """This process's place in the job. `world_size` 1 with no process group for a plain run."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 or dist.is_initialized()
-
-
-def launched_by_torchrun() -> bool:
-    """True inside a process started by torchrun (it sets RANK, WORLD_SIZE and the rendezvous)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def init_distributed(device: torch.device, *, timeout_s: float) -> DistEnv:
-    """Join the torchrun job (or describe a plain single process).
-
-    Under torchrun, creates the default process group: NCCL when `device` is CUDA (each rank on
-    cuda:LOCAL_RANK), gloo on CPU. Every collective then fails after `timeout_s` seconds
-    instead of hanging (NCCL: with TORCH_NCCL_ASYNC_ERROR_HANDLING, the default since 2.2).
-
-    Raises:
-        RuntimeError: the rendezvous fails or times out.
-    """
-    if not launched_by_torchrun():
-        return DistEnv(0, 0, 1, device)
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    if device.type == "cuda":
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                **({"device_id": device} if device.type == "cuda" else {}))
-    return DistEnv(rank, local, world, device)
-
-
-def shutdown_distributed(*, barrier: bool = True) -> None:
-    """Leave the job: wait for every rank (so none tears down a group another still uses), then
-    destroy the process group. barrier=False after an error, when peers may be gone."""
-    if dist.is_initialized():
-        if barrier:
-            dist.barrier()
-        dist.destroy_process_group()
-
-
-def launch(argv: list[str], nproc: int, *, env: dict[str, str] | None = None) -> int:
-    """Run `python -m overdrive <argv>` in `nproc` processes with torchrun on this machine.
-
-    torchrun stops every rank when one fails (its exit code is then non-zero and it prints the
-    failing rank's error). Each rank gets OMP_NUM_THREADS = cores / nproc unless set, so CPU
-    ranks do not oversubscribe the cores.
-
-    Args:
-        env: extra environment variables for the ranks.
-
-    Returns:
-        torchrun's exit code.
-    """
-    env = {**os.environ, **(env or {})}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                "--max-restarts=0", "-m", "overdrive"]
-    return subprocess.run([*torchrun, *argv], env=env).returncode
-
-
-# -- techniques ----------------------------------------------------------------------------------
+# -- the techniques -------------------------------------------------------------------------------
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:

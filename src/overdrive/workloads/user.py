@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib
 import warnings
 import zipfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from overdrive.core.errors import UserError, one_line
+from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.core.workload import Workload, eval_mode, logits_fidelity
 
 NUM_SAMPLES = 64
@@ -47,75 +48,115 @@ def _accepts_other_batch_sizes(model: nn.Module, example: tuple[torch.Tensor, ..
     return True
 
 
-def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...]) -> Workload:
-    """Wrap a model and one example batch into a Workload with seeded samples of the same shape.
+def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...], *,
+                        data: Iterable | None = None, metric: Callable[[torch.Tensor], float] | None = None) -> Workload:
+    """Wrap a model and one example batch into a Workload: judged on the rows of `data` when
+    given, else on seeded samples of the example's shape and dtype (speed only).
 
     Args:
         name: the workload name (used for the output folder).
         model: any module whose forward takes the example's tensors positionally and returns
-            one tensor [B, ...] with the example's batch size B.
+            one tensor [B, ...] with the example's batch size B. It is put in eval mode.
         example: a tensor or tuple of tensors, each [B, ...].
+        data: evaluation batches, each shaped like `example` (a tensor, or a tuple of tensors
+            with the same first dimension); their rows, in order, are the samples.
+        metric: a task score of the model's outputs on all rows of `data`, float32 [N, ...] in
+            data order -> float, higher is better (e.g. accuracy in percent, closing over your
+            labels); `max_accuracy_drop` budgets it in its own units.
 
     Raises:
-        UserError: the example is not tensors, or the model does not run on it or does not
-            return a [B, ...] tensor.
+        WorkloadError: the example or data are not tensors of one layout, or the model does not
+            run on the example or does not return a [B, ...] tensor.
+        ConfigError: a `metric` without `data`.
     """
     example = (example,) if isinstance(example, torch.Tensor) else tuple(example)
     if not example or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in example):
-        raise UserError(f"{name}: the example input must be a tensor or tuple of tensors with a batch dimension")
+        raise WorkloadError(f"{name}: the example input must be a tensor or tuple of tensors with a batch dimension")
     model = eval_mode(model)
     batch = int(example[0].shape[0])
     try:
         with torch.no_grad():
             out = model(*example)
     except Exception as exc:  # noqa: BLE001 - any failure here is the user's model
-        raise UserError(f"{name}: the model failed on its example input of shape {tuple(example[0].shape)}: {one_line(exc)}") from None
+        raise WorkloadError(f"{name}: the model failed on its example input of shape {tuple(example[0].shape)}: {one_line(exc)}") from None
     if not isinstance(out, torch.Tensor):
-        raise UserError(f"{name}: the model must return one tensor [B, ...]; it returned {type(out).__name__}")
+        raise WorkloadError(f"{name}: the model must return one tensor [B, ...]; it returned {type(out).__name__}")
     if out.dim() == 0 or out.shape[0] != batch:
-        raise UserError(f"{name}: the model must return a tensor [B, ...] with B = {batch} rows; it returned shape {tuple(out.shape)}")
+        raise WorkloadError(f"{name}: the model must return a tensor [B, ...] with B = {batch} rows; it returned shape {tuple(out.shape)}")
     fixed = None if _accepts_other_batch_sizes(model, example) else batch
+    if metric is not None and data is None:
+        raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
+    samples = _rows_of(name, data, example) if data is not None else _random_like_rows(example, NUM_SAMPLES)
     return Workload(
         name=name,
         model=model,
-        samples=_random_like_rows(example, NUM_SAMPLES),
-        collate=lambda rows: tuple(torch.stack(col) for col in zip(*rows)),
+        samples=samples,
+        collate=stack_rows,
         fidelity=logits_fidelity,
         fidelity_key="min_cosine",
         default_batch_size=batch,
         fixed_batch_size=fixed,
-        real_weights=False,
-        description="user model with seeded inputs of its example's shape (speed only)",
+        metric=metric,
+        real_weights=data is not None,
+        description=("user model on its own evaluation data" if data is not None
+                     else "user model with seeded inputs of its example's shape (speed only)"),
     )
+
+
+def stack_rows(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Samples that are tuples of row tensors -> the model's inputs, each [B, ...]."""
+    return tuple(torch.stack(col) for col in zip(*rows))
+
+
+def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """The rows of evaluation batches `data` as samples (tuples of row tensors, detached, on the CPU).
+
+    Raises:
+        WorkloadError: a batch that is not laid out like the example, or no rows at all.
+    """
+    rows: list[tuple[torch.Tensor, ...]] = []
+    for i, batch in enumerate(data):
+        batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        if len(batch) != len(example) or not all(isinstance(t, torch.Tensor) for t in batch):
+            raise WorkloadError(f"{name}: batch {i} of {arg('data')} is not {len(example)} tensor(s) like the example")
+        for t, e in zip(batch, example):
+            if t.dim() != e.dim() or t.shape[0] != batch[0].shape[0] or t.dtype != e.dtype:
+                raise WorkloadError(f"{name}: batch {i} of {arg('data')} holds {t.dtype} {list(t.shape)}; expected rows "
+                                    f"like the example's {e.dtype} {list(e.shape)} and one first dimension")
+        columns = [t.detach().cpu() for t in batch]
+        rows += [tuple(col[r] for col in columns) for r in range(batch[0].shape[0])]
+    if not rows:
+        raise WorkloadError(f"{name}: {arg('data')} holds no rows")
+    return rows
 
 
 def build_from_import_path(spec: str) -> Workload:
     """Import `package.module:factory` and call it with no arguments.
 
     Raises:
-        UserError: the module does not import, the attribute is missing, or the factory
+        WorkloadError: the module does not import, the attribute is missing, or the factory
             returns something other than a Workload or a (model, example_input) pair.
     """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise UserError(f"{spec!r} is not an import path; expected 'package.module:factory'")
+        raise WorkloadError(f"{spec!r} is not an import path; expected 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - report whatever the import raised, sys.exit too
-        raise UserError(f"cannot import {module_name!r} (from {spec!r}): {one_line(exc)}") from None
+        raise WorkloadError(f"cannot import {module_name!r} (from {spec!r}): {one_line(exc)}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise UserError(f"{module_name!r} has no callable {attr!r}; expected 'package.module:factory'")
+        raise WorkloadError(f"{module_name!r} has no callable {attr!r}; expected 'package.module:factory'")
     try:
         made = factory()
     except (Exception, SystemExit) as exc:  # noqa: BLE001
-        raise UserError(f"{spec}() failed: {one_line(exc)}") from None
+        raise WorkloadError(f"{spec}() failed: {one_line(exc)}") from None
     name = attr if attr != "build" else module_name.rsplit(".", 1)[-1]
     if isinstance(made, Workload):
         return made
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         return workload_from_model(name, *made)
-    raise UserError(f"{spec}() returned {type(made).__name__}; expected an overdrive Workload or a (model, example_input) pair")
+    raise WorkloadError(f"{spec}() returned {type(made).__name__}; expected an overdrive Workload or a (model, example_input) pair")
 
 
 def archive_kind(path: Path) -> str:
@@ -144,38 +185,39 @@ def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dt
         input_dtype: dtype of the generated inputs when `input_shape` is given.
 
     Raises:
-        UserError: the file is missing, a folder, not one of the two formats, or a TorchScript
-            file was given without --input-shape.
+        WorkloadError: the file is missing, a folder, not one of the two formats, or a TorchScript
+            file was given without `input_shape`.
     """
     if path.is_dir():
-        raise UserError(f"{path} is a folder; expected a model file (.pt2 from torch.export.save, .pt from torch.jit.save)")
+        raise WorkloadError(f"{path} is a folder; expected a model file (.pt2 from torch.export.save, .pt from torch.jit.save)")
     if not path.is_file():
-        raise UserError(f"{path}: no such file; expected a workload name, an import path or a model file")
+        raise WorkloadError(f"{path}: no such file; expected a workload name, an import path or a model file")
     kind = archive_kind(path)
     name = path.stem
     if kind == "pickle":
-        raise UserError(f"{path} is a torch.save checkpoint (weights or a pickled module), which carries no graph; "
+        raise WorkloadError(f"{path} is a torch.save checkpoint (weights or a pickled module), which carries no graph; "
                         "save the model with torch.export.save (.pt2) or torch.jit.save, or give a factory")
     if kind == "unknown":
-        raise UserError(f"{path} is not a model file; expected a torch.export (.pt2) or TorchScript (.pt) archive")
+        raise WorkloadError(f"{path} is not a model file; expected a torch.export (.pt2) or TorchScript (.pt) archive")
     if kind == "export":
         try:
             program = torch.export.load(str(path))
         except Exception as exc:  # noqa: BLE001
-            raise UserError(f"{path}: torch.export.load failed: {one_line(exc)}") from None
+            raise WorkloadError(f"{path}: torch.export.load failed: {one_line(exc)}") from None
         example_args = getattr(program, "example_inputs", None)
         example = tuple(example_args[0]) if example_args and example_args[0] else None
         if input_shape is not None:
             example = (torch.zeros(input_shape, dtype=input_dtype),)
         if not example:
-            raise UserError(f"{path} carries no example inputs; pass --input-shape B,C,H,W (for example)")
+            raise WorkloadError(f"{path} carries no example inputs; pass {arg('input_shape', 'B,C,H,W')} (for example)")
         return workload_from_model(name, program.module(), example)
     if input_shape is None:
-        raise UserError(f"{path} is TorchScript, which stores no input shape; pass --input-shape B,C,H,W (for example)")
+        raise WorkloadError(f"{path} is TorchScript, which stores no input shape; pass {arg('input_shape', 'B,C,H,W')} "
+                            "(for example)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated in favour of torch.export
         try:
             model = torch.jit.load(str(path), map_location="cpu")
         except Exception as exc:  # noqa: BLE001
-            raise UserError(f"{path}: torch.jit.load failed: {one_line(exc)}") from None
+            raise WorkloadError(f"{path}: torch.jit.load failed: {one_line(exc)}") from None
     return workload_from_model(name, model, torch.zeros(input_shape, dtype=input_dtype))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from overdrive.core.errors import UserError
+from overdrive.core.errors import WorkloadError
 from overdrive.core.workload import Workload, logits_fidelity
 
 NUM_SAMPLES = 64
@@ -48,12 +48,12 @@ def build_torchvision(name: str, *, num_samples: int = NUM_SAMPLES) -> Workload:
     """Build a random-weight torchvision classifier.
 
     Raises:
-        UserError: `name` is not a torchvision classification model.
+        WorkloadError: `name` is not a torchvision classification model.
     """
     from torchvision import models
 
     if name not in torchvision_names():
-        raise UserError(f"unknown workload {name!r}; run `overdrive list` for the names")
+        raise WorkloadError(f"unknown workload {name!r}; run `overdrive list` for the names")
     torch.manual_seed(0)
     model = models.get_model(name, weights=None).eval()
     generator = torch.Generator().manual_seed(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -13,7 +14,7 @@ from overdrive.techniques.registry import BatchingPolicy, Stage, Technique, Tech
 
 @dataclass(frozen=True, kw_only=True)
 class LengthBucketingConfig(TechniqueConfig):
-    pass
+    name: ClassVar[str] = "length-bucketing"
 
 
 @register
@@ -21,7 +22,6 @@ class LengthBucketing(Technique):
     """Sort text samples by token length before cutting batches, so each batch pads only to
     the longest of similar-length neighbours; outputs are returned in input order."""
 
-    name = "length-bucketing"
     config_cls = LengthBucketingConfig
     stage = Stage.BATCHING
     lossless = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ def num_batchnorm(model: nn.Module) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class BatchNormFoldConfig(TechniqueConfig):
-    pass
+    name: ClassVar[str] = "bn-fold"
 
 
 @register
@@ -32,7 +33,6 @@ class BatchNormFold(Technique):
     could be folded, so the tuner reports it rather than keeping a no-op.
     """
 
-    name = "bn-fold"
     config_cls = BatchNormFoldConfig
     stage = Stage.GRAPH
     lossless = True

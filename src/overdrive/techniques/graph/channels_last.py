@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,14 +27,13 @@ class ChannelsLastInputs(ForwardWrapper):
 
 @dataclass(frozen=True, kw_only=True)
 class ChannelsLastConfig(TechniqueConfig):
-    pass
+    name: ClassVar[str] = "channels-last"
 
 
 @register
 class ChannelsLast(Technique):
     """NHWC memory layout for conv nets (cuDNN/oneDNN pick faster kernels for it); input conversion is timed."""
 
-    name = "channels-last"
     config_cls = ChannelsLastConfig
     stage = Stage.GRAPH
     lossless = True

@@ -27,6 +27,7 @@ submodules are called, so the dynamically quantized Linears of `int8-dynamic` co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -130,12 +131,11 @@ class PaddingFreeEncoder(nn.Module):
 
 @dataclass(frozen=True, kw_only=True)
 class RemovePaddingConfig(TechniqueConfig):
-    pass
+    name: ClassVar[str] = "remove-padding"
 
 
 @register
 class RemovePadding(Technique):
-    name = "remove-padding"
     config_cls = RemovePaddingConfig
     stage = Stage.GRAPH
     lossless = True

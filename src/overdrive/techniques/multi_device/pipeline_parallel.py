@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -14,6 +15,7 @@ from overdrive.techniques.registry import Stage, Technique, TechniqueConfig, reg
 @dataclass(frozen=True, kw_only=True)
 class PipelineParallelConfig(TechniqueConfig):
     """microbatches: pieces each batch is cut into; num_devices: GPUs to split over (0: all)."""
+    name: ClassVar[str] = "pipeline-parallel"
 
     microbatches: int = 4
     num_devices: int = 0
@@ -28,7 +30,6 @@ class PipelineParallel(Technique):
     """Split the model's blocks across GPUs, balanced by measured block time, and run each batch
     as microbatches in a wavefront so the GPUs work on different microbatches at once."""
 
-    name = "pipeline-parallel"
     config_cls = PipelineParallelConfig
     stage = Stage.RUNTIME
     lossless = True

@@ -4,6 +4,7 @@ low-precision dtype; the rest, e.g. softmax and norms, stay fp32). Output is cas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -29,17 +30,16 @@ class AutocastModule(ForwardWrapper):
 
 @dataclass(frozen=True, kw_only=True)
 class Bf16AutocastConfig(TechniqueConfig):
-    pass
+    name: ClassVar[str] = "bf16"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fp16AutocastConfig(TechniqueConfig):
-    pass
+    name: ClassVar[str] = "fp16"
 
 
 @register
 class Bf16Autocast(Technique):
-    name = "bf16"
     config_cls = Bf16AutocastConfig
     stage = Stage.PRECISION
     lossless = False
@@ -57,7 +57,6 @@ class Bf16Autocast(Technique):
 
 @register
 class Fp16Autocast(Technique):
-    name = "fp16"
     config_cls = Fp16AutocastConfig
     stage = Stage.PRECISION
     lossless = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -16,11 +17,11 @@ from overdrive.techniques.registry import Stage, Technique, TechniqueConfig, reg
 @dataclass(frozen=True, kw_only=True)
 class Int8DynamicConfig(TechniqueConfig):
     """No options: per-tensor int8 weights, dynamic per-batch uint8 activations (torch.ao defaults)."""
+    name: ClassVar[str] = "int8-dynamic"
 
 
 @register
 class Int8Dynamic(Technique):
-    name = "int8-dynamic"
     config_cls = Int8DynamicConfig
     stage = Stage.PRECISION
     lossless = False

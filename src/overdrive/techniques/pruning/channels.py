@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ class PruneChannelsConfig(PruningConfig):
     global_pruning: rank channels across layers (uneven ratios) instead of per layer.
     ignored: module names (as in `named_modules`) left unpruned.
     """
+    name: ClassVar[str] = "prune-channels"
 
     ratio: float = 0.5
     importance: ChannelImportance = ChannelImportance.L2
@@ -96,7 +98,6 @@ def _unprunable_layers(pruner, importance) -> dict[nn.Module, str]:
 
 @register
 class PruneChannels(PruningTechnique):
-    name = "prune-channels"
     config_cls = PruneChannelsConfig
     description = "structured channel pruning (Torch-Pruning DepGraph), physically smaller layers, then a recovery fine-tune; opt-in"
 

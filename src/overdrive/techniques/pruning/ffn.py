@@ -14,6 +14,7 @@ The intermediate Linear loses rows, the output Linear columns, and the config's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -36,6 +37,7 @@ class PruneFFNConfig(EncoderPruningConfig):
     removed, plus:
     round_to: the kept width is a multiple of this.
     """
+    name: ClassVar[str] = "prune-ffn"
 
     round_to: int = 64
 
@@ -57,7 +59,6 @@ def neuron_scores(block: EncoderBlock, taylor: bool, activation_norms: torch.Ten
 
 @register
 class PruneFFN(EncoderPruningTechnique):
-    name = "prune-ffn"
     config_cls = PruneFFNConfig
     description = "narrows the feed-forward (intermediate) layers of BERT-style encoders, then recovers; opt-in"
 

@@ -19,6 +19,7 @@ the unpruned model, or cross-entropy with labels) is `recovery.PruningTechnique`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -37,6 +38,7 @@ from overdrive.techniques.registry import register
 @dataclass(frozen=True, kw_only=True)
 class PruneHeadsConfig(EncoderPruningConfig):
     """EncoderPruningConfig: `ratio` is the fraction of each layer's attention heads removed."""
+    name: ClassVar[str] = "prune-heads"
 
 
 def head_scores(block: EncoderBlock, taylor: bool, context_norms: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,7 +59,6 @@ def head_scores(block: EncoderBlock, taylor: bool, context_norms: torch.Tensor |
 
 @register
 class PruneHeads(EncoderPruningTechnique):
-    name = "prune-heads"
     config_cls = PruneHeadsConfig
     description = "removes whole attention heads from BERT-style encoders (smaller q/k/v/output matmuls), then recovers; opt-in"
 

@@ -94,7 +94,7 @@ def evaluate(model: nn.Module, workload: Workload, device: torch.device,
     Returns:
         (float32 outputs [N, ...] on the CPU, {fidelity figures vs `reference`, task metric}).
     """
-    n = min(len(workload.samples), EVAL_SAMPLES)
+    n = len(workload.samples) if workload.metric is not None else min(len(workload.samples), EVAL_SAMPLES)  # a metric scores all
     outputs = []
     with torch.no_grad():
         for start in range(0, n, workload.default_batch_size):
@@ -163,6 +163,47 @@ class PruningTechnique(Technique):
         """Reshape `model`'s pruned layers to the shapes in `state` (any kept indices; the
         weights are loaded afterwards)."""
         raise NotImplementedError
+
+    def describe_report(self, report: dict[str, Any], fidelity_key: str) -> str:
+        """One line: the structure before → after (`report_parts`), then the metric before, right
+        after pruning and after recovery, with the fine-tune's steps, learning rate and time."""
+        if "params_before" not in report:
+            return f"{self.name}: weights loaded from {report.get('source', 'cache')}"
+
+        def metric(figures: dict[str, float] | None) -> str:
+            if not figures:
+                return "–"
+            if "accuracy_pct" in figures or "metric" in figures:
+                task = (f"accuracy {figures['accuracy_pct']:.2f}%" if "accuracy_pct" in figures
+                        else f"metric {figures['metric']:.4g}")
+                return task + (f" ({fidelity_key} {figures[fidelity_key]:.4f})" if fidelity_key in figures else "")
+            return ", ".join(f"{k} {figures[k]:.4f}" for k in (fidelity_key, "mean_cosine") if k in figures)
+
+        parts = self.report_parts(report)
+        if report["before"]:
+            parts.append(f"before: {metric(report['before'])}")
+        parts.append(f"after pruning: {metric(report['after_pruning'])}")
+        if report.get("fine_tune"):
+            ft = report["fine_tune"]
+            parts.append(f"after recovery: {metric(report['after_recovery'])} ({ft['steps']} steps, lr {ft['learning_rate']:g}, "
+                         f"{ft['precision']}, {ft['seconds']:.1f} s)")
+        else:
+            parts.append(report.get("fine_tune_skipped", "no recovery fine-tune"))
+        return f"{self.name}: " + "; ".join(parts)
+
+    def report_parts(self, report: dict[str, Any]) -> list[str]:
+        """The structure part of the report line: importance, parameters and FLOPs before → after,
+        and the layers left alone."""
+        parts = [f"params {report['params_before']:,} → {report['params_after']:,} "
+                 f"({report['params_after'] / report['params_before']:.2f}×)"]
+        if report.get("importance"):
+            parts.insert(0, f"{report['importance']} importance")
+        fb, fa = report.get("flops_per_sample_before"), report.get("flops_per_sample_after")
+        if fb and fa:
+            parts.append(f"FLOPs/sample {fb / 1e6:,.2f} → {fa / 1e6:,.2f} M ({fa / fb:.2f}×)")
+        if report.get("left_unpruned"):
+            parts.append("left unpruned: " + ", ".join(f"{name} ({why})" for name, why in report["left_unpruned"].items()))
+        return parts
 
     def apply(self, model, config, *, workload, device):
         if config.checkpoint:
@@ -246,52 +287,6 @@ class PruningTechnique(Technique):
         report.update(self.finalize(model) or {})
         del teacher
         return report
-
-
-def describe(report: dict[str, Any], fidelity_key: str) -> str:
-    """One line: parameters and FLOPs before → after, the metric before / after pruning / after recovery."""
-    if "layers" in report:  # sparsity-2:4: the per-layer speed gate
-        dense = [e for e in report["layers"] if e["kept_dense"]]
-        text = (f"{report['technique']}: {report['converted']} of {len(report['layers'])} Linear layers made 2:4 sparse "
-                f"({report['dtype']})")
-        if dense:
-            text += "; kept dense: " + ", ".join(f"{e['layer']} ({e['reason']})" for e in dense[:6])
-            text += f" and {len(dense) - 6} more" if len(dense) > 6 else ""
-        return text
-    if "params_before" not in report:
-        return f"{report.get('technique', 'pruning')}: weights loaded from {report.get('source', 'cache')}"
-
-    def metric(figures: dict[str, float] | None) -> str:
-        if not figures:
-            return "–"
-        if "accuracy_pct" in figures:
-            return f"accuracy {figures['accuracy_pct']:.2f}%" + (
-                f" ({fidelity_key} {figures[fidelity_key]:.4f})" if fidelity_key in figures else "")
-        return ", ".join(f"{k} {figures[k]:.4f}" for k in (fidelity_key, "mean_cosine") if k in figures)
-
-    parts = [f"params {report['params_before']:,} → {report['params_after']:,} "
-             f"({report['params_after'] / report['params_before']:.2f}×)"]
-    if report.get("importance"):
-        parts.insert(0, f"{report['importance']} importance")
-    fb, fa = report.get("flops_per_sample_before"), report.get("flops_per_sample_after")
-    if fb and fa:
-        parts.append(f"FLOPs/sample {fb / 1e6:,.2f} → {fa / 1e6:,.2f} M ({fa / fb:.2f}×)")
-    if "weight_sparsity" in report:
-        parts.append(f"{report['weight_sparsity']:.0%} of weights zero; zlib-compressed weights "
-                     f"{report['compressed_weight_bytes_before'] / 1e6:,.2f} → {report['compressed_weight_bytes_after'] / 1e6:,.2f} MB; "
-                     "dense kernels are not faster on zeros (size only)")
-    if report.get("left_unpruned"):
-        parts.append("left unpruned: " + ", ".join(f"{name} ({why})" for name, why in report["left_unpruned"].items()))
-    if report["before"]:
-        parts.append(f"before: {metric(report['before'])}")
-    parts.append(f"after pruning: {metric(report['after_pruning'])}")
-    if report.get("fine_tune"):
-        ft = report["fine_tune"]
-        parts.append(f"after recovery: {metric(report['after_recovery'])} ({ft['steps']} steps, lr {ft['learning_rate']:g}, "
-                     f"{ft['precision']}, {ft['seconds']:.1f} s)")
-    else:
-        parts.append(report.get("fine_tune_skipped", "no recovery fine-tune"))
-    return f"{report['technique']}: " + "; ".join(parts)
 
 
 def save_checkpoint(model: nn.Module, path: Path, technique: str) -> None:

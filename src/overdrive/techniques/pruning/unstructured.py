@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ class PruneUnstructuredConfig(PruningConfig):
     ratio: fraction of the weights to zero, in (0, 1).
     global_pruning: rank weights across all layers (uneven per-layer sparsity) instead of per layer.
     """
+    name: ClassVar[str] = "prune-unstructured"
 
     ratio: float = 0.5
     global_pruning: bool = True
@@ -60,7 +62,6 @@ def weight_sparsity(model: nn.Module) -> float:
 
 @register
 class PruneUnstructured(PruningTechnique):
-    name = "prune-unstructured"
     config_cls = PruneUnstructuredConfig
     shrinks_layers = False
     description = ("zeroes the smallest weights (size only: dense kernels are not faster on zeros), "
@@ -93,3 +94,9 @@ class PruneUnstructured(PruningTechnique):
 
     def shrink_to(self, model, state, *, workload, device):
         """Nothing to reshape: the shapes never change."""
+
+    def report_parts(self, report):
+        return [*super().report_parts(report),
+                f"{report['weight_sparsity']:.0%} of weights zero; zlib-compressed weights "
+                f"{report['compressed_weight_bytes_before'] / 1e6:,.2f} → {report['compressed_weight_bytes_after'] / 1e6:,.2f} MB; "
+                "dense kernels are not faster on zeros (size only)"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -19,12 +20,11 @@ class InferenceModeModule(ForwardWrapper):
 
 @dataclass(frozen=True, kw_only=True)
 class InferenceModeConfig(TechniqueConfig):
-    pass
+    name: ClassVar[str] = "inference-mode"
 
 
 @register
 class InferenceMode(Technique):
-    name = "inference-mode"
     config_cls = InferenceModeConfig
     stage = Stage.RUNTIME
     lossless = True

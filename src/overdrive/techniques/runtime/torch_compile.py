@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,7 @@ class CompileConfig(TechniqueConfig):
     dynamic: True compiles one graph with symbolic shapes (text, whose length varies by
         batch); False specialises on each shape; None lets torch decide after a recompile.
     """
+    name: ClassVar[str] = "compile"
 
     mode: CompileMode = CompileMode.DEFAULT
     dynamic: bool | None = None
@@ -40,7 +42,6 @@ class CompileConfig(TechniqueConfig):
 class Compile(Technique):
     """torch.compile with the Inductor backend. Compile time is reported apart (Measurement.compile_s)."""
 
-    name = "compile"
     config_cls = CompileConfig
     stage = Stage.COMPILE
     lossless = False  # Inductor reorders float math; judged by the fidelity floor

@@ -16,6 +16,7 @@ is never made sparse. On other devices the technique is listed as unsupported, n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ class Sparsity24Config(TechniqueConfig):
         times faster than dense at the workload's shapes.
     timing_iterations: timed calls per layer and form (median taken).
     """
+    name: ClassVar[str] = "sparsity-2:4"
 
     min_layer_gain: float = 1.05
     timing_iterations: int = 50
@@ -100,7 +102,6 @@ def _set_child(model: nn.Module, name: str, module: nn.Module) -> None:
 
 @register
 class Sparsity24(Technique):
-    name = "sparsity-2:4"
     config_cls = Sparsity24Config
     stage = Stage.PRUNE
     lossless = False
@@ -118,6 +119,15 @@ class Sparsity24(Technique):
         if not any(isinstance(m, nn.Linear) and m.in_features % 4 == 0 for m in workload.model.modules()):
             return "not applicable: no Linear layer with in_features divisible by 4"
         return None
+
+    def describe_report(self, report, fidelity_key):
+        """How many Linear layers were made 2:4 sparse, and which stayed dense and why (the speed gate)."""
+        dense = [e for e in report["layers"] if e["kept_dense"]]
+        text = f"{self.name}: {report['converted']} of {len(report['layers'])} Linear layers made 2:4 sparse ({report['dtype']})"
+        if dense:
+            text += "; kept dense: " + ", ".join(f"{e['layer']} ({e['reason']})" for e in dense[:6])
+            text += f" and {len(dense) - 6} more" if len(dense) > 6 else ""
+        return text
 
     def apply(self, model, config, *, workload, device):
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

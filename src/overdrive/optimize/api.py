@@ -1,0 +1,424 @@
+"""The Python API of the optimize flow: `optimize`, `load` and `bench` (exported by `overdrive`).
+
+`optimize` is `OptimizeJob.prepare(...)` (every argument checked, the workload built, nothing
+measured yet) followed by `job.run()` (baseline, each technique alone, composition, the
+batch-size sweep); the command line uses the two halves to print its header in between.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from overdrive.core import devices
+from overdrive.core.errors import ConfigError, WorkloadError, arg
+from overdrive.core.measure import Measurement, cycle_indices, measure
+from overdrive.core.report import environment, plot_latency_vs_batch, write_results
+from overdrive.core.workload import Workload
+from overdrive.optimize.plan import Plan, build, load_plan, save_checkpoints
+from overdrive.optimize.report import rows_markdown, write_report_md
+from overdrive.optimize.sweep import Session, compare_plan, open_session, sweep
+from overdrive.optimize.tuner import Guard, Row, Tuner
+from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
+
+Progress = Callable[[str, int, int], None]  # (what is measured next, measurements done, expected in all)
+PLOT_NAME = "latency_vs_batch_size.png"
+BASELINE_LABEL = "baseline (eager fp32)"
+PYTHON_MODEL_PREFIX = "<python "  # the workload of a plan made from a module passed in Python
+
+
+def default_sweep(batch_size: int) -> list[int]:
+    """The report's batch sizes: 1, B/4, B and 2B."""
+    return sorted({1, max(1, batch_size // 4), batch_size, 2 * batch_size})
+
+
+def pruning_configs(techniques: list[str] | None, *, prune_ratio: float | None = None,
+                    finetune_steps: int | None = None) -> dict[str, TechniqueConfig]:
+    """The configs of the named pruning techniques with `prune_ratio` / `finetune_steps` applied.
+
+    Raises:
+        ConfigError: an unknown technique, or a pruning option with no pruning technique named.
+    """
+    from overdrive.techniques.pruning.recovery import PruningTechnique
+
+    for name in techniques or []:
+        try:
+            get_technique(name)
+        except KeyError as exc:
+            raise ConfigError(f"{arg('techniques')}: {exc.args[0]}") from None
+    overrides = {k: v for k, v in {"ratio": prune_ratio, "finetune_steps": finetune_steps}.items() if v is not None}
+    if not overrides:
+        return {}
+    pruning = [n for n in techniques or [] if isinstance(get_technique(n), PruningTechnique)]
+    if not pruning:
+        named = [arg({"ratio": "prune_ratio"}.get(k, k)) for k in overrides]
+        known = ", ".join(t.name for t in list_techniques() if isinstance(t, PruningTechnique))
+        raise ConfigError(f"{' and '.join(named)} appl{'y' if len(named) > 1 else 'ies'} to pruning techniques; "
+                          f"name one in {arg('techniques')} ({known})")
+    configs = {}
+    for name in pruning:
+        config_cls = get_technique(name).config_cls
+        configs[name] = config_cls(**{k: v for k, v in overrides.items() if k in config_cls.__dataclass_fields__})
+    return configs
+
+
+def as_workload(model: str | nn.Module | Workload, example_inputs=None, *, data: Iterable | None = None,
+                metric: Callable[[torch.Tensor], float] | None = None) -> str | Workload:
+    """What `open_session` takes: a workload spec as it is, a Workload, or a module made into one.
+
+    Raises:
+        ConfigError: a module without `example_inputs`, or `data`/`metric` for a built-in workload.
+        WorkloadError: the module does not run on its example (see `workload_from_model`).
+    """
+    if isinstance(model, nn.Module):
+        from overdrive.workloads.user import workload_from_model
+
+        if example_inputs is None:
+            raise ConfigError(f"{arg('example_inputs')} is needed with a module: a tensor or tuple of tensors [B, ...] "
+                              "it runs on")
+        return workload_from_model(type(model).__name__, model, example_inputs, data=data, metric=metric)
+    if data is not None or metric is not None:
+        raise ConfigError(f"{arg('data')} and {arg('metric')} go with a module and its {arg('example_inputs')}; "
+                          f"workload {getattr(model, 'name', model)!r} brings its own")
+    return model
+
+
+def input_signature(workload: Workload) -> list[dict[str, Any]] | None:
+    """The per-row shape and dtype of each model input, for tensor workloads (None for text)."""
+    sample = workload.samples[0]
+    columns = (sample,) if isinstance(sample, torch.Tensor) else sample
+    if workload.is_text or not all(isinstance(c, torch.Tensor) for c in columns):
+        return None
+    return [{"shape": list(c.shape), "dtype": str(c.dtype).removeprefix("torch.")} for c in columns]
+
+
+@dataclass(kw_only=True)
+class OptimizeResult:
+    """What `optimize` found.
+
+    Attributes:
+        rows: every candidate measured, in table order (baseline, alone, compose, plan, without).
+        plan: the chosen techniques, batch size and headline figures; `save` writes it.
+        baseline: the eager fp32 measurement every speedup is against.
+        sweep: {configuration: [(batch size, Measurement)]} for the report's plot.
+        sweep_warnings: points of the sweep that failed.
+        session: the workload, device, batch size and samples it was measured with.
+        guard: the accuracy budget and speed bar that judged the candidates.
+        flops_per_sample: FLOPs of one eager fp32 forward per row (None where not countable).
+        command: how the run was asked for (recorded in results.json and report.md).
+    """
+
+    rows: list[Row]
+    plan: Plan
+    baseline: Measurement
+    sweep: dict[str, list[tuple[int, Measurement]]]
+    sweep_warnings: list[str]
+    session: Session
+    guard: Guard
+    flops_per_sample: float | None
+    command: str
+    _model: nn.Module | None = field(default=None, repr=False)
+
+    @property
+    def table(self) -> list[dict[str, Any]]:
+        """The per-technique rows: technique, kept, why not, latency p50/p90 (ms), speedup vs the
+        baseline, samples/s, peak memory (bytes), fidelity figures and task metric."""
+        out = []
+        for row in self.rows:
+            m = row.measurement
+            out.append({"technique": row.label, "phase": row.phase, "kept": row.kept, "reason": row.reason,
+                        "latency_ms_p50": m.latency_ms["p50"] if m else None,
+                        "latency_ms_p90": m.latency_ms["p90"] if m else None,
+                        "speedup_vs_baseline": row.speedup, "samples_per_s": m.samples_per_s if m else None,
+                        "peak_memory_bytes": m.peak_memory_bytes if m else None,
+                        "fidelity": dict(m.fidelity) if m else {}, "task_metric": dict(m.task_metric or {}) if m else {}})
+        return out
+
+    @property
+    def model(self) -> nn.Module:
+        """The plan's model, built once on the device it was measured on, ready to call. Length
+        bucketing, a batching policy, is not part of it: `run` and `serve` apply it."""
+        if self._model is None:
+            self._model = build(self.session.workload, self.plan.steps, self.session.device)[0]
+        return self._model
+
+    def _repr_markdown_(self) -> str:  # a notebook shows the table
+        return rows_markdown(self, fidelity_key=self.session.workload.fidelity_key)
+
+    def save_plan(self, folder: str | Path) -> Path:
+        """Write plan.json into `folder`, with the pruned weights of pruning steps beside it
+        (`<technique>.pt`), so reloading the plan does not prune and fine-tune again. Returns its path."""
+        folder = Path(folder)
+        self.plan.steps = save_checkpoints(self.plan.steps, self.session.workload, self.session.device, folder)
+        self.plan.save(folder / "plan.json")
+        return folder / "plan.json"
+
+    def save(self, folder: str | Path) -> Path:
+        """Write plan.json (and checkpoints), results.json (every figure, with units), report.md
+        and the latency-vs-batch-size plot into `folder`. Returns the plan's path."""
+        folder = Path(folder)
+        plan_path = self.save_plan(folder)
+        workload, device_name = self.session.workload, devices.describe(self.session.device)
+        plot_latency_vs_batch(folder / PLOT_NAME, self.sweep, title=f"{workload.name} on {device_name}")
+        write_results(folder / "results.json", self.to_dict())
+        write_report_md(folder / "report.md", result=self, workload_name=workload.name, device_name=device_name,
+                        fidelity_key=workload.fidelity_key, sweep=self.sweep, plot_name=PLOT_NAME, command=self.command,
+                        real_weights=workload.real_weights)
+        return plan_path
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything measured, with units: what results.json holds."""
+        s, g = self.session, self.guard
+        return {
+            "command": self.command,
+            "workload": s.workload.name,
+            "real_weights": s.workload.real_weights,
+            "device": devices.describe(s.device),
+            "environment": environment(),
+            "batch_size": s.batch_size,
+            "num_samples": s.num_samples,
+            "num_distinct_samples": s.num_distinct_samples,
+            "sweep_warnings": self.sweep_warnings,
+            "guard": {"min_fidelity": g.min_fidelity, "max_accuracy_drop_pt": g.max_accuracy_drop, "min_gain": g.min_gain},
+            "fidelity_key": s.workload.fidelity_key,
+            "flops_per_sample": self.flops_per_sample,
+            "units": {"latency_ms": "milliseconds per call", "samples_per_s": "rows per second",
+                      "peak_memory_bytes": "bytes", "compile_s": "seconds", "warmup_s": "seconds",
+                      "accuracy_pct": "percent", "metric": "the workload metric's own units",
+                      "flops_per_sample": "floating-point operations"},
+            "rows": [r.to_dict() for r in self.rows],
+            "sweep": {label: [{"batch_size": b, **m.to_dict()} for b, m in points] for label, points in self.sweep.items()},
+            "plan": self.plan.to_dict(),
+        }
+
+
+@dataclass(kw_only=True)
+class OptimizeJob:
+    """An optimize run with every argument checked and the workload built, not yet measured."""
+
+    session: Session
+    guard: Guard
+    techniques: list[str] | None
+    configs: dict[str, TechniqueConfig]
+    sweep_batch_sizes: list[int]
+    command: str
+
+    @classmethod
+    def prepare(cls, model: str | nn.Module | Workload, example_inputs=None, *, device: str | torch.device = "auto",
+                data: Iterable | None = None, metric: Callable[[torch.Tensor], float] | None = None,
+                max_accuracy_drop: float | None = None, min_fidelity: float = 0.99, min_gain: float = 1.02,
+                techniques: list[str] | None = None, batch_size: int | None = None, num_samples: int | None = None,
+                prune_ratio: float | None = None, finetune_steps: int | None = None,
+                sweep_batch_sizes: list[int] | None = None, out: str | Path | None = None,
+                input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
+                command: str | None = None) -> OptimizeJob:
+        """Check the arguments and build the workload (see `optimize` for them)."""
+        if techniques is not None and not techniques:
+            raise ConfigError(f"{arg('techniques')} is empty; name techniques (see `overdrive list`) or pass None for all")
+        configs = pruning_configs(techniques, prune_ratio=prune_ratio, finetune_steps=finetune_steps)
+        for value, name in ((batch_size, "batch_size"), (num_samples, "num_samples")):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{arg(name, value)}: expected a positive integer")
+        guard = Guard(min_fidelity=min_fidelity, max_accuracy_drop=max_accuracy_drop, min_gain=min_gain)
+        session = open_session(as_workload(model, example_inputs, data=data, metric=metric), device=device,
+                               batch_size=batch_size, num_samples=num_samples, out=out, input_shape=input_shape,
+                               input_dtype=input_dtype)
+        workload = session.workload
+        if max_accuracy_drop is not None and not workload.has_task_metric:
+            raise ConfigError(f"{arg('max_accuracy_drop')}: workload {workload.name!r} has no task metric; "
+                              f"use {arg('min_fidelity')}")
+        if workload.metric is not None and session.num_distinct_samples < len(workload.samples):
+            raise ConfigError(f"{arg('num_samples', num_samples)}: a {arg('metric')} scores every row of "
+                              f"{arg('data')} ({len(workload.samples)}); leave {arg('num_samples')} unset")
+        sizes = sweep_batch_sizes if sweep_batch_sizes is not None else default_sweep(session.batch_size)
+        if any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ConfigError(f"{arg('sweep_batch_sizes', sizes)}: expected positive integers")
+        if not isinstance(model, str):  # a plan of a Python object can only be rebuilt with that object: `load(plan, model)`
+            session.spec = f"{PYTHON_MODEL_PREFIX}{workload.name}>"
+        spec = session.spec
+        return cls(session=session, guard=guard, techniques=techniques, configs=configs,
+                   sweep_batch_sizes=session.sweep_sizes(sizes),
+                   command=command or f"overdrive.optimize({shlex.quote(spec)})")
+
+    def run(self, progress: Progress | None = None) -> OptimizeResult:
+        """Measure: the baseline, each technique alone, the composition, then the sweep. When the
+        session has an output folder, plan.json is written as soon as it is known (before the
+        sweep) and everything else at the end."""
+        s = self.session
+        tuner = Tuner(workload=s.workload, device=s.device, batch_size=s.batch_size, techniques=self.techniques,
+                      guard=self.guard, num_samples=s.num_distinct_samples, workload_spec=s.spec, configs=self.configs)
+        count = {"done": 0, "total": 2 + 2 * len(tuner.techniques) + len(self.configs) + 2 * len(self.sweep_batch_sizes)}
+
+        def step(description: str) -> None:
+            if progress is not None:
+                progress(description, count["done"], count["total"])
+            count["done"] += 1
+
+        tuner.progress = step
+        tune = tuner.run()
+        tune.plan.inputs = input_signature(s.workload)
+        warnings: list[str] = []
+        result = OptimizeResult(rows=tune.rows, plan=tune.plan, baseline=tune.baseline, sweep={}, sweep_warnings=warnings,
+                                session=s, guard=self.guard, flops_per_sample=tune.flops_per_sample, command=self.command)
+        if s.out_dir is not None:
+            result.save_plan(s.out_dir)  # before the sweep: the plan is the main result
+        count["total"] = count["done"] + 2 * len(self.sweep_batch_sizes)
+        result.sweep = sweep(s, {BASELINE_LABEL: [], "plan": result.plan.steps}, self.sweep_batch_sizes,
+                             progress=step, warn=warnings.append)
+        if s.out_dir is not None:
+            result.save(s.out_dir)
+        return result
+
+
+def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: str | torch.device = "auto",
+             data: Iterable | None = None, metric: Callable[[torch.Tensor], float] | None = None,
+             max_accuracy_drop: float | None = None, min_fidelity: float = 0.99, min_gain: float = 1.02,
+             techniques: list[str] | None = None, batch_size: int | None = None, num_samples: int | None = None,
+             prune_ratio: float | None = None, finetune_steps: int | None = None,
+             sweep_batch_sizes: list[int] | None = None, out: str | Path | None = None,
+             input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
+             progress: Progress | None = None) -> OptimizeResult:
+    """Measure `model` eager in fp32, then with each technique alone, compose the winners in
+    canonical order (batching → prune → precision → graph → compile → runtime), roll back any
+    step that is not faster or breaks the accuracy budget, and return the plan with the table.
+
+    Args:
+        model: an `nn.Module` (with `example_inputs`), a built-in workload name (`"minilm"`,
+            `"digits-cnn"`, a torchvision name such as `"resnet50"`), `"package.module:factory"`,
+            a `.pt2` / TorchScript file path, or a `Workload`. A module is put in eval mode.
+        example_inputs: for a module: a tensor or tuple of tensors [B, ...] it runs on; B is the
+            default batch size.
+        device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N" or a torch.device.
+        data: for a module: evaluation batches shaped like `example_inputs`; candidates are judged
+            on their rows (without it, on seeded random rows of the example's shape: speed only).
+        metric: for a module with `data`: `metric(outputs) -> float`, a task score of the outputs
+            on all rows of `data` (float32 [N, ...] in order), higher is better.
+        max_accuracy_drop: task-metric points (accuracy %, or `metric`'s units) a technique may
+            lose; None: only the fidelity floor applies.
+        min_fidelity: floor on the workload's fidelity figure against fp32 (cosine or top-1
+            agreement), in [0, 1].
+        min_gain: throughput ratio a step needs over the current best to be kept.
+        techniques: names to try (see `overdrive list`); None: every one that is not opt-in.
+        batch_size: rows per call; None: the workload's.
+        num_samples: distinct evaluation samples; None: 512 for text, all otherwise.
+        prune_ratio, finetune_steps: for the pruning techniques named in `techniques`.
+        sweep_batch_sizes: batch sizes of the latency-vs-batch-size sweep; None: 1, B/4, B, 2B;
+            []: no sweep.
+        out: a folder to write plan.json, results.json, report.md and the plot into (OUT/<name>/);
+            None: nothing is written until `result.save(folder)`.
+        input_shape, input_dtype: for a TorchScript file, which stores no input shape.
+        progress: called before each measurement as progress(description, done, expected).
+
+    Returns:
+        An OptimizeResult: `.table` (the per-technique rows), `.model` (the optimized module),
+        `.plan`, `.save(folder)`.
+
+    Raises:
+        ConfigError: an argument that cannot work (unknown technique, batch size, device, ...).
+        WorkloadError: the model cannot be built, or fails at the batch size in eager fp32.
+    """
+    return OptimizeJob.prepare(
+        model, example_inputs, device=device, data=data, metric=metric, max_accuracy_drop=max_accuracy_drop,
+        min_fidelity=min_fidelity, min_gain=min_gain, techniques=techniques, batch_size=batch_size,
+        num_samples=num_samples, prune_ratio=prune_ratio, finetune_steps=finetune_steps,
+        sweep_batch_sizes=sweep_batch_sizes, out=out, input_shape=input_shape, input_dtype=input_dtype,
+    ).run(progress)
+
+
+def load(plan: str | Path, model: nn.Module | Workload | None = None, *, example_inputs=None,
+         device: str | torch.device = "auto") -> nn.Module:
+    """Rebuild a saved plan: its techniques applied to a fresh copy of the model, on the device.
+
+    Args:
+        plan: a plan.json written by `optimize` (`result.save`, or `overdrive optimize`).
+        model: the model (or Workload) the plan was made for; it is copied, not changed. None:
+            the plan's own workload (a built-in name, factory or file).
+        example_inputs: inputs [B, ...] for techniques that trace the model (channel pruning);
+            None: seeded rows of the shapes the plan recorded.
+        device: "auto" (the device type the plan was tuned on), "cpu", "cuda" or "cuda:N".
+
+    Returns:
+        The optimized module in eval mode, on the device.
+
+    Raises:
+        PlanError: the file is not a plan, names missing checkpoints, or was tuned on another device type.
+        ConfigError: a plan made from a Python module, loaded without `model`.
+    """
+    device_name = str(device) if isinstance(device, torch.device) else device
+    loaded, resolved, _ = load_plan(plan, device=device_name)
+    if model is None:
+        if loaded.workload.startswith(PYTHON_MODEL_PREFIX):
+            raise ConfigError(f"{plan} was made from a Python module ({loaded.workload}); pass it as {arg('model')}")
+        workload = open_session(loaded.workload, device=resolved, batch_size=loaded.batch_size).workload
+    elif isinstance(model, Workload):
+        workload = model
+    else:
+        workload = as_workload(model, example_inputs if example_inputs is not None else _example_from(loaded))
+    return build(workload, loaded.steps, resolved)[0]
+
+
+def _example_from(plan: Plan) -> tuple[torch.Tensor, ...]:
+    if not plan.inputs:
+        raise ConfigError(f"the plan records no input shapes; pass {arg('example_inputs')}")
+    generator = torch.Generator().manual_seed(0)
+    example = []
+    for spec in plan.inputs:
+        dtype = getattr(torch, spec["dtype"])
+        shape = (plan.batch_size, *spec["shape"])
+        example.append(torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point
+                       else torch.zeros(shape, dtype=dtype))
+    return tuple(example)
+
+
+def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int] | None = None,
+          device: str | torch.device | None = None, plan: str | Path | None = None, data: Iterable | None = None,
+          num_samples: int | None = None) -> dict[int, Measurement]:
+    """Measure latency, throughput and peak memory at each batch size.
+
+    Args:
+        model: a module (measured as it is, e.g. `result.model` or `load(...)`) with
+            `example_inputs`, or a workload name / spec (its eager fp32 model, or `plan`'s).
+        example_inputs: for a module: a tensor or tuple of tensors [B, ...].
+        batch_sizes: rows per call; None: B, the example's (or the plan's, the workload's).
+        device: for a module: where its inputs go (None: the device of its first parameter,
+            else the CPU); for a workload: "auto", "cpu", "cuda", "cuda:N".
+        plan: for a workload: a plan.json whose model is measured; its fidelity against the eager
+            fp32 model at the same batch size is filled in.
+        data: for a module: batches like `example_inputs` whose rows are measured (default:
+            seeded rows of the example's shape).
+        num_samples: rows per measurement (≥ the batch size); None: 512 for text, all otherwise.
+
+    Returns:
+        {batch size: Measurement}, in the order of `batch_sizes` (static-batch models: their one size).
+
+    Raises:
+        ConfigError, WorkloadError, PlanError: as for `optimize` and `load`.
+    """
+    if isinstance(model, nn.Module):
+        workload = as_workload(model, example_inputs, data=data)
+        if device is None:
+            first = next(iter(model.parameters()), None) or next(iter(model.buffers()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        session = open_session(workload, device=device, num_samples=num_samples)
+        sizes = session.sweep_sizes(batch_sizes or [session.batch_size])
+        out = {}
+        for b in sizes:
+            indices = cycle_indices(max(session.num_distinct_samples, b), len(workload.samples))
+            out[b] = measure(model, workload, device=session.device, batch_size=b, indices=indices,
+                             min_timed_calls=5, min_timed_s=0.5)[0]
+        return out
+    loaded = None
+    if plan is not None:
+        loaded, device, _ = load_plan(plan, device=device or "auto", workload=model)
+    session = open_session(model, device=device or "auto", batch_size=loaded.batch_size if loaded else None,
+                           num_samples=num_samples)
+    curves, failures, _ = compare_plan(session, loaded, session.sweep_sizes(batch_sizes or [session.batch_size]))
+    if failures:
+        raise WorkloadError("; ".join(failures))
+    return dict(curves[list(curves)[-1]])

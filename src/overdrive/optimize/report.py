@@ -1,0 +1,124 @@
+"""What `optimize` prints and writes: the per-technique table (terminal and Markdown), the
+techniques' report lines, compile times, and report.md.
+
+Each takes the tuner's result: anything with `rows`, `baseline`, `plan` and `flops_per_sample`
+(a `TuneResult`, or the `OptimizeResult` the API returns)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from overdrive.core.measure import Measurement
+from overdrive.core.report import environment, format_bytes, format_fidelity, sweep_markdown
+from overdrive.optimize.tuner import Row, TuneResult
+from overdrive.techniques import describe_report
+
+
+def _kept(row: Row) -> str:
+    if row.phase in ("baseline", "plan"):
+        return "—"
+    if row.phase == "without":
+        return row.reason or "—"
+    return "yes" if row.kept else f"no: {row.reason}"
+
+
+def rows_table(result: TuneResult, *, fidelity_key: str, title: str) -> Table:
+    """The per-technique table: technique | kept? | latency p50/p90 | speedup | samples/s | peak memory | fidelity."""
+    memory_kind = "CUDA allocator peak" if result.baseline.peak_memory_kind.startswith("cuda") else "process RSS high-water"
+    table = Table(title=title, show_lines=False, caption=f"peak memory: {memory_kind}; fidelity: against eager fp32 outputs")
+    for col, justify in [("technique", "left"), ("kept? (why not)", "left"), ("latency p50/p90 ms", "right"),
+                         ("speedup vs baseline", "right"), ("samples/s", "right"), ("peak memory", "right"),
+                         ("fidelity", "left")]:
+        table.add_column(col, justify=justify, overflow="fold")
+    previous_phase = None
+    for row in result.rows:
+        if previous_phase is not None and row.phase != previous_phase:
+            table.add_section()
+        previous_phase = row.phase
+        m = row.measurement
+        table.add_row(
+            row.label,
+            _kept(row),
+            f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
+            f"{row.speedup:.2f}×" if row.speedup is not None else "",
+            f"{m.samples_per_s:,.1f}" if m else "",
+            format_bytes(m.peak_memory_bytes) if m else "",
+            format_fidelity(m, fidelity_key),
+        )
+    return table
+
+
+def rows_markdown(result: TuneResult, *, fidelity_key: str) -> str:
+    """The same table as `rows_table`, as Markdown."""
+    lines = ["| technique | kept? (why not) | latency p50/p90 ms | speedup vs baseline | samples/s | peak memory | fidelity |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for row in result.rows:
+        m = row.measurement
+        cells = [
+            f"**{row.label}**" if row.phase in ("baseline", "plan") else row.label,
+            _kept(row).replace("|", "/"),
+            f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
+            f"{row.speedup:.2f}×" if row.speedup is not None else "",
+            f"{m.samples_per_s:,.1f}" if m else "",
+            format_bytes(m.peak_memory_bytes) if m else "",
+            format_fidelity(m, fidelity_key),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def detail_lines(result: TuneResult, *, fidelity_key: str) -> list[str]:
+    """One line per technique report (pruning: params, FLOPs, metric before / after pruning / after
+    recovery, the fine-tune), for the step each row adds; repeated reports are shown once."""
+    lines: list[str] = []
+    for row in result.rows:
+        for report in row.details:
+            if row.phase in ("alone", "compose") and report.get("technique") == row.steps[-1]:
+                line = describe_report(report, fidelity_key)
+                if line not in lines:
+                    lines.append(line)
+    return lines
+
+
+def compile_times(result: TuneResult, *, min_s: float = 1.0) -> list[tuple[str, float]]:
+    """(label, compile_s) of the rows whose warm-up took ≥ `min_s` beyond steady state."""
+    return [(r.label, r.measurement.compile_s) for r in result.rows
+            if r.measurement and r.measurement.compile_s >= min_s and r.phase != "plan"]
+
+
+def write_report_md(path: Path, *, result: TuneResult, workload_name: str, device_name: str, fidelity_key: str,
+                    sweep: dict[str, list[tuple[int, Measurement]]], plot_name: str | None, command: str,
+                    real_weights: bool) -> None:
+    b = result.baseline
+    flops = (f"; FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP"
+             if result.flops_per_sample else "")
+    env = environment()
+    lines = [
+        f"# overdrive optimize {workload_name}",
+        "",
+        f"- command: `{command}`",
+        f"- device: {device_name}; torch {env['torch']}; date {env['date']}",
+        f"- batch size {result.plan.batch_size}; {b.num_samples} evaluation samples{flops}",
+        f"- plan: {' + '.join(result.plan.names) or 'baseline (nothing beat it)'}, "
+        f"{result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s",
+    ]
+    if not real_weights:
+        lines.append("- weights are random: the figures are for speed only, not accuracy claims")
+    memory_kind = "CUDA allocator peak" if b.peak_memory_kind.startswith("cuda") else "process RSS high-water mark"
+    lines += ["", "## Per-technique table", "", rows_markdown(result, fidelity_key=fidelity_key), "",
+              f"Peak memory: {memory_kind}. Fidelity: against the eager fp32 outputs of the same samples.", "",
+              "## Latency vs batch size", ""]
+    if plot_name:
+        lines += [f"![latency vs batch size]({plot_name})", ""]
+    lines += [sweep_markdown(sweep), ""]
+    details = detail_lines(result, fidelity_key=fidelity_key)
+    if details:
+        lines += ["## Pruning: structure, metric and recovery", ""] + [f"- {line}" for line in details] + [""]
+    compiled = compile_times(result)
+    if compiled:
+        lines += ["## Compile and warm-up time (apart from the figures above)", ""]
+        lines += [f"- {label}: {seconds:.1f} s" for label, seconds in compiled]
+        lines.append("")
+    path.write_text("\n".join(lines))

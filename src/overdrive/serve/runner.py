@@ -1,0 +1,185 @@
+"""Running a server: build the model to serve from a workload or a plan, start the app on
+uvicorn, and drain it on SIGTERM/SIGINT (`serve`, what `overdrive serve` calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import re
+import signal
+import socket
+import sys
+
+import torch
+
+from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread
+from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
+from overdrive.optimize.plan import Plan, build_on_devices, load_plan
+from overdrive.serve.app import InferenceServer, ServerConfig
+from overdrive.serve.model import ServedModel
+from overdrive.workloads import create_workload
+
+log = logging.getLogger("overdrive.serve")
+
+
+def load_served_model(spec: str, *, device: str, instances: int | None, name: str | None = None,
+                      ) -> tuple[ServedModel, Plan | None, int]:
+    """Build the model to serve from a workload spec or a plan.json.
+
+    Returns:
+        (served model, the plan or None, instances: one per GPU when the device is `cuda`
+        without an index and `instances` is None, else `instances` or 1).
+
+    Raises:
+        WorkloadError: an unknown workload, or a model that cannot be served.
+        PlanError: an unreadable plan, or a plan for another device type.
+    """
+    plan = None
+    if spec.endswith(".json"):
+        plan, resolved, device = load_plan(spec, device=device, argument="model")
+    else:
+        resolved = resolve_device(device)
+    workload = create_workload(plan.workload if plan else spec)
+    devices = replica_devices(resolved, device)
+    instances = instances or len(devices)
+    devices = devices[:instances]
+    models = build_on_devices(workload, plan.steps if plan else [], devices)
+    try:
+        served = ServedModel(name or workload.name, workload, models, devices)
+    except (ValueError, RuntimeError) as exc:
+        raise WorkloadError(f"cannot serve {spec}: {one_line(exc)}") from None
+    return served, plan, instances
+
+
+def serve(spec: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto", model_name: str | None = None,
+          max_batch_size: int | None = None, max_queue_delay_ms: float = 2.0, max_queue_size: int | None = None,
+          instances: int | None = None, request_timeout_ms: float = 30_000.0, drain_timeout_s: float = 30.0,
+          warmup_s: float = 30.0, access_log: bool = False) -> int:
+    """Serve a workload, or the plan `optimize` wrote, until SIGTERM/SIGINT, then drain and return 0.
+
+    Args:
+        spec: a workload (minilm, digits-cnn, ...) or a plan.json.
+        host, port: where to listen (port 0: any free port; the bound one is logged).
+        device: "auto", "cpu", "cuda" (every GPU, one instance each) or "cuda:N".
+        model_name: the name in the URLs (default: the workload's).
+        max_batch_size: rows per model batch (default: the plan's batch size, else the workload's).
+        max_queue_delay_ms: longest a request waits for others to join its batch, ms.
+        max_queue_size: rows that may wait before requests get 503 (default: 512, or 8 batches
+            per instance if more).
+        instances: model instances, each in its own thread (default: one per GPU, 1 on CPU).
+        request_timeout_ms: a queued request's timeout when it sets none, ms (0: none).
+        drain_timeout_s: how long admitted requests may take to finish on SIGTERM/SIGINT.
+        warmup_s: seconds at start spent running each batch size once (0: none).
+        access_log: log every request.
+
+    Raises:
+        ConfigError: a model name, batch size or queue size that cannot work, or a port in use.
+        WorkloadError, PlanError: as `load_served_model`.
+    """
+    if model_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", model_name):
+        raise ConfigError(f"{arg('model_name', model_name)} cannot be a URL path segment; use letters, digits, '_', '.' "
+                          "and '-' (e.g. minilm-v2)")
+    cores = serial_main_thread()  # the model runs in the instance threads (devices.serial_main_thread)
+    served, plan, instances = load_served_model(spec, device=device, instances=instances,
+                                                name=model_name)
+    # Instances on one CPU split its cores, or each batch's threads fight the others'. Measured on
+    # 2 cores, MiniLM bf16, 32 clients, dynamic batching: 2 instances × 1 thread 229 requests/s,
+    # 1 instance × 2 threads 197 (benchmarks/RESULTS.md, evening of 2026-12-01).
+    served.threads_per_instance = max(1, cores // instances)
+    max_batch_size = max_batch_size or served.fixed_batch_size or (plan.batch_size if plan else None) \
+        or served.workload.default_batch_size
+    if served.fixed_batch_size and max_batch_size > served.fixed_batch_size:
+        raise ConfigError(f"{spec} runs only at batch size {served.fixed_batch_size}; "
+                        f"{arg('max_batch_size')} must be ≤ {served.fixed_batch_size}")
+    max_queue_size = max_queue_size or max(512, 8 * max_batch_size * instances)
+    if max_queue_size < max_batch_size:
+        raise ConfigError(f"{arg('max_queue_size', max_queue_size)} rows is less than one batch ({max_batch_size} rows)")
+    config = ServerConfig(max_batch_size=max_batch_size, max_queue_delay_ms=max_queue_delay_ms,
+                          max_queue_size=max_queue_size, instances=instances,
+                          request_timeout_ms=request_timeout_ms or None, drain_timeout_s=drain_timeout_s,
+                          warmup_s=warmup_s)
+    server = InferenceServer(served, config)
+
+    def started(port: int) -> None:
+        source = f"plan {spec} ({' + '.join(plan.names) or 'baseline'})" if plan else spec
+        sys.stderr.write(f"overdrive serve: {source} as model {served.name!r} on http://{host}:{port}/v2/models/"
+                         f"{served.name}/infer  {describe_config(server)}"
+                         + (f"; warming up (ready within {warmup_s:g} s)\n" if warmup_s else "\n"))
+        sys.stderr.flush()
+
+    return run_server(server, host=host, port=port, access_log=access_log, on_started=started)
+
+
+def run_server(server: InferenceServer, *, host: str, port: int, access_log: bool = False, on_started=None) -> int:
+    """Serve until SIGTERM/SIGINT, then drain and exit; a second signal exits at once.
+
+    Args:
+        on_started: called with the bound port once the server listens.
+
+    Returns:
+        0 after a clean drain.
+    """
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if server.draining:  # a second signal: uvicorn's own (force) exit
+                return super().handle_exit(sig, frame)
+            log.info("received %s: draining (readiness false, new requests get 503)", signal.Signals(sig).name)
+            server.draining = True
+            self._loop.call_soon_threadsafe(self._begin_drain)
+
+        def _begin_drain(self):
+            self._drain_task = self._loop.create_task(self._drain_then_exit())  # referenced: not collected mid-drain
+
+        async def _drain_then_exit(self):
+            await server.drain()
+            self.should_exit = True
+
+        async def startup(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+            if on_started and self.servers:
+                on_started(self.servers[0].sockets[0].getsockname()[1])
+
+    config = uvicorn.Config(server.app, host=host, port=port, access_log=access_log, log_level="warning",
+                            timeout_graceful_shutdown=5, lifespan="on")
+    sock = bind(host, port)
+    # The model and its libraries live as long as the server: move them out of the cyclic
+    # collector's reach, or every gen-2 collection walks them all and stalls the event loop
+    # (measured here: a full collection with MiniLM loaded takes 0.33–0.66 s, which showed up
+    # as 100–160 ms p99 stalls at 64 clients; after gc.freeze() it takes under 1 ms).
+    gc.collect()
+    gc.freeze()
+    _Server(config).run(sockets=[sock])
+    return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6).
+
+    Raises:
+        ConfigError: the address is in use, not local, or not allowed (a port below 1024).
+    """
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another {arg('port')} or "
+                          f"{arg('host')}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def describe_config(server: InferenceServer) -> str:
+    c, s = server.config, server.served
+    return json.dumps({"model": s.name, "devices": [str(d) for d in s.devices], "max_batch_size": c.max_batch_size,
+                       "max_queue_delay_ms": c.max_queue_delay_ms, "max_queue_size_rows": c.max_queue_size,
+                       "instances": c.instances, "request_timeout_ms": c.request_timeout_ms,
+                       **({"intra_op_threads_each": s.threads_per_instance or torch.get_num_threads()}
+                          if s.devices[0].type == "cpu" else {})})
