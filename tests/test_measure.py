@@ -10,8 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from overdrive.core.measure import measure, percentile
+from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload, embedding_fidelity, logits_fidelity
 from overdrive.techniques import BatchingPolicy
+from tests.conftest import requires_cuda
 
 CPU = torch.device("cpu")
 
@@ -114,3 +116,26 @@ def test_batch_larger_than_the_data_cycles_samples_to_fill_it():
                      policy=BatchingPolicy(sort_by_length=True))
     assert m.batch_size == 16 and m.latency_ms["p50"] >= 16.0  # 16 rows × 1 ms: the batch really was full
     assert torch.equal(out.squeeze(1), torch.tensor([2.0 * i for i in indices]))
+
+
+def test_timer_times_the_work_and_spans_hooks():
+    timer = Timer(torch.device("cpu"))
+    out, seconds = timer(lambda x: (time.sleep(0.05), x + 1)[1], 1)
+    assert out == 2 and 0.05 <= seconds < 1.0
+    token = timer.start()
+    time.sleep(0.02)
+    assert 0.02 <= timer.stop(token) < 1.0
+
+
+@requires_cuda
+def test_timer_waits_for_the_gpu_not_the_launch():
+    """A kernel that keeps the GPU busy returns to the host at once; the Timer must report the GPU's time."""
+    timer = Timer(torch.device("cuda"))
+    torch.cuda._sleep(1_000)  # context and the kernel loaded
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(100_000_000)  # on the order of 50 ms of GPU time at ~2 GHz
+    launch_s = time.perf_counter() - start
+    torch.cuda.synchronize()
+    _, seconds = timer(torch.cuda._sleep, 100_000_000)
+    assert seconds > 0.01 and seconds > 5 * launch_s, (seconds, launch_s)

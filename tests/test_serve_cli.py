@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from overdrive.serve.runner import load_served_model
 from overdrive.optimize.plan import Plan, build
+from overdrive.serve.runner import load_served_model
 from overdrive.techniques import default_config
 from overdrive.workloads import create_workload
 from tests.fixtures.live_server import wait_ready

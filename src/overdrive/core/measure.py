@@ -7,7 +7,7 @@ Protocol (after gpt-fast and torch.utils.benchmark habits):
    for fidelity, and its wall time minus the steady-state time of the same batches is
    reported as `compile_s` (torch.compile, cuDNN/oneDNN autotuning, lazy init).
 3. Timed passes: whole passes over the full batches until at least `min_timed_calls` calls.
-   Each call is timed after synchronisation: CUDA events on GPU, perf_counter on CPU.
+   Each call is timed by `Timer`: CUDA events read after the device finished, perf_counter on CPU.
    Throughput = rows per pass / the median pass time, so batches of different lengths
    weigh as they do in real use and one slow pass (a noisy neighbour) does not skew it.
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` after a reset; on CPU the process's
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from overdrive.core.devices import synchronize
+from overdrive.core.timer import Timer
 from overdrive.core.workload import Inputs, Workload
 from overdrive.techniques.registry import BatchingPolicy
 
@@ -139,24 +140,6 @@ def cycle_indices(num_samples: int, num_available: int) -> list[int]:
     return [i % num_available for i in range(num_samples)]
 
 
-class _Timer:
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def __call__(self, fn):
-        """Run fn() and return (result, seconds) with the device synchronised."""
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            return out, start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - t0
-
-
 @torch.no_grad()
 def measure(
     model: nn.Module,
@@ -195,14 +178,14 @@ def measure(
     if batch_size < 1 or not indices:
         raise ValueError(f"need batch_size ≥ 1 and at least one sample (got {batch_size}, {len(indices)})")
     batches = make_batches(workload, indices=indices, batch_size=batch_size, policy=policy, device=device)
-    timer = _Timer(device)
+    timer = Timer(device)
     reset_peak_memory(device)
 
     # Warm-up pass: compiles, autotunes, and gives the outputs judged for fidelity.
     outputs: torch.Tensor | None = None
     warmup_s = 0.0
     for batch in batches:
-        out, seconds = timer(lambda b=batch: model(*b.inputs))
+        out, seconds = timer(model, *batch.inputs)
         warmup_s += seconds
         out = out.detach().float().cpu()
         if outputs is None:
@@ -218,7 +201,7 @@ def measure(
     while True:
         this_pass = 0.0
         for batch in timed:
-            _, seconds = timer(lambda b=batch: model(*b.inputs))
+            _, seconds = timer(model, *batch.inputs)
             latencies_s.append(seconds)
             this_pass += seconds
         pass_s.append(this_pass)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from overdrive.core.errors import one_line
+from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload
 from overdrive.run.inputs import RecordError, RecordSource
 
@@ -331,13 +332,12 @@ def measure_auto_batch_size(replica: Replica, values: list, collate: Collate, *,
 def _items_per_s(replica: Replica, inputs: tuple[torch.Tensor, ...], min_time_s: float) -> float:
     rows = inputs[0].shape[0]
     times = []
+    timer = Timer(replica.device)
     with torch.inference_mode():
         replica.warm_up(inputs)
         total_start = time.perf_counter()
         while len(times) < 3 or time.perf_counter() - total_start < min_time_s:
-            start = time.perf_counter()
-            replica.warm_up(inputs)  # synchronised
-            times.append(time.perf_counter() - start)
+            times.append(timer(replica.warm_up, inputs)[1])  # copies, compute and the copy back
             if len(times) >= 50:
                 break
     return rows / statistics.median(times)

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import copy
 import gc
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from overdrive.train.parallel import DistEnv, ParallelDims, find_blocks
+from overdrive.core.timer import Timer
+from overdrive.train.launch import DistEnv
+from overdrive.train.parallel import ParallelDims, find_blocks
 
 
 def balanced_split(costs: list[float], stages: int) -> list[int]:
@@ -68,14 +69,16 @@ def balanced_split(costs: list[float], stages: int) -> list[int]:
 
 def measure_block_costs(model: nn.Module, inputs: tuple[torch.Tensor, ...], *, repeats: int = 3) -> list[float]:
     """Median forward seconds of each of `find_blocks(model)`'s blocks on `inputs`, from
-    forward hooks over `repeats` runs (after one warm-up run)."""
+    forward hooks over `repeats` runs (after one warm-up run), timed on the inputs' device by
+    `Timer` (on a GPU: the blocks' compute, not their kernel launches)."""
     _, blocks = find_blocks(model)
+    timer = Timer(inputs[0].device)
     times: list[list[float]] = [[] for _ in blocks]
-    starts: dict[int, float] = {}
+    starts: dict[int, object] = {}
     handles = []
     for i, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(lambda _m, _a, i=i: starts.__setitem__(i, time.perf_counter())))
-        handles.append(block.register_forward_hook(lambda _m, _a, _o, i=i: times[i].append(time.perf_counter() - starts[i])))
+        handles.append(block.register_forward_pre_hook(lambda _m, _a, i=i: starts.__setitem__(i, timer.start())))
+        handles.append(block.register_forward_hook(lambda _m, _a, _o, i=i: times[i].append(timer.stop(starts[i]))))
     try:
         with torch.no_grad():
             for _ in range(repeats + 1):
@@ -196,6 +199,7 @@ class PipelineRunner:
         self.module, self.dims, self.env, self.loss_fn = stage_module, dims, env, loss_fn
         self.first, self.last = env.rank == 0, env.rank == dims.pp - 1
         self.schedules: dict[tuple, object] = {}
+        self.timer = Timer(env.device)  # on a GPU: compute time, not launch time
         self.busy_s = 0.0  # inside the stage's forward and backward computations
         # over steps whose shape was seen before: compute time, and time inside the schedule's step
         # (compute, sends, receives and waits)
@@ -222,11 +226,11 @@ class PipelineRunner:
 
     def _timed(self, fn):
         def run(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.timer.start()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.busy_s += time.perf_counter() - start
+                self.busy_s += self.timer.stop(start)
 
         return run
 
@@ -243,7 +247,7 @@ class PipelineRunner:
         schedule = self._schedule(inputs)
         losses: list[torch.Tensor] = []
         dist.barrier()  # all stages start the schedule together, so its time is the pipeline's own
-        busy, start = self.busy_s, time.perf_counter()
+        busy, start = self.busy_s, self.timer.start()
         if self.first:
             schedule.step(*inputs)
         elif self.last:
@@ -252,7 +256,7 @@ class PipelineRunner:
             schedule.step()
         if not new_shape:  # a new shape's first step also infers the shapes between stages
             self.steady_busy_s += self.busy_s - busy
-            self.steady_schedule_s += time.perf_counter() - start
+            self.steady_schedule_s += self.timer.stop(start)
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros((), device=self.env.device)
         dist.broadcast(loss, src=self.dims.pp - 1)
         return loss

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload
 from overdrive.techniques.pruning.channels import output_layers
 from overdrive.techniques.pruning.recovery import example_inputs
@@ -80,19 +81,13 @@ class SemiStructuredLinear(nn.Module):
 
 
 def _time_ms(fn, x: torch.Tensor, iterations: int) -> float:
-    """Median milliseconds of `fn(x)` over `iterations` calls, with CUDA events, after 5 warm-up calls."""
+    """Median milliseconds of `fn(x)` over `iterations` calls (`Timer`: CUDA events), after 5 warm-up calls."""
+    timer = Timer(x.device)
     with torch.no_grad():
         for _ in range(5):
             fn(x)
-        times = []
-        for _ in range(iterations):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(x)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        times = sorted(timer(fn, x)[1] for _ in range(iterations))
+    return 1e3 * times[len(times) // 2]
 
 
 def _set_child(model: nn.Module, name: str, module: nn.Module) -> None:
