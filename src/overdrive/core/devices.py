@@ -100,9 +100,9 @@ def serial_main_thread() -> int:
     region, and once the process holds more OpenMP threads than CPUs it stops spinning between
     regions (its throttled spin count is 100), so every parallel op pays a futex wake-up. A
     process whose main thread loaded the model with N threads and whose workers then compute
-    with N threads each is in that state. Measured on a 2-core CPU, MiniLM bf16, one sentence
-    per call, 2 intra-op threads: 10.3 ms per call in the main thread; 17.6 ms in a worker thread
-    after the main thread had run with 2 threads; 8.4 ms when the main thread had kept 1.
+    with N threads each is in that state: a one-sentence MiniLM call in such a worker thread took
+    twice as long as in the main thread, and as long again once the main thread kept one thread
+    (benchmarks/threads_cpu.py; benchmarks/RESULTS.md, threads_cpu).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -9,10 +9,9 @@ Invariant (what every caller may rely on):
   after its oldest request arrived (while a model instance is free to take it).
 - Batches are formed around the oldest waiting request (so none starves). With a `length`
   function (variable-length inputs), only requests of its length bucket join it (lengths
-  within a factor of two), so no row is padded to more than twice its length. Measured on
-  MiniLM (eager fp32, max batch 32 rows, 2 ms delay) over HTTP on a 2-core CPU at 32 clients:
-  172 requests/s with one bucket per batch, 133 when shorter buckets may join the batch too,
-  114 with no buckets (benchmarks/RESULTS.md).
+  within a factor of two), so no row is padded to more than twice its length (of the policies
+  measured on MiniLM, one bucket per batch served the most requests: benchmarks/RESULTS.md,
+  serve_cpu 2026-12-01 morning).
 - Each request gets back exactly its own rows' outputs, in its own row order (the model's
   `execute` pads and unpads; the batcher slices and joins).
 - The queue holds at most `max_queue_size` rows; a request that would exceed it is refused at

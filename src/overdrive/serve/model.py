@@ -71,8 +71,8 @@ class ServedModel:
         self.fixed_batch_size = workload.fixed_batch_size
         self.threads_per_instance: int | None = None  # intra-op threads each instance thread sets (None: leave)
         # Token counts for the length buckets, computed in the request handler: the tokenizer reads
-        # at most 128 × max_seq_length characters of a text (a 10 MB string took 8.7 s whole,
-        # blocking every other request meanwhile).
+        # at most 128 × max_seq_length characters of a text (a string of megabytes tokenised whole
+        # would block every other request on the event loop meanwhile).
         self._token_counts = (text_lengths(workload) or (lambda texts: [len(t) for t in texts])) if workload.is_text else None
         sample = workload.samples[0]
         if workload.is_text:

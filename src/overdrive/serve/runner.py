@@ -84,9 +84,9 @@ def serve(spec: str, *, host: str = "127.0.0.1", port: int = 8000, device: str =
     cores = serial_main_thread()  # the model runs in the instance threads (devices.serial_main_thread)
     served, plan, instances = load_served_model(spec, device=device, instances=instances,
                                                 name=model_name)
-    # Instances on one CPU split its cores, or each batch's threads fight the others'. Measured on
-    # 2 cores, MiniLM bf16, 32 clients, dynamic batching: 2 instances × 1 thread 229 requests/s,
-    # 1 instance × 2 threads 197 (benchmarks/RESULTS.md, evening of 2026-12-01).
+    # Instances on one CPU split its cores, or each batch's threads fight the others' (two
+    # single-threaded instances served more than one two-threaded one on 2 cores: benchmarks/RESULTS.md,
+    # serve_cpu 2026-12-01, "the same with two instances").
     served.threads_per_instance = max(1, cores // instances)
     max_batch_size = max_batch_size or served.fixed_batch_size or (plan.batch_size if plan else None) \
         or served.workload.default_batch_size
@@ -149,8 +149,7 @@ def run_server(server: InferenceServer, *, host: str, port: int, access_log: boo
     sock = bind(host, port)
     # The model and its libraries live as long as the server: move them out of the cyclic
     # collector's reach, or every gen-2 collection walks them all and stalls the event loop
-    # (measured here: a full collection with MiniLM loaded takes 0.33–0.66 s, which showed up
-    # as 100–160 ms p99 stalls at 64 clients; after gc.freeze() it takes under 1 ms).
+    # (the p99 stalls it caused: benchmarks/RESULTS.md, serve_cpu 2026-12-01 morning, gc.freeze()).
     gc.collect()
     gc.freeze()
     _Server(config).run(sockets=[sock])

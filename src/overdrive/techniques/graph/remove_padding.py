@@ -11,11 +11,10 @@ hidden state is scattered back to [B, L, H], with zeros at the pads.
 This is the "remove padding" (Effective Transformer) of NVIDIA FasterTransformer's BERT
 (docs/bert_guide.md, "remove padding"), and what ByteTransformer (Zhai et al., IPDPS 2023)
 calls padding-free: it is lossless (outputs at real tokens equal the original's up to float
-summation order) and gains in proportion to the padding. Measured on MiniLM over 2,048 real
-sentences at batch 32 on a 2-core CPU (`benchmarks/remove_padding_cpu.py`, RESULTS.md): in
-input order, where 58% of the batch is padding, 104 → 195 sentences/s fp32 (1.88×) and 137 →
-258 bf16 (1.89×); after length bucketing (3% padding) it gains nothing (0.93–1.01×), so the
-tuner (which tries it after length bucketing) keeps it only when it measures a gain.
+summation order) and gains in proportion to the padding: much on MiniLM batches in input
+order, nothing after length bucketing (`benchmarks/remove_padding_cpu.py`; benchmarks/RESULTS.md,
+remove_padding_cpu), so the tuner (which tries it after length bucketing) keeps it only when
+it measures a gain.
 
 An encoder qualifies when it has the Hugging Face BERT layout (`embeddings`, `encoder.layer`
 of layers with attention.self.{query,key,value}, attention.output, intermediate and output),
