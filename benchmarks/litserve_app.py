@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import litserve as ls  # noqa: E402
 import torch  # noqa: E402
 
-from overdrive.optimize.plan import Plan  # noqa: E402
+from overdrive.tuning.plan import Plan  # noqa: E402
 from overdrive.workloads import create_workload  # noqa: E402
 
 

@@ -28,12 +28,12 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.core.measure import measure  # noqa: E402
-from overdrive.optimize.plan import Plan, build
-from overdrive.optimize.tuner import Tuner  # noqa: E402
 from overdrive.techniques import (
     BatchingPolicy,  # noqa: E402
     default_config,  # noqa: E402
 )
+from overdrive.tuning.plan import Plan, build
+from overdrive.tuning.tuner import Tuner  # noqa: E402
 from overdrive.workloads.minilm import build_minilm  # noqa: E402
 
 FLOOR = 0.99

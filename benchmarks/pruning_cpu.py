@@ -28,11 +28,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.core.measure import Measurement, measure  # noqa: E402
-from overdrive.optimize.plan import build
 from overdrive.techniques import (
     get_technique,  # noqa: E402
 )
 from overdrive.techniques.pruning.recovery import describe  # noqa: E402
+from overdrive.tuning.plan import build
 from overdrive.workloads import create_workload  # noqa: E402
 
 CPU = torch.device("cpu")

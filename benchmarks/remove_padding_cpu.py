@@ -20,8 +20,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.core.measure import measure  # noqa: E402
-from overdrive.optimize.plan import build
 from overdrive.techniques import default_config  # noqa: E402
+from overdrive.tuning.plan import build
 from overdrive.workloads.minilm import build_minilm  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -33,9 +33,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from overdrive.optimize.plan import Plan  # noqa: E402
-from overdrive.optimize.tuner import Tuner  # noqa: E402
 from overdrive.run.job import RunConfig, run_offline  # noqa: E402
+from overdrive.tuning.plan import Plan  # noqa: E402
+from overdrive.tuning.tuner import Tuner  # noqa: E402
 from overdrive.workloads.minilm import build_minilm, model_path  # noqa: E402
 
 TARGET = 1.5

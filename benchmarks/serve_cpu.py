@@ -177,8 +177,8 @@ async def client_warm(session, server: Server, bodies: list[bytes]) -> None:
 
 
 def bf16_plan(workload: str) -> Path:
-    from overdrive.optimize.plan import Plan
     from overdrive.techniques import default_config
+    from overdrive.tuning.plan import Plan
 
     path = ROOT / "out" / "serve_cpu" / f"{workload}-bf16" / "plan.json"
     Plan(workload=workload, device="cpu", batch_size=SETTINGS[workload]["batch"], steps=[default_config("bf16")]).save(path)
@@ -215,8 +215,8 @@ def compute_ceiling(workload: str, plan: Path | None, instances: int, rows: int,
     """
     import random
 
-    from overdrive.optimize.plan import Plan, build
     from overdrive.serve.batcher import length_bucket
+    from overdrive.tuning.plan import Plan, build
     from overdrive.workloads import create_workload
 
     w = create_workload(workload)

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from overdrive.core.workload import pad_token_ids
-from overdrive.optimize.plan import build
 from overdrive.techniques import get_technique
 from overdrive.techniques.pruning.encoder import find_blocks, kept_count
 from overdrive.techniques.pruning.ffn import PruneFFNConfig
 from overdrive.techniques.pruning.heads import PruneHeadsConfig
 from overdrive.techniques.pruning.recovery import num_parameters, save_checkpoint
+from overdrive.tuning.plan import build
 from tests.conftest import make_conv_workload, make_text_workload
 
 CPU = torch.device("cpu")

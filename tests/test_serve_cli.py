@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from overdrive.optimize.plan import Plan, build
 from overdrive.serve.runner import load_served_model
 from overdrive.techniques import default_config
+from overdrive.tuning.plan import Plan, build
 from overdrive.workloads import create_workload
 from tests.fixtures.live_server import wait_ready
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from overdrive.optimize.plan import build
 from overdrive.techniques import default_config, get_technique
 from overdrive.techniques import describe_report as describe
 from overdrive.techniques.pruning.unstructured import PruneUnstructuredConfig, weight_sparsity
 from overdrive.techniques.sparsity.semi_structured import mask_2_to_4
+from overdrive.tuning.plan import build
 from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
 CPU = torch.device("cpu")

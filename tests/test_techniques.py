@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from overdrive.core.measure import measure
-from overdrive.optimize.plan import build
 from overdrive.techniques import BatchingPolicy, Stage, default_config, list_techniques
+from overdrive.tuning.plan import build
 from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
 # Floors for lossy techniques: min cosine to fp32 on the tiny random models.
@@ -152,7 +152,7 @@ def test_module_rewrites_refuse_torchscript(conv_workload):
 @requires_cuda
 @pytest.mark.cuda
 def test_tuner_on_cuda_times_with_events_and_reads_the_allocator():
-    from overdrive.optimize.tuner import Guard, Tuner
+    from overdrive.tuning.tuner import Guard, Tuner
 
     workload = make_conv_workload()
     result = Tuner(workload=workload, device=torch.device("cuda"), batch_size=8, guard=Guard(min_gain=1e-6),

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from overdrive.optimize.plan import Plan
-from overdrive.optimize.tuner import Guard, Tuner
 from overdrive.techniques import Stage, Technique, TechniqueConfig, config_from_dict, config_to_dict, default_config
 from overdrive.techniques.registry import ForwardWrapper, get_technique, register, unregister
+from overdrive.tuning.plan import Plan
+from overdrive.tuning.tuner import Guard, Tuner
 
 CPU = torch.device("cpu")
 

@@ -1,5 +1,5 @@
 """`overdrive bench`: the baseline and (optionally) a plan measured at several batch sizes
-(`overdrive.optimize.sweep.compare_plan`), as a table, bench.json and a plot."""
+(`overdrive.tuning.sweep.compare_plan`), as a table, bench.json and a plot."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def main(args, argv: list[str]) -> int:
         plot_latency_vs_batch,
         write_results,
     )
-    from overdrive.optimize.plan import load_plan
-    from overdrive.optimize.sweep import compare_plan, open_session
     from overdrive.techniques import describe_report
+    from overdrive.tuning.plan import load_plan
+    from overdrive.tuning.sweep import compare_plan, open_session
 
     console = make_console()
     plan, device = None, args.device

@@ -37,8 +37,8 @@ def main(args, argv: list[str]) -> int:
 
     from overdrive.core import devices
     from overdrive.core.report import make_console
-    from overdrive.optimize.api import OptimizeJob
-    from overdrive.optimize.report import compile_times, detail_lines, rows_table
+    from overdrive.tuning.api import OptimizeJob
+    from overdrive.tuning.report import compile_times, detail_lines, rows_table
 
     console = make_console()
     job = OptimizeJob.prepare(

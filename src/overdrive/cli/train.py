@@ -79,7 +79,7 @@ def config_from_args(args, world_size: int) -> TrainConfig:
 
 
 def _out_dir(args, workload_name: str) -> Path:
-    from overdrive.optimize.sweep import writable_folder
+    from overdrive.tuning.sweep import writable_folder
 
     return writable_folder(args.out, workload_name) / "train"  # beside what `optimize` writes for the workload
 

@@ -131,7 +131,7 @@ class RunSummary:
 
 def _build(config: RunConfig, workload: Workload | None):
     """(workload, plan, devices, models) from the config; OverdriveError for the user's mistakes."""
-    from overdrive.optimize.plan import build_on_devices, load_plan
+    from overdrive.tuning.plan import build_on_devices, load_plan
     from overdrive.workloads import create_workload
 
     plan = None

@@ -1,0 +1,1 @@
+"""`overdrive serve`: the Open Inference Protocol server with dynamic batching (batcher, protocol, model adapter, app, runner)."""

@@ -16,9 +16,9 @@ import torch
 
 from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
-from overdrive.optimize.plan import Plan, build_on_devices, load_plan
 from overdrive.serve.app import InferenceServer, ServerConfig
 from overdrive.serve.model import ServedModel
+from overdrive.tuning.plan import Plan, build_on_devices, load_plan
 from overdrive.workloads import create_workload
 
 log = logging.getLogger("overdrive.serve")

@@ -1,0 +1,1 @@
+"""Batching techniques (how samples are grouped into batches)."""

@@ -1,0 +1,1 @@
+"""Graph techniques: rewrites that keep the math (folding, layouts, padding removal)."""

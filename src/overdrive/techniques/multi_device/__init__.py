@@ -1,0 +1,1 @@
+"""Multi-device techniques: a model split across GPUs."""

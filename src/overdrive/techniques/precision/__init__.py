@@ -1,0 +1,1 @@
+"""Precision techniques: bf16/fp16 autocast, int8."""

@@ -1,0 +1,1 @@
+"""Runtime techniques: torch.compile, inference mode."""

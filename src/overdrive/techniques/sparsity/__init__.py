@@ -1,0 +1,1 @@
+"""Sparsity techniques: weights that sparse kernels multiply faster (2:4 semi-structured)."""

@@ -21,11 +21,11 @@ from overdrive.core.errors import ConfigError, WorkloadError, arg
 from overdrive.core.measure import Measurement, cycle_indices, measure
 from overdrive.core.report import environment, plot_latency_vs_batch, write_results
 from overdrive.core.workload import Workload
-from overdrive.optimize.plan import Plan, build, load_plan, save_checkpoints
-from overdrive.optimize.report import rows_markdown, write_report_md
-from overdrive.optimize.sweep import Session, compare_plan, open_session, sweep
-from overdrive.optimize.tuner import Guard, Row, Tuner
 from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
+from overdrive.tuning.plan import Plan, build, load_plan, save_checkpoints
+from overdrive.tuning.report import rows_markdown, write_report_md
+from overdrive.tuning.sweep import Session, compare_plan, open_session, sweep
+from overdrive.tuning.tuner import Guard, Row, Tuner
 
 Progress = Callable[[str, int, int], None]  # (what is measured next, measurements done, expected in all)
 PLOT_NAME = "latency_vs_batch_size.png"
@@ -403,7 +403,7 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
     if isinstance(model, nn.Module):
         workload = as_workload(model, example_inputs, data=data)
         if device is None:
-            first = next(iter(model.parameters()), None) or next(iter(model.buffers()), None)
+            first = next(iter([*model.parameters(), *model.buffers()]), None)
             device = first.device if first is not None else torch.device("cpu")
         session = open_session(workload, device=device, num_samples=num_samples)
         sizes = session.sweep_sizes(batch_sizes or [session.batch_size])

@@ -11,8 +11,8 @@ import torch
 from overdrive.core.devices import resolve_device
 from overdrive.core.errors import ConfigError, arg, one_line
 from overdrive.core.measure import Measurement, cycle_indices, measure
-from overdrive.optimize.plan import build
 from overdrive.techniques import TechniqueConfig
+from overdrive.tuning.plan import build
 from overdrive.workloads import Workload, create_workload
 
 DEFAULT_TEXT_SAMPLES = 512

@@ -12,8 +12,8 @@ from rich.table import Table
 
 from overdrive.core.measure import Measurement
 from overdrive.core.report import environment, format_bytes, format_fidelity, sweep_markdown
-from overdrive.optimize.tuner import Row, TuneResult
 from overdrive.techniques import describe_report
+from overdrive.tuning.tuner import Row, TuneResult
 
 
 def _kept(row: Row) -> str:

@@ -20,8 +20,8 @@ from overdrive.core import devices
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.core.measure import Measurement, count_flops_per_sample, cycle_indices, measure
 from overdrive.core.workload import Workload
-from overdrive.optimize.plan import Plan, build
 from overdrive.techniques import TechniqueConfig, default_config, get_technique, list_techniques
+from overdrive.tuning.plan import Plan, build
 
 
 @dataclass(frozen=True, kw_only=True)

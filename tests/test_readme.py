@@ -1,0 +1,94 @@
+"""The README's examples run as written, so the documented API and flags cannot drift."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from overdrive.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+# Options of other programs that README commands pass through (torchrun's) or name in prose (make's targets).
+FOREIGN_FLAGS = {"--nnodes", "--nproc-per-node", "--rdzv-endpoint", "--help"}
+
+
+def _blocks(language: str) -> list[str]:
+    """The README's fenced code blocks whose fence names `language` ("" for a bare fence)."""
+    blocks, current = [], None
+    for line in README.splitlines():
+        if line.startswith("```"):
+            if current is None:
+                current = (line[3:].strip(), [])
+            else:
+                if current[0] == language:
+                    blocks.append("\n".join(current[1]) + "\n")
+                current = None
+        elif current is not None:
+            current[1].append(line)
+    return blocks
+
+
+def _commands() -> list[list[str]]:
+    """Every `overdrive ...` command in the README's shell blocks, as the words after `overdrive`."""
+    commands = []
+    for block in _blocks(""):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if not re.match(r"^(\.venv/bin/overdrive|torchrun|python -m overdrive) ", line):
+                continue  # make, curl: not overdrive's
+            words = shlex.split(line, comments=True)
+            if words[0].endswith("overdrive"):
+                commands.append(words[1:])
+            elif "-m" in words and words[words.index("-m") + 1:words.index("-m") + 2] == ["overdrive"]:
+                commands.append(words[words.index("-m") + 2:])
+    return [c for c in commands if "..." not in c]
+
+
+def test_readme_has_examples():
+    assert len(_blocks("python")) >= 1 and len(_commands()) >= 20
+
+
+@pytest.mark.parametrize("words", _commands(), ids=lambda w: " ".join(w)[:60])
+def test_every_shell_example_parses(words):
+    """Each command's verb and flags exist and take the values shown (argparse exits 2 otherwise)."""
+    args = build_parser().parse_args(words)
+    assert args.command == words[0]
+
+
+def test_every_flag_the_readme_names_exists():
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if a.dest == "command").choices
+    known = {opt for sub in verbs.values() for action in sub._actions for opt in action.option_strings}
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", README))
+    assert named - known - FOREIGN_FLAGS == set()
+
+
+def test_list_example_runs():
+    result = subprocess.run([sys.executable, "-m", "overdrive", "list"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "prune-heads" in result.stdout and "minilm" in result.stdout, result.stderr
+
+
+@pytest.mark.slow
+def test_python_example_runs_on_a_torchvision_model_and_on_minilm(tmp_path):
+    """The README's Python block, executed as written (in a scratch folder for its out/)."""
+    (code,) = _blocks("python")
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("baseline (eager fp32) True")
+    assert any(line.startswith("channels-last ") for line in lines) and any(line.startswith("bf16 ") for line in lines)
+    assert (tmp_path / "out" / "resnet18" / "plan.json").exists() and (tmp_path / "out" / "resnet18" / "report.md").exists()
+    bench = [line for line in lines if re.match(r"^(1|8) [0-9.]+ ms [0-9.]+ samples/s$", line)]
+    assert [line.split()[0] for line in bench] == ["1", "8"]
+    assert lines[-1].startswith("[") and float(lines[-1].rsplit(" ", 1)[1]) > 0  # minilm's plan and its speedup
