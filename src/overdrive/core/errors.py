@@ -50,6 +50,9 @@ class OverdriveError(Exception):
         """The message, argument references as Python keyword arguments (`batch_size=8`)."""
         return _REFERENCE.sub(lambda m: m.group(1) if m.group(3) is None else f"{m.group(1)}={m.group(3)}", self._text())
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
     def _text(self) -> str:
         return str(self.args[0]) if self.args else ""
 

@@ -24,7 +24,7 @@ class Workload:
         collate: turns a list of samples into the model's positional inputs (padding, masks).
         fidelity: `fidelity(output, reference) -> {figure: value}`; both [N, ...] float32 in
             sample order; higher is better for `fidelity_key`.
-        fidelity_key: the figure the `--min-fidelity` floor applies to.
+        fidelity_key: the figure the `min_fidelity` floor applies to.
         default_batch_size: rows per batch when the user gives none.
         labels: int64 [N] class labels aligned with `samples`: the task metric is top-1 accuracy (%).
         metric: another task metric, `metric(outputs) -> float` on the outputs of all samples

@@ -15,7 +15,7 @@ Invariants:
 - Chunks: records [k·C, (k+1)·C) form chunk k. A chunk's batches are cut from the chunk alone
   (for text: sorted by token count, longest first, ties by index), so a chunk's results do not depend
   on which chunks ran before it, in this run or an earlier one. This is what makes
-  `--resume` byte-identical to an uninterrupted run.
+  resuming byte-identical to an uninterrupted run.
 - A chunk is done when `OUTPUT.parts/chunk-K.npy` exists: it is written to a temporary name,
   flushed to disk, then renamed. A kill at any point leaves whole chunks or no chunk.
 - Every input index gets exactly one row: an output, or a line in the errors file (a record
@@ -122,7 +122,7 @@ class RunSummary:
     num_workers: int
     device_busy_fraction: float
     phases_s: dict[str, float]
-    nothing_to_resume: bool = False  # --resume found OUTPUT and no interrupted run recorded for it
+    nothing_to_resume: bool = False  # `resume` found OUTPUT and no interrupted run recorded for it
     setup_s: float = 0.0  # building the model, reading the first records, warm-up, `auto` (before wall_s)
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,12 +158,12 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
         status: called with a line of text before slow steps (building, measuring `auto`).
 
     Returns:
-        The RunSummary (`nothing_to_resume` when --resume finds OUTPUT and no interrupted run).
+        The RunSummary (`nothing_to_resume` when `resume` finds OUTPUT and no interrupted run).
 
     Raises:
         OverdriveError: bad input, output or options (one line for the CLI, exit 2).
         RunAborted: more than `max_errors` records failed, or the model raised (exit 1).
-        KeyboardInterrupt: Ctrl-C; the finished chunks stay for `--resume`.
+        KeyboardInterrupt: Ctrl-C; the finished chunks stay for a `resume`.
     """
     out_fmt, mode, parts = claim_output(config)
     if mode == "complete":
@@ -272,7 +272,7 @@ def _choose_batch_size(config, workload, plan, replica, values, collate, records
         auto.extend(tried)
         return size, "auto (measured)"
     if config.batch_size is not None:
-        return int(config.batch_size), "--batch-size"
+        return int(config.batch_size), "the batch size asked for"
     if plan is not None:
         return plan.batch_size, "the plan"
     return workload.fixed_batch_size or workload.default_batch_size, "the workload's default"

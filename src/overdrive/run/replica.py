@@ -5,7 +5,7 @@ the model's inputs by worker processes (`RecordDataset`, `Collate`). `chunk_batc
 chunk into batches (text sorted by token count). A `Replica` is one model on one device: it
 starts a batch's host->device copy on a side CUDA stream (`upload`), then runs the model and
 starts the device->host copy into pinned memory (`compute`); on CPU the same calls run without
-streams. `measure_auto_batch_size` is `--batch-size auto`.
+streams. `measure_auto_batch_size` is `batch_size="auto"`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload
 from overdrive.run.inputs import RecordError, RecordSource
 
-AUTO_GAIN = 1.05  # `--batch-size auto` doubles while items/s rises by at least 5%
+AUTO_GAIN = 1.05  # batch_size "auto" doubles while items/s rises by at least 5%
 
 
 @dataclass

@@ -103,7 +103,7 @@ class Technique:
     group: ClassVar[str | None] = None
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     rewrites_modules: ClassVar[bool] = False  # needs nn.Module internals, which TorchScript hides
-    opt_in: ClassVar[bool] = False  # tried only when named in --techniques
+    opt_in: ClassVar[bool] = False  # tried only when named in `techniques`
     description: ClassVar[str] = ""
 
     @property

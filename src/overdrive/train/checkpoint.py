@@ -69,7 +69,7 @@ def _checkpoints(root: Path) -> list[Path]:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint folder itself, or the newest ROOT/step-N under a --save folder.
+    """A checkpoint folder itself, or the newest ROOT/step-N under a `save_dir` folder.
 
     Raises:
         ConfigError: neither is there.
@@ -86,7 +86,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Restore a `save_checkpoint` into this (possibly differently parallelized) model.
 
     Args:
-        path: a checkpoint folder, or a --save folder (its newest checkpoint is used).
+        path: a checkpoint folder, or a `save_dir` folder (its newest checkpoint is used).
 
     Returns:
         (step, data position).

@@ -9,7 +9,7 @@ CVPR 2019). Channel counts are rounded to a hardware multiple (8 by default). Th
 layer (the module whose output is the model's output) and layers the user names are never
 pruned. Recovery fine-tuning and the checks are `recovery.PruningTechnique`'s.
 
-Opt-in: the tuner tries it only when named in `--techniques` (it fine-tunes, which takes time).
+Opt-in: the tuner tries it only when named in `techniques` (it fine-tunes, which takes time).
 """
 
 from __future__ import annotations
