@@ -29,9 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.core.measure import Measurement, measure  # noqa: E402
 from overdrive.techniques import (
+    describe_report,  # noqa: E402
     get_technique,  # noqa: E402
 )
-from overdrive.techniques.pruning.recovery import describe  # noqa: E402
 from overdrive.tuning.plan import build
 from overdrive.workloads import create_workload  # noqa: E402
 
@@ -68,7 +68,7 @@ def digits(finetune_steps: int) -> bool:
     print("\n## digits-cnn, prune-channels 50%, batch 256, 360 held-out images")
     print(f"  unpruned: {r['base'].samples_per_s:,.0f} images/s (p50 {r['base'].latency_ms['p50']:.2f} ms)")
     print(f"  pruned:   {r['pruned'].samples_per_s:,.0f} images/s (p50 {r['pruned'].latency_ms['p50']:.2f} ms)")
-    print(f"  {describe(report, workload.fidelity_key)}")
+    print(f"  {describe_report(report, workload.fidelity_key)}")
     met = r["ratio"] >= 1.6 and before - after <= 1.0
     print(f"  → {r['ratio']:.2f}× faster; accuracy {before:.2f}% → {report['after_pruning']['accuracy_pct']:.2f}% "
           f"(pruned) → {after:.2f}% (recovered); target ≥ 1.6× within 1 pt: {'met' if met else 'NOT met'}")
@@ -86,7 +86,7 @@ def minilm(finetune_steps: int, num_sentences: int) -> bool:
     print(f"  unpruned: {r['base'].samples_per_s:,.1f} sentences/s (p50 {r['base'].latency_ms['p50']:.1f} ms)")
     print(f"  pruned:   {r['pruned'].samples_per_s:,.1f} sentences/s (p50 {r['pruned'].latency_ms['p50']:.1f} ms)")
     for report in r["reports"]:
-        print(f"  {describe(report, workload.fidelity_key)}")
+        print(f"  {describe_report(report, workload.fidelity_key)}")
     met = r["ratio"] >= 1.3 and fidelity["mean_cosine"] >= 0.97
     print(f"  → {r['ratio']:.2f}× faster; on all {len(indices)} sentences: min cosine {fidelity['min_cosine']:.4f}, "
           f"mean cosine {fidelity['mean_cosine']:.4f}, top-10 neighbours {fidelity.get('top10_agreement', float('nan')):.3f}; "
