@@ -146,12 +146,13 @@ class SplitQKVAttention(nn.Module):
 
 
 def _float_mask(mask: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """A bool mask (True = masked) as an additive float mask (−inf there), a float mask unchanged."""
+    """A bool mask (True = masked) as an additive mask of `dtype` (−inf there); a float mask in
+    `dtype` (the projections' output dtype, bf16 under autocast, as SDPA requires)."""
     if mask.dtype == torch.bool:
         return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
     if not mask.dtype.is_floating_point:
         raise RuntimeError(f"only bool and floating types of {name} are supported, got {mask.dtype}")
-    return mask
+    return mask.to(dtype)
 
 
 def _merged_mask(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, is_causal: bool,

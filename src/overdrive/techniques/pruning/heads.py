@@ -7,18 +7,20 @@ Linears), since its packed projection cannot lose heads.
 
 Each layer keeps the same number of heads, round((1 − ratio) × heads) (at least one), chosen
 by importance:
-- `activation` (the default when the workload has training samples; else `l2`): the L2 norm of the head's context output over the tokens of
-  training batches × the Frobenius norm of its output-projection columns — the size of what the
-  head adds to the residual stream, the structured form of Wanda's |W|·‖X‖ (Sun et al., "A
-  Simple and Effective Pruning Approach for Large Language Models", ICLR 2024);
+- `activation` (the default when the workload has training samples; else `l2`): the L2 norm
+  of the head's context output over the tokens of training batches × the Frobenius norm of
+  its output-projection columns — the size of what the head adds to the residual stream, the
+  structured form of Wanda's |W|·‖X‖ (Sun et al., "A Simple and Effective Pruning Approach
+  for Large Language Models", ICLR 2024);
 - `l2`: the L2 norm of the head's query/key/value rows and output-projection columns (weights only);
 - `taylor`: first-order Taylor |w · ∂L/∂w| summed over those weights on labelled training
   batches (Michel et al., "Are Sixteen Heads Really Better than One?", NeurIPS 2019, rank
   heads by the loss gradient; Molchanov et al. 2019 give the Taylor form).
 The q/k/v Linear layers lose the heads' rows and the output projection their columns, so the
-matmuls really shrink; the attention modules' `num_attention_heads` / `all_head_size` and the
-model config are updated (`overdrive.core.transformer.update_config`). Recovery (distillation toward
-the unpruned model, or cross-entropy with labels) is `recovery.PruningTechnique`'s.
+matmuls really shrink; the attention modules' `num_attention_heads` / `all_head_size` (BERT),
+torchvision's `EncoderBlock.num_heads` and the Hugging Face config are updated
+(`overdrive.core.transformer`). Recovery (distillation toward the unpruned model, or
+cross-entropy with labels) is `recovery.PruningTechnique`'s.
 """
 
 from __future__ import annotations
