@@ -62,6 +62,40 @@ def make_conv_workload(num_samples: int = 24) -> Workload:
     )
 
 
+def tiny_vit() -> nn.Module:
+    """torchvision's VisionTransformer at toy size: 32×32 images in 8×8 patches (16 tokens + class
+    token), 2 layers of 4 heads of 8, MLP width 64, 5 classes; random weights, and a random
+    (not zero-initialised) head so outputs differ between models. [B, 3, 32, 32] -> [B, 5]."""
+    from torchvision.models import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64,
+                              num_classes=5)
+    nn.init.normal_(model.heads.head.weight, std=0.2)
+    return model.eval()
+
+
+def make_vit_workload(num_samples: int = 24, num_train: int = 64) -> Workload:
+    """`tiny_vit` on seeded standard-normal images, with labelled training images (calibration,
+    Taylor importance, recovery)."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(num_samples + num_train, 3, 32, 32, generator=g)
+    labels = torch.randint(0, 5, (num_samples + num_train,), generator=g)
+    return Workload(
+        name="tiny-vit",
+        model=tiny_vit(),
+        samples=list(images[:num_samples]),
+        labels=labels[:num_samples],
+        train_samples=list(images[num_samples:]),
+        train_labels=labels[num_samples:],
+        collate=lambda s: (torch.stack(s),),
+        fidelity=logits_fidelity,
+        fidelity_key="min_cosine",
+        default_batch_size=8,
+        real_weights=False,
+    )
+
+
 def tiny_bert_embedder():
     """A 2-layer, 32-wide BERT with 4 heads of 8 and FFN width 128 (transformers, random weights) with
     masked mean pooling: (input_ids [B, S], attention_mask [B, S]) -> [B, 32]. MiniLM's module layout."""

@@ -13,9 +13,10 @@ import copy
 import pytest
 import torch
 
+from overdrive.core.transformer import encoder_layers as find_blocks
 from overdrive.core.workload import pad_token_ids
 from overdrive.techniques import get_technique
-from overdrive.techniques.pruning.encoder import find_blocks, kept_count
+from overdrive.techniques.pruning.encoder import kept_count
 from overdrive.techniques.pruning.ffn import PruneFFNConfig
 from overdrive.techniques.pruning.heads import PruneHeadsConfig
 from overdrive.techniques.pruning.recovery import num_parameters, save_checkpoint
@@ -125,7 +126,8 @@ def test_activation_importance_drops_dead_ffn_neurons():
 
 
 def test_refit_is_exact_when_the_dropped_input_is_a_combination_of_kept_ones():
-    from overdrive.techniques.pruning.encoder import input_gram, refit
+    from overdrive.core.transformer import refit
+    from overdrive.techniques.pruning.encoder import input_gram
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(8, 5)

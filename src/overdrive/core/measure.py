@@ -242,15 +242,22 @@ def count_flops_per_sample(model: nn.Module, workload: Workload, *, device: torc
     """FLOPs per row of one eager forward on the first samples (torch.utils.flop_counter).
 
     Returns None when the model cannot run under FlopCounterMode (e.g. TorchScript).
-    Counts matmul/conv FLOPs as 2 × MACs, as FlopCounterMode does.
+    Counts matmul/conv FLOPs as 2 × MACs, as FlopCounterMode does. nn.MultiheadAttention's
+    inference fast path (`torch._native_multi_head_attention`) is switched off while counting
+    (and restored): FlopCounterMode does not see inside that fused op, so its projections and
+    attention would count as zero.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
     chunk = indices[: min(len(indices), workload.default_batch_size)]
     inputs = to_device(workload.collate([workload.samples[i] for i in chunk]), device)
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             model(*inputs)
     except Exception:  # noqa: BLE001 - FLOPs are informative, never required
         return None
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
     return counter.get_total_flops() / len(chunk)

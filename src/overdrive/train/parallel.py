@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from overdrive.core.errors import ConfigError, arg
+from overdrive.core.transformer import Layout, encoder_layer, find_blocks
 from overdrive.train.launch import DistEnv
 
 STRATEGIES = ("none", "ddp", "fsdp", "pipeline", "tensor-parallel")
@@ -114,24 +115,6 @@ class ParallelDims:
 # -- the techniques -------------------------------------------------------------------------------
 
 
-def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential]:
-    """The model's repeated blocks: the ModuleList holding the most parameters (transformer
-    layers, e.g. `encoder.encoder.layer` of a BERT), else its largest nn.Sequential.
-
-    Returns:
-        (qualified name, the container).
-
-    Raises:
-        ValueError: the model has neither.
-    """
-    candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 1]
-    if not candidates:
-        candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Sequential) and len(m) > 1]
-    if not candidates:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks")
-    return max(candidates, key=lambda nm: (sum(p.numel() for p in nm[1].parameters()), len(nm[1])))
-
-
 _ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Hardswish, nn.LeakyReLU, nn.Mish)
 
 
@@ -151,9 +134,10 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016), with PyTorch's
     non-reentrant `torch.utils.checkpoint`.
 
-    Blocks are `find_blocks`' entries (transformer layers), or for a Sequential its segments
-    ending at each activation. Parameter names are unchanged (the forward methods are
-    replaced, no wrapper modules are added), so checkpoints load with or without it.
+    Blocks are `find_blocks`' entries (`overdrive.core.transformer`: transformer layers), or for
+    a Sequential its segments ending at each activation. Parameter names are unchanged (the
+    forward methods are replaced, no wrapper modules are added), so checkpoints load with or
+    without it.
 
     Recomputation runs BatchNorm's forward twice per step in train mode, so its running
     statistics take two momentum updates per step; batch statistics, and so the loss and
@@ -235,7 +219,9 @@ def apply_tensor_parallel(model: nn.Module, env: DistEnv) -> int:
     pooling stay replicated.
 
     Supports BERT-style blocks (`attention.self.{query,key,value}`, `attention.output.dense`,
-    `intermediate.dense`, `output.dense`, as in transformers' BERT, RoBERTa, MiniLM).
+    `intermediate.dense`, `output.dense`, as in transformers' BERT, RoBERTa, MiniLM); the plan's
+    module paths are the layer adapter's (`overdrive.core.transformer.BertLayer.paths`).
+    nn.MultiheadAttention layers (ViT) are refused: their q/k/v are one packed Linear.
 
     Returns:
         The number of blocks split.
@@ -249,27 +235,26 @@ def apply_tensor_parallel(model: nn.Module, env: DistEnv) -> int:
 
     tp = env.world_size
     _, blocks = find_blocks(model)
-    plan = {"attention.self.query": ColwiseParallel(), "attention.self.key": ColwiseParallel(),
-            "attention.self.value": ColwiseParallel(), "attention.output.dense": RowwiseParallel(),
-            "intermediate.dense": ColwiseParallel(), "output.dense": RowwiseParallel()}
+    styles = {"query": ColwiseParallel, "key": ColwiseParallel, "value": ColwiseParallel,
+              "attention_output": RowwiseParallel, "intermediate": ColwiseParallel, "output": RowwiseParallel}
+    layers = []
     for block in blocks:
-        names = {name for name, _ in block.named_modules()}
-        if not set(plan) <= names:
-            raise ValueError(f"tensor parallel supports BERT-style transformer blocks; {type(block).__name__} lacks "
-                             f"{sorted(set(plan) - names)}")
-        attention = block.get_submodule("attention.self")
-        heads = attention.query.out_features // attention.attention_head_size
-        width = block.get_submodule("intermediate.dense").out_features
-        if heads % tp or width % tp:
-            raise ValueError(f"tensor parallel degree {tp} must divide the {heads} attention heads and the FFN width {width}")
+        layer = encoder_layer(block)
+        if layer is None or layer.layout is not Layout.BERT:
+            why = ("its nn.MultiheadAttention packs q/k/v into one in_proj_weight" if layer is not None
+                   else "it lacks attention.self.{query,key,value}, attention.output.dense, intermediate.dense or output.dense")
+            raise ValueError(f"tensor parallel supports BERT-style transformer blocks; {type(block).__name__} is not one: {why}")
+        if layer.num_heads % tp or layer.intermediate.out_features % tp:
+            raise ValueError(f"tensor parallel degree {tp} must divide the {layer.num_heads} attention heads and the FFN "
+                             f"width {layer.intermediate.out_features}")
+        layers.append(layer)
     mesh = init_device_mesh(env.device.type, (tp,))
-    for block in blocks:
-        parallelize_module(block, mesh, plan)
-        attention = block.get_submodule("attention.self")
+    for layer in layers:
+        parallelize_module(layer.layer, mesh, {path: styles[role]() for role, path in layer.paths().items()})
         for attr in ("num_attention_heads", "all_head_size"):  # older transformers reshape with these
-            if hasattr(attention, attr):
-                setattr(attention, attr, getattr(attention, attr) // tp)
-    return len(blocks)
+            if hasattr(layer.attention, attr):
+                setattr(layer.attention, attr, getattr(layer.attention, attr) // tp)
+    return len(layers)
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, *, group=None) -> torch.Tensor:

@@ -30,8 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from overdrive.core.timer import Timer
+from overdrive.core.transformer import find_blocks
 from overdrive.train.launch import DistEnv
-from overdrive.train.parallel import ParallelDims, find_blocks
+from overdrive.train.parallel import ParallelDims
 
 
 def balanced_split(costs: list[float], stages: int) -> list[int]:

@@ -16,11 +16,13 @@ order, nothing after length bucketing (`benchmarks/remove_padding_cpu.py`; bench
 remove_padding_cpu), so the tuner (which tries it after length bucketing) keeps it only when
 it measures a gain.
 
-An encoder qualifies when it has the Hugging Face BERT layout (`embeddings`, `encoder.layer`
-of layers with attention.self.{query,key,value}, attention.output, intermediate and output),
-absolute position embeddings and no decoder or cross-attention. Pruned blocks (fewer heads,
-narrower FFN) qualify: heads are counted from the projection widths. The layers' own
-submodules are called, so the dynamically quantized Linears of `int8-dynamic` compose.
+An encoder qualifies when it has the Hugging Face BERT layout (`embeddings`, `encoder.layer` of
+layers with attention.self.{query,key,value}, attention.output, intermediate and output, as
+`overdrive.core.transformer.bert_encoder_layers` detects it), absolute position embeddings
+and no decoder or cross-attention. Pruned blocks (fewer heads, narrower FFN) qualify: heads
+are counted from the projection widths. The layers' own submodules are called, so the
+dynamically quantized Linears of `int8-dynamic` compose. Other layouts (a ViT's
+nn.MultiheadAttention layers) have fixed-shape inputs and no padding to remove.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overdrive.core.transformer import bert_encoder_layers
 from overdrive.core.workload import Workload
 from overdrive.techniques.registry import Stage, Technique, TechniqueConfig, register
 
@@ -50,27 +53,14 @@ def bert_encoders(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def _qualifies(module: nn.Module) -> bool:
-    layers = getattr(getattr(module, "encoder", None), "layer", None)
-    if not isinstance(layers, nn.ModuleList) or not hasattr(module, "embeddings") or len(layers) == 0:
+    """A BERT-layout encoder (`bert_encoder_layers`, quantized projections allowed) with absolute
+    positions that is not a decoder."""
+    if bert_encoder_layers(module, quantized=True) is None:
         return False
     config = getattr(module, "config", None)
     if config is None or getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
         return False
-    if getattr(config, "position_embedding_type", "absolute") != "absolute":
-        return False
-    return all(_is_encoder_layer(layer) for layer in layers)
-
-
-def _is_encoder_layer(layer: nn.Module) -> bool:
-    """The BERT layer layout this rewrite calls into. The projections need only be callable
-    modules, so dynamically quantized Linears (`int8-dynamic`, applied before) qualify too."""
-    try:
-        attention = layer.attention.self
-        parts = (attention.query, attention.key, attention.value, layer.attention.output, layer.intermediate, layer.output)
-        head_size = attention.attention_head_size
-    except AttributeError:
-        return False
-    return isinstance(head_size, int) and all(isinstance(p, nn.Module) for p in parts)
+    return getattr(config, "position_embedding_type", "absolute") == "absolute"
 
 
 class PaddingFreeEncoder(nn.Module):

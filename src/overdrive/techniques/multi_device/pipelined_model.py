@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from overdrive.train.parallel import find_blocks
+from overdrive.core.transformer import find_blocks
 from overdrive.train.pipeline import balanced_split, build_stage_module, measure_block_costs
 
 

@@ -1,4 +1,8 @@
-"""FFN-width pruning for BERT-style encoders: intermediate neurons removed from every layer.
+"""FFN-width pruning for transformer encoders: intermediate neurons removed from every layer.
+
+Layers are Hugging Face BERT-family layers (intermediate.dense, output.dense) or
+nn.MultiheadAttention layers with a two-Linear MLP (torchvision ViT's mlp[0] / mlp[3],
+nn.TransformerEncoderLayer's linear1 / linear2), as `overdrive.core.transformer` finds them.
 
 Each layer keeps the same number of intermediate neurons, (1 − ratio) × width rounded to a
 multiple of `round_to` (64 by default, a tensor-core and SIMD friendly width), chosen by
@@ -18,16 +22,8 @@ from typing import ClassVar
 
 import torch
 
-from overdrive.techniques.pruning.encoder import (
-    EncoderBlock,
-    EncoderPruningConfig,
-    EncoderPruningTechnique,
-    find_blocks,
-    keep_ffn,
-    kept_count,
-    update_config,
-    weight_score,
-)
+from overdrive.core.transformer import EncoderLayer, encoder_layers, update_config
+from overdrive.techniques.pruning.encoder import EncoderPruningConfig, EncoderPruningTechnique, kept_count, weight_score
 from overdrive.techniques.registry import register
 
 
@@ -47,7 +43,7 @@ class PruneFFNConfig(EncoderPruningConfig):
             raise ValueError(f"PruneFFNConfig.round_to must be ≥ 1, got {self.round_to}")
 
 
-def neuron_scores(block: EncoderBlock, taylor: bool, activation_norms: torch.Tensor | None = None) -> torch.Tensor:
+def neuron_scores(block: EncoderLayer, taylor: bool, activation_norms: torch.Tensor | None = None) -> torch.Tensor:
     """Importance of each intermediate neuron of `block`, float [width]."""
     if activation_norms is not None:
         return activation_norms * block.output.weight.detach().float().pow(2).sum(0).sqrt()
@@ -60,7 +56,8 @@ def neuron_scores(block: EncoderBlock, taylor: bool, activation_norms: torch.Ten
 @register
 class PruneFFN(EncoderPruningTechnique):
     config_cls = PruneFFNConfig
-    description = "narrows the feed-forward (intermediate) layers of BERT-style encoders, then recovers; opt-in"
+    description = ("narrows the feed-forward (intermediate) layers of transformer encoders (BERT family, "
+                   "ViT / nn.MultiheadAttention), then recovers; opt-in")
 
     def output_linear(self, block):
         return block.output
@@ -73,12 +70,14 @@ class PruneFFN(EncoderPruningTechnique):
         return neuron_scores(block, taylor, activation)
 
     def keep(self, block, kept, gram):
-        keep_ffn(block, kept, gram)
+        block.keep_ffn(kept, gram)
 
     def shrink_to(self, model, state, *, workload, device):
-        blocks = find_blocks(model)
+        blocks = encoder_layers(model)
         for block in blocks:
-            target = state[f"{block.name}.intermediate.dense.weight"].shape[0]
+            if block.weight_key("query") in state:  # the state comes after a head-pruning step
+                block.split_attention(model)
+            target = state[block.weight_key("intermediate")].shape[0]
             if target < block.intermediate.out_features:
-                keep_ffn(block, torch.arange(target))
+                block.keep_ffn(torch.arange(target))
         update_config(model, blocks)
