@@ -23,10 +23,10 @@ import time
 import torch
 
 from overdrive.core.measure import count_flops_per_sample, measure
-from overdrive.optimize.plan import build
 from overdrive.techniques.pruning.ffn import PruneFFNConfig
 from overdrive.techniques.pruning.heads import PruneHeadsConfig
 from overdrive.techniques.pruning.recovery import num_parameters
+from overdrive.tuning.plan import build
 from overdrive.workloads.vision import build_torchvision
 
 CPU = torch.device("cpu")

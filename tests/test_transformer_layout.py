@@ -18,12 +18,12 @@ from torch import nn
 
 from overdrive.core.attention import SplitQKVAttention
 from overdrive.core.transformer import BertLayer, Layout, MultiheadLayer, encoder_layers, find_blocks
-from overdrive.optimize.plan import build
 from overdrive.techniques import get_technique
 from overdrive.techniques.pruning.ffn import PruneFFNConfig
 from overdrive.techniques.pruning.heads import PruneHeadsConfig
 from overdrive.techniques.pruning.recovery import num_parameters, save_checkpoint
 from overdrive.train.launch import DistEnv
+from overdrive.tuning.plan import build
 from tests.conftest import make_conv_workload, make_vit_workload, tiny_bert_embedder, tiny_vit
 
 CPU = torch.device("cpu")

@@ -160,3 +160,28 @@ def test_guard_rejects_nan_fidelity_and_nonfinite_outputs():
     assert guard.violation(measurement(fidelity={"min_cosine": 0.995}), base, "min_cosine") is None
     with pytest.raises(ValueError):
         Guard(min_gain=float("nan"))
+
+
+def test_a_baseline_whose_outputs_are_all_zero_is_refused_not_judged(conv_workload):
+    """Agreement with outputs that are float noise means nothing: say so instead of rejecting every technique."""
+    from overdrive.core.errors import WorkloadError
+
+    with torch.no_grad():
+        conv_workload.model.head.weight.zero_()
+        conv_workload.model.head.bias.zero_()
+    with pytest.raises(WorkloadError, match="within 1e-06 of zero"):
+        Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["channels-last"], min_timed_calls=2,
+              min_timed_s=0.1).run()
+
+
+def test_torchvision_heads_that_start_at_zero_get_random_weights():
+    import torchvision
+
+    from overdrive.workloads.vision import _random_head
+
+    vit = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=1, num_heads=2, hidden_dim=16,
+                                               mlp_dim=32, num_classes=5).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert not vit(x).any()  # torchvision zero-initialises the ViT head
+        assert _random_head(vit)(x).abs().min() > 0

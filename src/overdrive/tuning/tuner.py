@@ -98,6 +98,9 @@ class TuneResult:
 
 
 Progress = Callable[[str], None]
+# Reference outputs all smaller than this are float noise: cosine and agreement with them mean nothing
+# (a random-weight torchvision MobileNet gives ~1e-10, a ViT with its zero-initialised head exactly 0).
+DEGENERATE_OUTPUT = 1e-6
 
 
 @dataclass(kw_only=True)
@@ -199,7 +202,13 @@ class Tuner:
             del model
         if m.nonfinite_outputs:
             raise WorkloadError(f"{self.workload.name}: the eager fp32 model gives {m.nonfinite_outputs} non-finite output "
-                            "values (NaN/inf) on its samples, so no technique can be judged against it")
+                                "values (NaN/inf) on its samples, so no technique can be judged against it")
+        largest = float(out.abs().max()) if out.numel() else 0.0
+        if largest < DEGENERATE_OUTPUT:
+            raise WorkloadError(f"{self.workload.name}: every output of the eager fp32 model is within {DEGENERATE_OUTPUT:g} "
+                                f"of zero (the largest is {largest:.2g}), so agreement with it measures float noise and no "
+                                "technique can be judged against it (random weights whose activations vanish, or a "
+                                "zero-initialised head?)")
         return m, out, flops
 
     def _leave_one_out(self, plan: list[TechniqueConfig], plan_m: Measurement, baseline: Measurement,

@@ -44,6 +44,16 @@ def image_preset(name: str):
     return preset
 
 
+def _random_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Give zero-initialised Linear layers (torchvision's ViT and Swin heads) seeded random weights
+    (std 0.02, as timm initialises heads): with a zero head every output is 0 and fidelity cannot
+    tell one technique from another."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and not module.weight.detach().any():
+            torch.nn.init.trunc_normal_(module.weight, std=0.02)
+    return model
+
+
 def build_torchvision(name: str, *, num_samples: int = NUM_SAMPLES) -> Workload:
     """Build a random-weight torchvision classifier.
 
@@ -55,7 +65,7 @@ def build_torchvision(name: str, *, num_samples: int = NUM_SAMPLES) -> Workload:
     if name not in torchvision_names():
         raise WorkloadError(f"unknown workload {name!r}; run `overdrive list` for the names")
     torch.manual_seed(0)
-    model = models.get_model(name, weights=None).eval()
+    model = _random_head(models.get_model(name, weights=None).eval())
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(num_samples, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
     return Workload(
