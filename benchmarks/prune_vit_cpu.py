@@ -7,8 +7,7 @@ alone and both composed (heads, then FFN), with no recovery fine-tune, interleav
 parameters, FLOPs per sample (torch.utils.flop_counter; it does not count the attention-score
 matmuls inside CPU scaled_dot_product_attention, before or after) and the median samples/s
 (with its min–max) and its ratio to eager fp32's median. Random weights: the figures are for
-speed only (torchvision zero-initialises the classifier head, so every output is 0 and no
-fidelity figure means anything).
+speed only (no fidelity figure is printed).
 
     .venv/bin/python benchmarks/prune_vit_cpu.py [--model vit_b_16] [--batch-size 8]
         [--num-samples 16] [--ratio 0.333] [--rounds 3]
