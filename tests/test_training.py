@@ -7,7 +7,9 @@ import copy
 import pytest
 import torch
 
-from overdrive.train.fine_tune import fine_tune, frozen_copy, training_precision
+from overdrive.train.config import training_precision
+from overdrive.train.fine_tune import fine_tune
+from overdrive.train.objective import frozen_copy
 from tests.conftest import make_conv_workload, make_text_workload
 
 CPU = torch.device("cpu")
@@ -73,3 +75,59 @@ def test_bad_arguments_are_refused():
         training_precision(CPU, "fp16")
     with pytest.raises(ValueError, match="precision"):
         training_precision(CPU, "int4")
+
+
+def _modes_seen(model):
+    """The train/eval mode of each forward of `model` itself (not of copies, which share the hook)."""
+    seen = []
+    model.register_forward_pre_hook(lambda module, _inputs: seen.append(module.training) if module is model else None)
+    return seen
+
+
+def test_fine_tune_is_the_train_loop_with_the_student_in_eval_mode_under_distillation():
+    from overdrive.train.config import TrainConfig
+    from overdrive.train.launch import DistEnv
+    from overdrive.train.loop import run_training
+
+    workload = _text_with_training_data()
+    teacher = frozen_copy(workload.model)
+    student = copy.deepcopy(workload.model)
+    seen = _modes_seen(student)
+    rng = torch.get_rng_state()
+    student.encoder.embeddings.word_embeddings.weight.requires_grad_(False)  # the caller's choice survives
+    report = fine_tune(student, workload, device=CPU, steps=3, learning_rate=1e-3, batch_size=8, teacher=teacher,
+                       precision="fp32")
+    assert report.steps == 3 and "unpruned model" in report.objective
+    assert seen and not any(seen)  # no dropout: the student matches the deterministic teacher it is judged against
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's random stream is untouched
+    assert not student.encoder.embeddings.word_embeddings.weight.requires_grad
+    assert all(p.requires_grad for n, p in student.named_parameters() if "word_embeddings" not in n)
+
+    seen = _modes_seen(workload.model)
+    summary = run_training(TrainConfig(workload=workload.name, steps=2, batch_size=8), DistEnv(0, 0, 1, CPU),
+                           workload=workload)
+    assert summary.steps == 2 and all(seen)  # `train` keeps dropout on
+
+
+def test_hints_add_the_layer_output_mse_only_while_the_objective_is_entered():
+    from overdrive.train.objective import Objective
+
+    workload = _text_with_training_data()
+    teacher = frozen_copy(workload.model)
+    student = copy.deepcopy(workload.model)
+    layer = student.encoder.encoder.layer[0]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1)
+    pair = (layer, teacher.encoder.encoder.layer[0])
+    idx = list(range(8))
+    inputs = workload.collate([workload.train_samples[i] for i in idx])
+    plain = Objective(workload, teacher, cosine_weight=0.0)
+    hinted = Objective(workload, teacher, hints=[pair], cosine_weight=0.0)
+    with torch.no_grad():
+        base = plain(student(*inputs), plain.target(idx, inputs, CPU)).item()
+        with hinted:
+            with_hint = hinted(student(*inputs), hinted.target(idx, inputs, CPU)).item()
+        outside = hinted(student(*inputs), hinted.target(idx, inputs, CPU)).item()
+    assert with_hint > base * 1.01 and outside == pytest.approx(base)
+    assert not layer._forward_hooks and "1 layer outputs" in hinted.name

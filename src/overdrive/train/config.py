@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
+import torch
+
+from overdrive.core import devices
 from overdrive.train.parallel import ParallelDims
 
 
@@ -21,6 +25,9 @@ class TrainConfig:
         precision: "fp32", "bf16", "fp16" (CUDA, with a gradient scaler) or "auto".
         checkpoint_activations: recompute each block's activations in backward.
         compile: torch.compile the model.
+        train_mode: the model in train mode while it trains (dropout on, BatchNorm on batch
+            statistics). False keeps it in eval mode: pruning's distillation recovery does this,
+            so the student learns to match the deterministic teacher it is judged against.
         dims: the parallel layout (strategy and world size).
         seed: data order and initial RNG state.
         collective_timeout_s: a collective that waits longer fails, naming the rank.
@@ -41,6 +48,7 @@ class TrainConfig:
     precision: str = "fp32"
     checkpoint_activations: bool = False
     compile: bool = False
+    train_mode: bool = True
     dims: ParallelDims = field(default_factory=lambda: ParallelDims(strategy="none", world_size=1))
     seed: int = 0
     collective_timeout_s: float = 600.0
@@ -85,3 +93,42 @@ class TrainSummary:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def training_precision(device: torch.device, requested: str = "auto") -> str:
+    """The autocast dtype name to train with: "bf16", "fp16" or "fp32".
+
+    "auto" picks bf16 on a GPU that supports it (fp16 on one that does not) and on a CPU with
+    AVX512-BF16 instructions; fp32 elsewhere (emulated bf16 would be slower than fp32).
+
+    Raises:
+        ValueError: an unknown name, or fp16 asked for on a CPU.
+    """
+    if requested not in ("auto", "bf16", "fp16", "fp32"):
+        raise ValueError(f"precision must be auto, bf16, fp16 or fp32, got {requested!r}")
+    if requested == "fp16" and device.type != "cuda":
+        raise ValueError("fp16 training needs a CUDA device (the gradient scaler is CUDA-only here)")
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if devices.cpu_has_native_bf16() else "fp32"
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The torch.autocast dtype of a `training_precision` name; None for fp32 (no autocast)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+def warmup_cosine(steps: int):
+    """The learning-rate factor per step for `torch.optim.lr_scheduler.LambdaLR`: linear
+    warm-up over the first 10% of `steps` (at least one), then cosine decay to zero."""
+    warmup = max(1, steps // 10)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor

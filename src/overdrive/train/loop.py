@@ -1,10 +1,14 @@
-"""`overdrive train`: the training loop with mixed precision, gradient accumulation, activation
-checkpointing, torch.compile, and data / model parallelism on torch.distributed.
+"""The one training loop: `overdrive train`, and pruning's recovery fine-tune (`fine_tune`).
 
-Objectives (from the workload, as in pruning's recovery fine-tune, `overdrive.train.fine_tune`):
+Mixed precision, gradient accumulation, activation checkpointing, torch.compile, and data /
+model parallelism on torch.distributed. The loss is `overdrive.train.objective.Objective`:
 cross-entropy on the training labels when the workload has them (digits-cnn), otherwise
-distillation toward a frozen copy of the starting model (MSE plus cosine distance between the
-outputs; minilm), with the student in train mode (dropout on).
+distillation toward a frozen teacher (by default a copy of the starting model; minilm).
+`TrainConfig.train_mode` says whether the model trains in train mode (dropout on; the
+default for `train`) or eval mode (pruning's distillation recovery).
+
+AdamW (fused where torch has it) with `warmup_cosine` learning rates; gradients clipped to a
+total norm of 1.0; bf16 autocast, or fp16 with a gradient scaler on CUDA.
 
 Data: one seeded stream of permutations of the training samples (permutation e for epoch e).
 Each optimizer step takes the next dp × batch_size × grad_accum rows of it; data-parallel rank
@@ -34,11 +38,10 @@ from overdrive.core.measure import peak_memory, reset_peak_memory
 from overdrive.core.workload import Workload
 from overdrive.train import parallel
 from overdrive.train.checkpoint import load_checkpoint, save_checkpoint
-from overdrive.train.config import TrainConfig, TrainSummary
+from overdrive.train.config import TrainConfig, TrainSummary, autocast_dtype, training_precision, warmup_cosine
 from overdrive.train.data import SampleStream, micro_batch_indices, train_inputs
-from overdrive.train.fine_tune import _lr_lambda, frozen_copy, training_precision
 from overdrive.train.launch import DistEnv
-from overdrive.train.objective import Objective
+from overdrive.train.objective import Objective, frozen_copy
 from overdrive.train.parallel import ParallelDims
 
 
@@ -50,10 +53,6 @@ def _current_memory(device: torch.device) -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def _dtype(precision: str) -> torch.dtype | None:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
 def _freeze_unreached(model: nn.Module, workload: Workload, objective: "Objective", device: torch.device) -> list[str]:
@@ -91,13 +90,14 @@ def _pipeline_stage(model: nn.Module, workload: Workload, config: TrainConfig, e
     return stage.to(env.device)
 
 
-def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str, batch_size: int):
+def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str, batch_size: int,
+           objective: Objective | None):
     """The parallelized model, its objective and optimizer, in the order parallel.py states."""
     model = workload.model.to(env.device)
-    teacher = None if workload.train_labels is not None else frozen_copy(model)
-    objective = Objective(workload, teacher)
+    if objective is None:
+        objective = Objective(workload, None if workload.train_labels is not None else frozen_copy(model))
     dims = config.dims
-    model.train()
+    model.train(config.train_mode)
     _freeze_unreached(model, workload, objective, env.device)
     if dims.strategy == "pipeline":
         model = workload.model = _pipeline_stage(model, workload, config, env, batch_size)  # the rank trains its stage
@@ -116,8 +116,8 @@ def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str
     if dims.strategy == "ddp":
         model = parallel.apply_ddp(model, env)
     elif dims.strategy == "fsdp":
-        parallel.apply_fsdp(model, env, param_dtype=_dtype(precision))
-    model.train()
+        parallel.apply_fsdp(model, env, param_dtype=autocast_dtype(precision))
+    model.train(config.train_mode)
     params = [p for p in model.parameters() if p.requires_grad]
     # Fused AdamW (one kernel for all parameters) where torch has it: CUDA, and CPU for plain tensors.
     fused = env.device.type == "cuda" or dims.strategy in ("none", "ddp", "pipeline")
@@ -126,7 +126,7 @@ def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str
 
 
 def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None = None,
-                 progress=None, on_grads=None) -> TrainSummary:
+                 objective: Objective | None = None, progress=None, on_grads=None) -> TrainSummary:
     """Train on this rank; every rank of the job calls it with the same config.
 
     Args:
@@ -134,6 +134,8 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
         env: this process's place in the job (`parallel.init_distributed`).
         workload: the workload to train (default: built from `config.workload`); its model is
             trained in place (under pipeline parallelism it is replaced by this rank's stage).
+        objective: the loss (default: cross-entropy on the workload's labels, or distillation
+            toward a frozen copy of its model); entered as a context manager around the steps.
         progress: called on rank 0 as progress(step, total_steps, loss, samples_per_s, peak_bytes).
         on_grads: called on every rank as on_grads(step, model) after the backward passes of a
             step, before clipping and the optimizer step (tests compare gradients with it).
@@ -170,7 +172,10 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
                             "microbatches")
     dp_rank = env.rank if dims.dp > 1 else 0
     torch.manual_seed(config.seed + dp_rank)
-    model, objective, optimizer, params = _build(workload, config, env, precision, batch_size)
+    if config.steps is not None and config.steps < 1 or batch_size < 1 or not config.learning_rate > 0:
+        raise ConfigError(f"{arg('steps', config.steps)}, {arg('batch_size', batch_size)} and "
+                          f"{arg('learning_rate', config.learning_rate)} must be positive")
+    model, objective, optimizer, params = _build(workload, config, env, precision, batch_size, objective)
     if dims.strategy == "pipeline":
         from overdrive.train.pipeline import PipelineRunner
 
@@ -178,7 +183,7 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     global_batch = batch_size * config.grad_accum * dims.dp
     n = len(workload.train_samples)
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * n / global_batch))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     start_step, position = 0, 0
     if config.resume_dir:
         start_step, position = load_checkpoint(Path(config.resume_dir), model, optimizer)
@@ -190,57 +195,58 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     stream = SampleStream(n, config.seed)
     reset_peak_memory(env.device)
     start_memory = _current_memory(env.device)
-    autocast = _dtype(precision) if dims.strategy != "fsdp" else None  # FSDP casts through its policy
+    autocast = autocast_dtype(precision) if dims.strategy != "fsdp" else None  # FSDP casts through its policy
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     losses: list[float] = []
     times: list[float] = []
     is_ddp = dims.strategy == "ddp"
     end = min(steps, config.stop_after) if config.stop_after else steps
-    for step in range(start_step, end):
-        t0 = time.perf_counter()
-        total = torch.zeros((), device=env.device)
-        for micro in range(config.grad_accum if runner is None else 0):
-            idx = micro_batch_indices(stream, position, batch_size=batch_size, grad_accum=config.grad_accum,
-                                      dp=dims.dp, dp_rank=dp_rank, micro=micro)
-            inputs = train_inputs(workload, idx, env.device)
-            target = objective.target(idx, inputs, env.device)
-            last = micro == config.grad_accum - 1
-            if dims.strategy == "fsdp":
-                model.set_requires_gradient_sync(last)
-            sync = model.no_sync() if is_ddp and not last else contextlib.nullcontext()
-            with sync:
+    with objective:  # hint hooks on while the steps run
+        for step in range(start_step, end):
+            t0 = time.perf_counter()
+            total = torch.zeros((), device=env.device)
+            for micro in range(config.grad_accum if runner is None else 0):
+                idx = micro_batch_indices(stream, position, batch_size=batch_size, grad_accum=config.grad_accum,
+                                          dp=dims.dp, dp_rank=dp_rank, micro=micro)
+                inputs = train_inputs(workload, idx, env.device)
+                last = micro == config.grad_accum - 1
+                if dims.strategy == "fsdp":
+                    model.set_requires_gradient_sync(last)
+                sync = model.no_sync() if is_ddp and not last else contextlib.nullcontext()
+                with sync:
+                    with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
+                        target = objective.target(idx, inputs, env.device)  # the teacher also runs in autocast
+                        loss = objective(model(*inputs), target) / config.grad_accum
+                    (scaler.scale(loss) if scaler else loss).backward()
+                total += loss.detach()
+            if runner:  # the schedule splits the batch into microbatches and runs forward and backward
+                idx = stream.take(position, batch_size)
+                inputs = train_inputs(workload, idx, env.device)
                 with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
-                    loss = objective(model(*inputs), target) / config.grad_accum
-                (scaler.scale(loss) if scaler else loss).backward()
-            total += loss.detach()
-        if runner:  # the schedule splits the batch into microbatches and runs forward and backward
-            idx = stream.take(position, batch_size)
-            inputs = train_inputs(workload, idx, env.device)
-            target = objective.target(idx, inputs, env.device) if runner.last else None
-            with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
-                total = runner.step(inputs, target)
-        if scaler:
-            scaler.unscale_(optimizer)
-        if on_grads:
-            on_grads(step, model)
-        parallel.clip_grad_norm(params, 1.0, group=dist.group.WORLD if runner else None)
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        position += global_batch
-        if dims.dp > 1:
-            dist.all_reduce(total)
-            total /= dims.dp
-        losses.append(total.item())  # also synchronizes the device, so the step time is real
-        times.append(time.perf_counter() - t0)
-        if config.save_dir and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < end:
-            save_checkpoint(Path(config.save_dir), model, optimizer, step=step + 1, position=position, env=env)
-        if progress and env.is_main:
-            progress(step + 1, steps, losses[-1], global_batch / times[-1], peak_memory(env.device)[0])
+                    target = objective.target(idx, inputs, env.device) if runner.last else None
+                    total = runner.step(inputs, target)
+            if scaler:
+                scaler.unscale_(optimizer)
+            if on_grads:
+                on_grads(step, model)
+            parallel.clip_grad_norm(params, 1.0, group=dist.group.WORLD if runner else None)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+            position += global_batch
+            if dims.dp > 1:
+                dist.all_reduce(total)
+                total /= dims.dp
+            losses.append(total.item())  # also synchronizes the device, so the step time is real
+            times.append(time.perf_counter() - t0)
+            if config.save_dir and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < end:
+                save_checkpoint(Path(config.save_dir), model, optimizer, step=step + 1, position=position, env=env)
+            if progress and env.is_main:
+                progress(step + 1, steps, losses[-1], global_batch / times[-1], peak_memory(env.device)[0])
     if config.save_dir:
         save_checkpoint(Path(config.save_dir), model, optimizer, step=end, position=position, env=env)
     peak, kind = peak_memory(env.device)

@@ -37,7 +37,8 @@ from torch import nn
 
 from overdrive.core.workload import Workload
 from overdrive.techniques.registry import Stage, Technique, TechniqueConfig
-from overdrive.train.fine_tune import fine_tune, frozen_copy
+from overdrive.train.fine_tune import fine_tune
+from overdrive.train.objective import frozen_copy
 
 EVAL_SAMPLES = 512  # evaluation samples for the metric before / after pruning / after recovery
 _CACHE_SIZE = 6
