@@ -131,3 +131,18 @@ def test_hints_add_the_layer_output_mse_only_while_the_objective_is_entered():
         outside = hinted(student(*inputs), hinted.target(idx, inputs, CPU)).item()
     assert with_hint > base * 1.01 and outside == pytest.approx(base)
     assert not layer._forward_hooks and "1 layer outputs" in hinted.name
+
+
+def test_one_process_training_freezes_nothing_the_first_rows_miss():
+    """The reachability probe is for DDP; alone, a parameter the first rows never reach (here the
+    BERT pooler under mean pooling) keeps requires_grad and is simply not updated."""
+    from overdrive.train.config import TrainConfig
+    from overdrive.train.launch import DistEnv
+    from overdrive.train.loop import run_training
+
+    workload = _text_with_training_data()
+    pooler = workload.model.encoder.pooler.dense.weight
+    before = pooler.detach().clone()
+    run_training(TrainConfig(workload=workload.name, steps=2, batch_size=8), DistEnv(0, 0, 1, CPU), workload=workload)
+    assert pooler.requires_grad and torch.equal(pooler.detach(), before)
+    assert all(p.requires_grad for p in workload.model.parameters())

@@ -98,7 +98,8 @@ def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str
         objective = Objective(workload, None if workload.train_labels is not None else frozen_copy(model))
     dims = config.dims
     model.train(config.train_mode)
-    _freeze_unreached(model, workload, objective, env.device)
+    if dims.strategy != "none":  # one process needs no probe: AdamW skips parameters without gradients
+        _freeze_unreached(model, workload, objective, env.device)
     if dims.strategy == "pipeline":
         model = workload.model = _pipeline_stage(model, workload, config, env, batch_size)  # the rank trains its stage
     if dims.strategy == "tensor-parallel":
