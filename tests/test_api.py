@@ -100,7 +100,9 @@ def test_the_command_line_spells_the_same_error_in_its_flags():
 
 
 def test_a_workload_by_name_goes_through_the_same_calls(tmp_path):
-    with pytest.raises(ConfigError, match="data and metric go with a module"):
-        overdrive.optimize("digits-cnn", data=[torch.zeros(1, 1, 8, 8)])
+    with pytest.raises(ConfigError, match="metric goes with a module"):
+        overdrive.optimize("digits-cnn", metric=lambda outputs: 1.0)
+    with pytest.raises(overdrive.DataError, match=r"rows are torch.float32 \[3, 8, 8\]; 'digits-cnn' takes rows of"):
+        overdrive.optimize("digits-cnn", data=[torch.zeros(2, 3, 8, 8)])
     figures = overdrive.bench("digits-cnn", batch_sizes=[16], device="cpu", num_samples=64)
     assert list(figures) == [16] and figures[16].fidelity["top1_agreement"] == 1.0  # the baseline against itself

@@ -12,7 +12,7 @@ import torch
 from overdrive.techniques import Stage, Technique, TechniqueConfig, config_from_dict, config_to_dict, default_config
 from overdrive.techniques.registry import ForwardWrapper, get_technique, register, unregister
 from overdrive.tuning.plan import Plan
-from overdrive.tuning.tuner import Guard, Tuner
+from overdrive.tuning.tuner import FidelityRule, Guard, Tuner
 
 CPU = torch.device("cpu")
 
@@ -69,7 +69,7 @@ def _row(result, label):
 
 def test_lossy_slow_and_broken_techniques_are_rejected_with_reasons(conv_workload, fake_techniques):
     result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=fake_techniques + ["channels-last"],
-                   min_timed_calls=3, min_timed_s=0.2).run()
+                   min_rounds=2, max_rounds=4, max_compare_s=2).run()
     noisy, slow, broken = (_row(result, n) for n in fake_techniques)
     assert not noisy.kept and noisy.reason.startswith("min_cosine") and "< 0.99 floor" in noisy.reason
     assert not slow.kept and slow.reason.startswith("not faster")
@@ -79,11 +79,11 @@ def test_lossy_slow_and_broken_techniques_are_rejected_with_reasons(conv_workloa
 
 
 def test_accuracy_budget_rejects_with_the_drop(conv_workload):
-    guard = Guard(min_fidelity=0.0, max_accuracy_drop=0.0, min_gain=1e-6)
+    guard = Guard(min_fidelity=0.0, max_accuracy_drop=0.5, min_gain=0)  # one flipped label of 24 costs 4.2 pt
     _technique("t-slightly-noisy", _SlightlyNoisy)
     try:
         result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-slightly-noisy"], guard=guard,
-                       min_timed_calls=2, min_timed_s=0.2).run()
+                       min_rounds=2, max_rounds=4, max_compare_s=2).run()
     finally:
         unregister("t-slightly-noisy")
     row = _row(result, "t-slightly-noisy")
@@ -95,12 +95,12 @@ def test_accuracy_budget_rejects_with_the_drop(conv_workload):
 
 
 def test_group_alternatives_compose_at_most_one(conv_workload):
-    guard = Guard(min_fidelity=0.9, min_gain=1e-6)  # keep everything that runs
+    guard = Guard(min_fidelity=0.9, min_gain=0)  # keep everything that runs
     _technique("t-prec-a", ForwardWrapper, Stage.PRECISION, group="precision").apply = lambda model, config, **_: model
     _technique("t-prec-b", ForwardWrapper, Stage.PRECISION, group="precision").apply = lambda model, config, **_: model
     try:
         result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-prec-a", "t-prec-b"],
-                       guard=guard, min_timed_calls=2, min_timed_s=0.2).run()
+                       guard=guard, min_rounds=2, max_rounds=4, max_compare_s=2).run()
     finally:
         unregister("t-prec-a"), unregister("t-prec-b")
     composed = [r for r in result.rows if r.phase == "compose"]
@@ -119,7 +119,7 @@ def test_guard_validates():
 
 def test_plan_round_trip_rebuilds_the_same_model(conv_workload, tmp_path):
     result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["bn-fold", "channels-last"],
-                   guard=Guard(min_gain=1e-6), min_timed_calls=2, min_timed_s=0.2).run()
+                   guard=Guard(min_gain=0), min_rounds=2, max_rounds=4, max_compare_s=2).run()
     path = tmp_path / "plan.json"
     result.plan.save(path)
     loaded = Plan.load(path)
@@ -154,24 +154,37 @@ def test_guard_rejects_nan_fidelity_and_nonfinite_outputs():
         return Measurement(batch_size=1, num_samples=1, num_timed_calls=1, latency_ms={}, samples_per_s=1.0,
                            peak_memory_bytes=None, peak_memory_kind="process_rss_hwm", warmup_s=0.0, compile_s=0.0, **kw)
 
-    guard, base = Guard(), measurement(fidelity={"min_cosine": 1.0})
-    assert "floor" in guard.violation(measurement(fidelity={"min_cosine": float("nan")}), base, "min_cosine")
-    assert "non-finite" in guard.violation(measurement(fidelity={"min_cosine": 1.0}, nonfinite_outputs=3), base, "min_cosine")
-    assert guard.violation(measurement(fidelity={"min_cosine": 0.995}), base, "min_cosine") is None
+    guard, rule = Guard(), FidelityRule(key="min_cosine", floor=0.99)
+    assert "floor" in guard.violation(measurement(fidelity={"min_cosine": float("nan")}), None, rule)
+    assert "non-finite" in guard.violation(measurement(fidelity={"min_cosine": 1.0}, nonfinite_outputs=3), None, rule)
+    assert guard.violation(measurement(fidelity={"min_cosine": 0.995}), None, rule) is None
+    degenerate = FidelityRule(key="max_abs_error", floor=1e-5, degenerate="all zero")
+    assert "tolerance" in guard.violation(measurement(fidelity={"max_abs_error": float("nan")}), None, degenerate)
+    assert guard.violation(measurement(fidelity={"max_abs_error": 0.0}), None, degenerate) is None
     with pytest.raises(ValueError):
         Guard(min_gain=float("nan"))
 
 
-def test_a_baseline_whose_outputs_are_all_zero_is_refused_not_judged(conv_workload):
-    """Agreement with outputs that are float noise means nothing: say so instead of rejecting every technique."""
-    from overdrive.core.errors import WorkloadError
+class _Offset(ForwardWrapper):
+    def forward(self, *args):
+        return self.inner(*args) + 1e-3  # an absolute error that cosine against zeros could not see
 
+
+def test_a_degenerate_reference_is_named_and_judged_by_max_absolute_error(conv_workload):
+    """Agreement with outputs that are all zero means nothing: the rule says so and judges by max |error|."""
     with torch.no_grad():
         conv_workload.model.head.weight.zero_()
         conv_workload.model.head.bias.zero_()
-    with pytest.raises(WorkloadError, match="within 1e-06 of zero"):
-        Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["channels-last"], min_timed_calls=2,
-              min_timed_s=0.1).run()
+    _technique("t-offset", _Offset)
+    try:
+        result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["channels-last", "t-offset"],
+                       guard=Guard(min_gain=0), min_rounds=2, max_rounds=2).run()
+    finally:
+        unregister("t-offset")
+    assert "within 1e-06 of zero" in result.rule.degenerate and result.rule.key == "max_abs_error"
+    lossless, offset = _row(result, "channels-last"), _row(result, "t-offset")
+    assert lossless.kept and lossless.measurement.fidelity["max_abs_error"] <= result.rule.floor
+    assert not offset.kept and offset.reason.startswith("max_abs_error 0.001 >")
 
 
 def test_torchvision_heads_that_start_at_zero_get_random_weights():

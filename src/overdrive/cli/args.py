@@ -119,3 +119,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out", help="output folder; results go to OUT/<workload>/ (default: out)")
     p.add_argument("--input-shape", type=shape, help="input shape B,C,H,W... for TorchScript files, which store none")
     p.add_argument("--input-dtype", default="float32", help="dtype of generated inputs for model files (default float32)")
+    p.add_argument("--data", help="your evaluation rows, judged instead of the workload's own: .npy [N, *row], a folder of "
+                                  "images, or .txt / .jsonl / .csv text for text models")
+    p.add_argument("--text-field", help="the JSONL field / CSV column of --data holding the text (default: text)")

@@ -35,7 +35,7 @@ def main(args, argv: list[str]) -> int:
         plan, device, _ = load_plan(args.plan, device=args.device, workload=args.workload)
     session = open_session(args.workload, device=device, batch_size=args.batch_size or (plan.batch_size if plan else None),
                            num_samples=args.num_samples, out=args.out, input_shape=args.input_shape,
-                           input_dtype=args.input_dtype)
+                           input_dtype=args.input_dtype, data=args.data, text_field=args.text_field)
     batch_sizes = session.sweep_sizes(args.batch_sizes or [session.batch_size])
     device_name = devices.describe(session.device)
     with console.status("measuring") as status:

@@ -23,7 +23,10 @@ def add_parser(sub) -> None:
     opt.add_argument("--techniques", type=name_list, help="comma-separated names to try (default: all; see `overdrive list`)")
     opt.add_argument("--max-accuracy-drop", type=nonnegative, help="task-metric points a technique may lose (workloads with labels)")
     opt.add_argument("--min-fidelity", type=fraction, default=0.99, help="floor on cosine / agreement with fp32 (default 0.99)")
-    opt.add_argument("--min-gain", type=ratio, default=1.02, help="throughput ratio a step needs to be kept (default 1.02)")
+    opt.add_argument("--min-gain", type=ratio, default=1.02,
+                     help="throughput ratio a step needs over what it is added to, at the low end of its 95%% confidence "
+                          "interval (default 1.02)")
+    opt.add_argument("--lossless", action="store_true", help="keep lossless techniques only (as --max-accuracy-drop 0)")
     opt.add_argument("--prune-ratio", type=open_fraction,
                      help="fraction of channels / heads / FFN width the named pruning techniques remove (default: "
                           "0.5 for prune-channels, 1/3 for prune-heads and prune-ffn)")
@@ -43,15 +46,20 @@ def main(args, argv: list[str]) -> int:
     console = make_console()
     job = OptimizeJob.prepare(
         args.workload, device=args.device, max_accuracy_drop=args.max_accuracy_drop, min_fidelity=args.min_fidelity,
-        min_gain=args.min_gain, techniques=args.techniques, batch_size=args.batch_size, num_samples=args.num_samples,
-        prune_ratio=args.prune_ratio, finetune_steps=args.finetune_steps, sweep_batch_sizes=args.sweep_batch_sizes,
-        out=args.out, input_shape=args.input_shape, input_dtype=args.input_dtype, command="overdrive " + shlex.join(argv))
+        min_gain=args.min_gain, lossless=args.lossless, techniques=args.techniques, batch_size=args.batch_size,
+        num_samples=args.num_samples, prune_ratio=args.prune_ratio, finetune_steps=args.finetune_steps,
+        sweep_batch_sizes=args.sweep_batch_sizes, out=args.out, input_shape=args.input_shape, input_dtype=args.input_dtype,
+        data=args.data, text_field=args.text_field, command="overdrive " + shlex.join(argv))
     session, workload = job.session, job.session.workload
     device_name = devices.describe(session.device)
     console.print(f"[bold]overdrive optimize {workload.name}[/] on {device_name}, batch size {session.batch_size}, "
                   f"{session.describe_samples()}")
     if not workload.real_weights:
         console.print("[yellow]random weights: figures are for speed only, not accuracy claims[/]")
+    console.print(("[yellow]" if workload.rows_source == "random" else "") + session.workload.describe_rows(
+        session.num_distinct_samples) + ("[/]" if workload.rows_source == "random" else ""), highlight=False)
+    for note in workload.notes:
+        console.print(f"[yellow]note: {note}[/]", highlight=False, soft_wrap=True)
     if session.num_distinct_samples < session.batch_size:
         console.print(f"[yellow]batch size {session.batch_size} exceeds the {session.num_distinct_samples} samples: "
                       "samples are repeated to fill each batch[/]")
@@ -68,7 +76,7 @@ def main(args, argv: list[str]) -> int:
         result = job.run(step)
 
     key = workload.fidelity_key
-    console.print(rows_table(result, fidelity_key=key,
+    console.print(rows_table(result, fidelity_key=key, rows_description=result.rows_description,
                              title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}"))
     for line in detail_lines(result, fidelity_key=key):
         console.print(line, highlight=False, soft_wrap=True)  # one line per report, for logs and grep
@@ -80,8 +88,12 @@ def main(args, argv: list[str]) -> int:
         console.print(f"FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP")
     for warning in result.sweep_warnings:
         console.print(f"[yellow]batch-size sweep: {warning}[/]")
+    for warning in result.warnings:
+        console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
     out = session.out_dir
+    low, high = result.plan.measured.get("speedup_ci95", [None, None])
+    interval = f", 95% interval [{low:.2f}, {high:.2f}]" if result.plan.names and low is not None else ""
     console.print(f"plan: [bold]{' + '.join(result.plan.names) or 'baseline'}[/] "
-                  f"({result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s)")
+                  f"({result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s{interval})")
     console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}, {out / 'report.md'}")
     return 0

@@ -6,10 +6,13 @@ Protocol (after gpt-fast and torch.utils.benchmark habits):
 2. Warm-up pass: every batch of the evaluation set runs once; its outputs are the ones judged
    for fidelity, and its wall time minus the steady-state time of the same batches is
    reported as `compile_s` (torch.compile, cuDNN/oneDNN autotuning, lazy init).
-3. Timed passes: whole passes over the full batches until at least `min_timed_calls` calls.
-   Each call is timed by `Timer`: CUDA events read after the device finished, perf_counter on CPU.
-   Throughput = rows per pass / the median pass time, so batches of different lengths
-   weigh as they do in real use and one slow pass (a noisy neighbour) does not skew it.
+3. Timed passes: whole passes over every batch (the partial last one too) until at least
+   `min_timed_calls` calls. Each call is timed by `Timer`: CUDA events read after the device
+   finished, perf_counter on CPU. Throughput = rows per pass / the median pass time, so batches
+   of different lengths weigh as they do in real use and one slow pass does not skew it.
+4. Comparisons (`compare`): the candidate's and the reference's passes interleaved (ABBA), so
+   both see the same machine; the gain has a 95% confidence interval, and a decision is taken
+   only once that interval clears the bar or falls below it (or the time is up).
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` after a reset; on CPU the process's
 resident-set high-water mark (VmHWM), reset through /proc/self/clear_refs where Linux allows.
 """
@@ -47,8 +50,11 @@ class Measurement:
         compile_s: warm-up time beyond the steady-state time of the same batches, seconds.
         mean_padded_length: mean padded sequence length per batch (text workloads), tokens.
         nonfinite_outputs: NaN/inf values among the outputs (overflow detection).
-        fidelity: figures against the fp32 reference (see the workload's `fidelity`).
+        fidelity: figures against the fp32 reference (see the workload's `fidelity`), and
+            `max_abs_error`, the largest absolute difference from it.
         task_metric: e.g. {"accuracy_pct": 99.2} for workloads with labels.
+        num_passes: timed passes over all the evaluation rows.
+        pass_spread: p90 / p50 of the pass times (1.0: steady; well above: a busy machine).
     """
 
     batch_size: int
@@ -64,6 +70,8 @@ class Measurement:
     nonfinite_outputs: int = 0
     fidelity: dict[str, float] = field(default_factory=dict)
     task_metric: dict[str, float] | None = None
+    num_passes: int = 0
+    pass_spread: float = math.nan
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,7 +148,124 @@ def cycle_indices(num_samples: int, num_available: int) -> list[int]:
     return [i % num_available for i in range(num_samples)]
 
 
-@torch.no_grad()
+class Runner:
+    """A model ready to be timed on a workload's batches: its warm-up, passes and call times.
+
+    A *pass* runs every batch of the evaluation rows once, the partial last batch too, so a pass
+    is the same work for every candidate whatever its batching policy (length bucketing changes
+    which rows share a batch, not which rows run). Outputs are copied to float32 CPU tensors
+    before the next call, so a model that returns a view of a reused buffer is judged right.
+
+    Args:
+        model: the candidate, already on `device`; `model(*inputs)` returns [B, ...].
+        workload: supplies samples and collate.
+        device: where model and inputs live.
+        batch_size: rows per call (> 0).
+        indices: which samples to evaluate, in the order outputs are returned (may repeat,
+            see `cycle_indices`).
+        policy: how samples are grouped into batches.
+
+    Raises:
+        ValueError: batch_size < 1 or no indices.
+    """
+
+    def __init__(self, model: nn.Module, workload: Workload, *, device: torch.device, batch_size: int,
+                 indices: list[int], policy: BatchingPolicy = BatchingPolicy()):
+        if batch_size < 1 or not indices:
+            raise ValueError(f"need batch_size ≥ 1 and at least one sample (got {batch_size}, {len(indices)})")
+        self.model, self.workload, self.device = model, workload, device
+        self.batch_size, self.indices = batch_size, indices
+        self.batches = make_batches(workload, indices=indices, batch_size=batch_size, policy=policy, device=device)
+        self.timer = Timer(device)
+        self.rows_per_pass = len(indices)
+        self.latencies_s: list[float] = []
+        self.pass_s: list[float] = []
+        self.warmup_s = 0.0
+        self.peak: tuple[int | None, str] = (None, "")
+
+    @torch.no_grad()
+    def outputs(self) -> torch.Tensor:
+        """One untimed pass: float32 [N, ...] on the CPU in the order of `indices`."""
+        return self._pass(timed=False)[1]
+
+    @torch.no_grad()
+    def warm_up(self) -> torch.Tensor:
+        """The first pass (compiles, autotunes, lazy initialisation): its wall time is `warmup_s`,
+        the peak memory is read over it, and its outputs (returned) are the ones judged."""
+        baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        reset_peak_memory(self.device)
+        self.warmup_s, outputs = self._pass(timed=False)
+        peak, kind = peak_memory(self.device)
+        self.peak = ((peak - baseline) if peak is not None and self.device.type == "cuda" else peak, kind)
+        return outputs
+
+    @torch.no_grad()
+    def timed_pass(self) -> float:
+        """One timed pass; its call times are kept. Returns its seconds."""
+        seconds, _ = self._pass(timed=True)
+        self.pass_s.append(seconds)
+        return seconds
+
+    def _pass(self, *, timed: bool) -> tuple[float, torch.Tensor | None]:
+        outputs: torch.Tensor | None = None
+        total = 0.0
+        for batch in self.batches:
+            out, seconds = self.timer(self.model, *batch.inputs)
+            total += seconds
+            if timed:
+                self.latencies_s.append(seconds)
+                continue
+            out = out.detach().float().cpu()  # a copy before the next call, even of a reused output buffer
+            if outputs is None:
+                outputs = torch.empty((len(self.indices), *out.shape[1:]), dtype=torch.float32)
+            outputs[batch.positions] = out[: batch.num_rows]
+        return total, outputs
+
+    def measurement(self) -> Measurement:
+        """The Measurement of the passes timed so far (at least one).
+
+        Throughput is rows per pass over the median pass time; compile time is the warm-up's excess
+        over the median pass. `pass_spread` is p90 / p50 of the pass times: passes are the same work,
+        so a spread well above 1 means the machine was busy while measuring.
+        """
+        if not self.pass_s:
+            raise ValueError("no timed pass yet")
+        median_pass_s = percentile(self.pass_s, 50)
+        padded = [b.inputs[0].shape[1] for b in self.batches if self.workload.is_text and b.inputs[0].dim() >= 2]
+        return Measurement(
+            batch_size=self.batch_size,
+            num_samples=len(self.indices),
+            num_timed_calls=len(self.latencies_s),
+            latency_ms={
+                "p50": 1e3 * percentile(self.latencies_s, 50),
+                "p90": 1e3 * percentile(self.latencies_s, 90),
+                "p99": 1e3 * percentile(self.latencies_s, 99),
+                "mean": 1e3 * sum(self.latencies_s) / len(self.latencies_s),
+            },
+            samples_per_s=self.rows_per_pass / median_pass_s,
+            peak_memory_bytes=self.peak[0],
+            peak_memory_kind=self.peak[1] or peak_memory(self.device)[1],
+            warmup_s=self.warmup_s,
+            compile_s=max(0.0, self.warmup_s - median_pass_s),
+            mean_padded_length=sum(padded) / len(padded) if padded else None,
+            num_passes=len(self.pass_s),
+            pass_spread=percentile(self.pass_s, 90) / median_pass_s if median_pass_s > 0 else math.nan,
+        )
+
+
+def judge_outputs(measurement: Measurement, workload: Workload, outputs: torch.Tensor, indices: list[int],
+                  reference: torch.Tensor | None) -> Measurement:
+    """Fill in the figures of `outputs` (float32 [N, ...] in the order of `indices`): non-finite
+    values, fidelity against `reference` (with `max_abs_error`), and the task metric."""
+    measurement.nonfinite_outputs = int((~torch.isfinite(outputs)).sum())
+    if reference is not None:
+        measurement.fidelity = workload.fidelity(outputs, reference)
+        measurement.fidelity["max_abs_error"] = float((outputs - reference).abs().max()) if outputs.numel() else 0.0
+    if workload.has_task_metric:
+        measurement.task_metric = workload.task_metric(outputs, indices)
+    return measurement
+
+
 def measure(
     model: nn.Module,
     workload: Workload,
@@ -154,18 +279,13 @@ def measure(
     min_timed_s: float = 1.0,
     max_timed_s: float = 30.0,
 ) -> tuple[Measurement, torch.Tensor]:
-    """Measure `model` on the workload's samples `indices` at `batch_size`.
+    """Measure `model` alone on the workload's samples `indices` at `batch_size`: warm-up, then
+    timed passes (see `Runner`). To compare two models, `compare` interleaves their passes instead.
 
     Args:
-        model: the candidate, already on `device`; `model(*inputs)` returns [B, ...].
-        workload: supplies samples, collate and metrics.
-        device: where model and inputs live.
-        batch_size: rows per call (> 0).
-        indices: which samples to evaluate, in the order outputs are returned (may repeat,
-            see `cycle_indices`).
-        policy: how samples are grouped into batches.
+        model, workload, device, batch_size, indices, policy: see `Runner`.
         reference: fp32 outputs [N, ...] for the same indices; fidelity is computed when given.
-        min_timed_calls: at least this many timed calls (whole passes over the full batches).
+        min_timed_calls: at least this many timed calls (whole passes).
         min_timed_s: and at least this much timed wall time, seconds.
         max_timed_s: stop adding passes once this much time was spent timing, seconds.
 
@@ -175,67 +295,92 @@ def measure(
     Raises:
         ValueError: batch_size < 1 or no indices.
     """
-    if batch_size < 1 or not indices:
-        raise ValueError(f"need batch_size ≥ 1 and at least one sample (got {batch_size}, {len(indices)})")
-    batches = make_batches(workload, indices=indices, batch_size=batch_size, policy=policy, device=device)
-    timer = Timer(device)
-    reset_peak_memory(device)
-
-    # Warm-up pass: compiles, autotunes, and gives the outputs judged for fidelity.
-    outputs: torch.Tensor | None = None
-    warmup_s = 0.0
-    for batch in batches:
-        out, seconds = timer(model, *batch.inputs)
-        warmup_s += seconds
-        out = out.detach().float().cpu()
-        if outputs is None:
-            outputs = torch.empty((len(indices), *out.shape[1:]), dtype=torch.float32)
-        outputs[batch.positions] = out
-
-    # Timed passes over the full batches (all batches when none is full).
-    timed = [b for b in batches if b.num_rows == batch_size] or batches
-    rows_per_pass = sum(b.num_rows for b in timed)
-    latencies_s: list[float] = []
-    pass_s: list[float] = []
+    runner = Runner(model, workload, device=device, batch_size=batch_size, indices=indices, policy=policy)
+    outputs = runner.warm_up()
     started = time.perf_counter()
     while True:
-        this_pass = 0.0
-        for batch in timed:
-            _, seconds = timer(model, *batch.inputs)
-            latencies_s.append(seconds)
-            this_pass += seconds
-        pass_s.append(this_pass)
+        runner.timed_pass()
         elapsed = time.perf_counter() - started
-        if (len(latencies_s) >= min_timed_calls and elapsed >= min_timed_s) or elapsed > max_timed_s:
+        if (len(runner.latencies_s) >= min_timed_calls and elapsed >= min_timed_s) or elapsed > max_timed_s:
             break
-    peak_bytes, peak_kind = peak_memory(device)
+    return judge_outputs(runner.measurement(), workload, outputs, indices, reference), outputs
 
-    median_pass_s = percentile(pass_s, 50)
-    steady_all_s = median_pass_s * sum(b.num_rows for b in batches) / rows_per_pass
-    padded = [b.inputs[0].shape[1] for b in batches if workload.is_text and b.inputs[0].dim() >= 2]
-    measurement = Measurement(
-        batch_size=batch_size,
-        num_samples=len(indices),
-        num_timed_calls=len(latencies_s),
-        latency_ms={
-            "p50": 1e3 * percentile(latencies_s, 50),
-            "p90": 1e3 * percentile(latencies_s, 90),
-            "p99": 1e3 * percentile(latencies_s, 99),
-            "mean": 1e3 * sum(latencies_s) / len(latencies_s),
-        },
-        samples_per_s=rows_per_pass / median_pass_s,
-        peak_memory_bytes=peak_bytes,
-        peak_memory_kind=peak_kind,
-        warmup_s=warmup_s,
-        compile_s=max(0.0, warmup_s - steady_all_s),
-        mean_padded_length=sum(padded) / len(padded) if padded else None,
-        nonfinite_outputs=int((~torch.isfinite(outputs)).sum()),
-    )
-    if reference is not None:
-        measurement.fidelity = workload.fidelity(outputs, reference)
-    if workload.has_task_metric:
-        measurement.task_metric = workload.task_metric(outputs, indices)
-    return measurement, outputs
+
+# Two-sided 97.5% quantiles of Student's t for 1..30 degrees of freedom (the 95% interval).
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+@dataclass(kw_only=True)
+class Gain:
+    """How much faster a candidate ran than a reference, from interleaved passes.
+
+    Each round times one pass of each (in alternating order, ABBA, so a linear drift in the
+    machine's speed cancels); the gain is the geometric mean over rounds of the reference's pass
+    time over the candidate's, with a 95% confidence interval from Student's t on the log ratios.
+
+    Attributes:
+        ratio: candidate throughput ÷ reference throughput (>1: faster).
+        low, high: the 95% confidence interval of `ratio`.
+        rounds: rounds timed (pairs of passes).
+        passes_per_round: passes each side ran per round (more for models whose pass is very short).
+    """
+
+    ratio: float
+    low: float
+    high: float
+    rounds: int
+    passes_per_round: int = 1
+
+    def describe(self) -> str:
+        return f"{self.ratio:.2f}× [{self.low:.2f}, {self.high:.2f}]"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def gain_from_ratios(log_ratios: list[float]) -> Gain:
+    """The Gain of per-round log(reference time / candidate time) values (≥ 1 of them)."""
+    n = len(log_ratios)
+    mean = sum(log_ratios) / n
+    if n < 2:
+        return Gain(ratio=math.exp(mean), low=0.0, high=math.inf, rounds=n)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in log_ratios) / (n - 1))
+    half = _T975[min(n - 1, len(_T975)) - 1] * sd / math.sqrt(n)
+    return Gain(ratio=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), rounds=n)
+
+
+def compare(reference: Runner, candidate: Runner, *, min_gain: float, min_rounds: int = 4, max_rounds: int = 12,
+            max_s: float = 20.0, min_unit_s: float = 0.02) -> Gain:
+    """Time `candidate` against `reference` in interleaved rounds until the 95% interval of the
+    gain decides against `min_gain` (its low end above it: faster; its high end below: not),
+    or `max_rounds` rounds or `max_s` seconds have passed (at least `min_rounds` rounds).
+
+    Both runners must be warmed up. A side whose pass is shorter than `min_unit_s` runs several
+    passes per round (its time per pass is their mean), so timer resolution and call overhead
+    do not decide.
+
+    Returns:
+        The Gain (each runner keeps its pass and call times for its Measurement).
+    """
+    repeats = {}
+    for runner in (reference, candidate):  # one settling pass each after the warm-up, also sizing the rounds
+        seconds = runner.timed_pass()
+        repeats[id(runner)] = max(1, min(1000, math.ceil(min_unit_s / max(seconds, 1e-9))))
+    log_ratios: list[float] = []
+    started = time.perf_counter()
+    while True:
+        per_pass = {}
+        for runner in (reference, candidate) if len(log_ratios) % 2 == 0 else (candidate, reference):
+            n = repeats[id(runner)]
+            per_pass[id(runner)] = sum(runner.timed_pass() for _ in range(n)) / n
+        log_ratios.append(math.log(per_pass[id(reference)] / max(per_pass[id(candidate)], 1e-12)))
+        gain = gain_from_ratios(log_ratios)
+        rounds, elapsed = len(log_ratios), time.perf_counter() - started
+        decided = gain.low >= min_gain or gain.high < min_gain
+        if rounds >= min_rounds and (decided or rounds >= max_rounds or elapsed >= max_s):
+            gain.passes_per_round = repeats[id(candidate)]
+            return gain
 
 
 def count_flops_per_sample(model: nn.Module, workload: Workload, *, device: torch.device, indices: list[int]) -> float | None:

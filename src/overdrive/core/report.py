@@ -23,7 +23,7 @@ def format_bytes(n: int | None) -> str:
 
 
 _SHORT = {"min_cosine": "min cos", "top1_agreement": "top-1 agree", "top10_agreement": "top-10 NN",
-          "max_rel_error": "max rel err"}
+          "max_rel_error": "max rel err", "max_abs_error": "max abs err"}
 _SHOWN = ("top1_agreement", "top10_agreement", "max_rel_error")  # shown besides the guarded figure
 
 
@@ -35,7 +35,8 @@ def format_fidelity(m: Measurement | None, key: str) -> str:
     if m.task_metric:
         parts += [f"acc {v:.2f}%" if k == "accuracy_pct" else f"{k} {v:.4g}" for k, v in m.task_metric.items()]
     if key in m.fidelity:
-        parts.append(f"{_SHORT.get(key, key)} {m.fidelity[key]:.4f}")
+        value = m.fidelity[key]
+        parts.append(f"{_SHORT.get(key, key)} {value:.2e}" if key == "max_abs_error" else f"{_SHORT.get(key, key)} {value:.4f}")
     for other in _SHOWN:
         if other != key and other in m.fidelity:
             value = m.fidelity[other]

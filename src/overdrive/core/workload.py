@@ -11,6 +11,14 @@ from torch import nn
 
 Inputs = tuple[torch.Tensor, ...]
 
+# Where a workload's evaluation rows come from, and how the table says it.
+ROWS_SOURCES = {
+    "samples": "fidelity on the workload's {n} real sample{s}",
+    "data": "fidelity on your data ({n} row{s})",
+    "example": "fidelity on the {n} row{s} of your example input (pass data for more)",
+    "random": "fidelity on random inputs: shape only ({n} seeded row{s} of the example's shape; not your accuracy)",
+}
+
 
 @dataclass(kw_only=True)
 class Workload:
@@ -38,6 +46,12 @@ class Workload:
         fixed_batch_size: the only batch size the model accepts (e.g. a torch.export program
             exported without a dynamic batch dimension); None when any batch size works.
         real_weights: False for random weights: speed figures only, no accuracy claims.
+        rows_source: where `samples` come from, which says what fidelity on them means (see
+            `ROWS_SOURCES`): "samples" (the workload's own real samples), "data" (rows the user
+            passed), "example" (the rows of the user's example batch), "random" (seeded random rows
+            of the example's shape and dtype: fidelity on them is not the user's accuracy).
+        notes: what overdrive changed or found about the model while building the workload (e.g.
+            training-mode ops switched to eval mode), shown with the results.
         description: one line for `overdrive list`.
         extra: workload-specific objects (tokenizer, training split, model path). Read by
             `overdrive run`: "image_transform" (PIL image -> sample tensor, picklable) and
@@ -59,8 +73,19 @@ class Workload:
     sample_length: Callable[[Any], int] | None = None
     fixed_batch_size: int | None = None
     real_weights: bool = True
+    rows_source: str = "samples"
+    notes: list[str] = field(default_factory=list)
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.rows_source not in ROWS_SOURCES:
+            raise ValueError(f"rows_source {self.rows_source!r}: expected one of {', '.join(ROWS_SOURCES)}")
+
+    def describe_rows(self, num_rows: int | None = None) -> str:
+        """What the evaluation rows are, for the table's caption: e.g. "fidelity on your data (300 rows)"."""
+        n = len(self.samples) if num_rows is None else num_rows
+        return ROWS_SOURCES[self.rows_source].format(n=n, s="" if n == 1 else "s")
 
     @property
     def has_task_metric(self) -> bool:

@@ -412,25 +412,26 @@ def image_transform(workload) -> tuple[Callable[[Any], torch.Tensor], str]:
 # -- opening -------------------------------------------------------------------------------------
 
 
-def open_source(path: Path, workload, *, text_field: str | None = None) -> RecordSource:
-    """Open the user's input for `workload`, by its suffix (or as an image folder).
+def open_source(path: Path, workload, *, text_field: str | None = None, argument: str = "input") -> RecordSource:
+    """Open the user's input for `workload`, by its suffix (or as an image folder); `argument` names
+    the argument the path came from in error messages (`input` for `run`, `data` for `optimize`).
 
     Raises:
         DataError: the path is missing, its format is unknown or does not suit the workload, or
             the input as a whole is unreadable (see each source).
     """
     if not path.exists():
-        raise DataError(f"{arg('input', path)}: no such file or folder")
+        raise DataError(f"{arg(argument, path)}: no such file or folder")
     if path.is_dir():
         if workload.is_text:
-            raise DataError(f"{arg('input', path)} is a folder; {workload.name!r} is a text model and reads a .txt, .jsonl "
+            raise DataError(f"{arg(argument, path)} is a folder; {workload.name!r} is a text model and reads a .txt, .jsonl "
                             "or .csv file")
         transform, mode = image_transform(workload)
         return ImageFolderSource(path, transform, mode)
     suffix = path.suffix.lower()
     if suffix in TEXT_FORMATS:
         if not workload.is_text:
-            raise DataError(f"{arg('input', path)}: {workload.name!r} takes tensors, not text; give a folder of images or a .npy array")
+            raise DataError(f"{arg(argument, path)}: {workload.name!r} takes tensors, not text; give a folder of images or a .npy array")
         fmt = TEXT_FORMATS[suffix]
         if fmt == "text":
             if text_field is not None:
@@ -439,10 +440,10 @@ def open_source(path: Path, workload, *, text_field: str | None = None) -> Recor
         return (JsonlSource if fmt == "jsonl" else CsvSource)(path, text_field or "text")
     if suffix == ".npy":
         if workload.is_text:
-            raise DataError(f"{arg('input', path)}: {workload.name!r} is a text model; give a .txt, .jsonl or .csv file")
+            raise DataError(f"{arg(argument, path)}: {workload.name!r} is a text model; give a .txt, .jsonl or .csv file")
         sample = single_input_sample(workload)
         if not isinstance(sample, torch.Tensor):
             raise ConfigError(f"workload {workload.name!r} takes several inputs per row; .npy input holds one")
         return NpySource(path, tuple(sample.shape), sample.dtype)
     known = sorted(TEXT_FORMATS) + [".npy", "a folder of images"]
-    raise DataError(f"{arg('input', path)}: unknown format {suffix or '(no suffix)'!r}; expected one of {', '.join(known)}")
+    raise DataError(f"{arg(argument, path)}: unknown format {suffix or '(no suffix)'!r}; expected one of {', '.join(known)}")

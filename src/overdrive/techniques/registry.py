@@ -95,6 +95,8 @@ class Technique:
         rewrites_modules: True when it rewrites nn.Module internals (not possible on TorchScript).
         opt_in: True when the tuner tries it only if the user names it (lossy without a
             follow-up step, or slow to apply).
+        batch_dependence: for a technique whose rows can depend on their batch-mates, how (named
+            when the tuner's batch-invariance check rejects it); "" otherwise.
     """
 
     config_cls: ClassVar[type[TechniqueConfig]]
@@ -104,6 +106,7 @@ class Technique:
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     rewrites_modules: ClassVar[bool] = False  # needs nn.Module internals, which TorchScript hides
     opt_in: ClassVar[bool] = False  # tried only when named in `techniques`
+    batch_dependence: ClassVar[str] = ""
     description: ClassVar[str] = ""
 
     @property

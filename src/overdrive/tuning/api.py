@@ -25,7 +25,7 @@ from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
 from overdrive.tuning.plan import Plan, build, load_plan, save_checkpoints
 from overdrive.tuning.report import rows_markdown, write_report_md
 from overdrive.tuning.sweep import Session, compare_plan, open_session, sweep
-from overdrive.tuning.tuner import Guard, Row, Tuner
+from overdrive.tuning.tuner import FidelityRule, Guard, Row, Tuner
 
 Progress = Callable[[str, int, int], None]  # (what is measured next, measurements done, expected in all)
 PLOT_NAME = "latency_vs_batch_size.png"
@@ -68,12 +68,14 @@ def pruning_configs(techniques: list[str] | None, *, prune_ratio: float | None =
     return configs
 
 
-def as_workload(model: str | nn.Module | Workload, example_inputs=None, *, data: Iterable | None = None,
+def as_workload(model: str | nn.Module | Workload, example_inputs=None, *, data: Iterable | str | Path | None = None,
                 metric: Callable[[torch.Tensor], float] | None = None) -> str | Workload:
-    """What `open_session` takes: a workload spec as it is, a Workload, or a module made into one.
+    """What `open_session` takes: a workload spec as it is, a Workload, or a module made into one
+    (judged on the batches of `data`, else on its example's rows). A data file (a path) is read by
+    `open_session`, for modules and workloads alike.
 
     Raises:
-        ConfigError: a module without `example_inputs`, or `data`/`metric` for a built-in workload.
+        ConfigError: a module without `example_inputs`, or a `metric` for a workload that is not a module.
         WorkloadError: the module does not run on its example (see `workload_from_model`).
     """
     if isinstance(model, nn.Module):
@@ -82,11 +84,17 @@ def as_workload(model: str | nn.Module | Workload, example_inputs=None, *, data:
         if example_inputs is None:
             raise ConfigError(f"{arg('example_inputs')} is needed with a module: a tensor or tuple of tensors [B, ...] "
                               "it runs on")
-        return workload_from_model(type(model).__name__, model, example_inputs, data=data, metric=metric)
-    if data is not None or metric is not None:
-        raise ConfigError(f"{arg('data')} and {arg('metric')} go with a module and its {arg('example_inputs')}; "
+        batches = None if isinstance(data, (str, Path)) else data
+        return workload_from_model(type(model).__name__, model, example_inputs, data=batches, metric=metric)
+    if metric is not None:
+        raise ConfigError(f"{arg('metric')} goes with a module, its {arg('example_inputs')} and the {arg('data')} it scores; "
                           f"workload {getattr(model, 'name', model)!r} brings its own")
     return model
+
+
+def _data_left(model, data):
+    """The `data` `open_session` still has to read: all of it for a workload, a file for a module."""
+    return data if not isinstance(model, nn.Module) or isinstance(data, (str, Path)) else None
 
 
 def input_signature(workload: Workload) -> list[dict[str, Any]] | None:
@@ -108,6 +116,9 @@ class OptimizeResult:
         baseline: the eager fp32 measurement every speedup is against.
         sweep: {configuration: [(batch size, Measurement)]} for the report's plot.
         sweep_warnings: points of the sweep that failed.
+        warnings: what makes figures uncertain (noisy timing) or says how the model was judged.
+        rule: how candidates were judged against the reference (fidelity floor, or max absolute
+            error for a degenerate reference).
         session: the workload, device, batch size and samples it was measured with.
         guard: the accuracy budget and speed bar that judged the candidates.
         flops_per_sample: FLOPs of one eager fp32 forward per row (None where not countable).
@@ -123,6 +134,8 @@ class OptimizeResult:
     guard: Guard
     flops_per_sample: float | None
     command: str
+    warnings: list[str] = field(default_factory=list)
+    rule: FidelityRule | None = None
     _model: nn.Module | None = field(default=None, repr=False)
 
     @property
@@ -135,7 +148,9 @@ class OptimizeResult:
             out.append({"technique": row.label, "phase": row.phase, "kept": row.kept, "reason": row.reason,
                         "latency_ms_p50": m.latency_ms["p50"] if m else None,
                         "latency_ms_p90": m.latency_ms["p90"] if m else None,
-                        "speedup_vs_baseline": row.speedup, "samples_per_s": m.samples_per_s if m else None,
+                        "speedup_vs_baseline": row.speedup,
+                        "gain": {**row.gain.to_dict(), "versus": row.versus} if row.gain else None,
+                        "samples_per_s": m.samples_per_s if m else None,
                         "peak_memory_bytes": m.peak_memory_bytes if m else None,
                         "fidelity": dict(m.fidelity) if m else {}, "task_metric": dict(m.task_metric or {}) if m else {}})
         return out
@@ -150,6 +165,11 @@ class OptimizeResult:
 
     def _repr_markdown_(self) -> str:  # a notebook shows the table
         return rows_markdown(self, fidelity_key=self.session.workload.fidelity_key)
+
+    @property
+    def rows_description(self) -> str:
+        """What the candidates were judged on, e.g. "fidelity on your data (300 rows)"."""
+        return self.session.workload.describe_rows(self.session.num_distinct_samples)
 
     def save_plan(self, folder: str | Path) -> Path:
         """Write plan.json into `folder`, with the pruned weights of pruning steps beside it
@@ -169,7 +189,8 @@ class OptimizeResult:
         write_results(folder / "results.json", self.to_dict())
         write_report_md(folder / "report.md", result=self, workload_name=workload.name, device_name=device_name,
                         fidelity_key=workload.fidelity_key, sweep=self.sweep, plot_name=PLOT_NAME, command=self.command,
-                        real_weights=workload.real_weights)
+                        real_weights=workload.real_weights,
+                        rows_description=workload.describe_rows(self.session.num_distinct_samples), notes=workload.notes)
         return plan_path
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,7 +206,12 @@ class OptimizeResult:
             "num_samples": s.num_samples,
             "num_distinct_samples": s.num_distinct_samples,
             "sweep_warnings": self.sweep_warnings,
-            "guard": {"min_fidelity": g.min_fidelity, "max_accuracy_drop_pt": g.max_accuracy_drop, "min_gain": g.min_gain},
+            "warnings": self.warnings,
+            "notes": s.workload.notes,
+            "rows_source": s.workload.rows_source,
+            "evaluation_rows": s.workload.describe_rows(s.num_distinct_samples),
+            "guard": {"min_fidelity": g.min_fidelity, "max_accuracy_drop_pt": g.max_accuracy_drop, "min_gain": g.min_gain,
+                      "lossless_only": g.lossless_only, "rule": self.rule.describe() if self.rule else None},
             "fidelity_key": s.workload.fidelity_key,
             "flops_per_sample": self.flops_per_sample,
             "units": {"latency_ms": "milliseconds per call", "samples_per_s": "rows per second",
@@ -211,13 +237,13 @@ class OptimizeJob:
 
     @classmethod
     def prepare(cls, model: str | nn.Module | Workload, example_inputs=None, *, device: str | torch.device = "auto",
-                data: Iterable | None = None, metric: Callable[[torch.Tensor], float] | None = None,
+                data: Iterable | str | Path | None = None, metric: Callable[[torch.Tensor], float] | None = None,
                 max_accuracy_drop: float | None = None, min_fidelity: float = 0.99, min_gain: float = 1.02,
-                techniques: list[str] | None = None, batch_size: int | None = None, num_samples: int | None = None,
-                prune_ratio: float | None = None, finetune_steps: int | None = None,
+                lossless: bool = False, techniques: list[str] | None = None, batch_size: int | None = None,
+                num_samples: int | None = None, prune_ratio: float | None = None, finetune_steps: int | None = None,
                 sweep_batch_sizes: list[int] | None = None, out: str | Path | None = None,
                 input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
-                command: str | None = None) -> OptimizeJob:
+                text_field: str | None = None, command: str | None = None) -> OptimizeJob:
         """Check the arguments and build the workload (see `optimize` for them)."""
         if techniques is not None and not techniques:
             raise ConfigError(f"{arg('techniques')} is empty; name techniques (see `overdrive list`) or pass None for all")
@@ -225,10 +251,10 @@ class OptimizeJob:
         for value, name in ((batch_size, "batch_size"), (num_samples, "num_samples")):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{arg(name, value)}: expected a positive integer")
-        guard = Guard(min_fidelity=min_fidelity, max_accuracy_drop=max_accuracy_drop, min_gain=min_gain)
+        guard = Guard(min_fidelity=min_fidelity, max_accuracy_drop=max_accuracy_drop, min_gain=min_gain, lossless=lossless)
         session = open_session(as_workload(model, example_inputs, data=data, metric=metric), device=device,
                                batch_size=batch_size, num_samples=num_samples, out=out, input_shape=input_shape,
-                               input_dtype=input_dtype)
+                               input_dtype=input_dtype, data=_data_left(model, data), text_field=text_field)
         workload = session.workload
         if max_accuracy_drop is not None and not workload.has_task_metric:
             raise ConfigError(f"{arg('max_accuracy_drop')}: workload {workload.name!r} has no task metric; "
@@ -265,7 +291,8 @@ class OptimizeJob:
         tune.plan.inputs = input_signature(s.workload)
         warnings: list[str] = []
         result = OptimizeResult(rows=tune.rows, plan=tune.plan, baseline=tune.baseline, sweep={}, sweep_warnings=warnings,
-                                session=s, guard=self.guard, flops_per_sample=tune.flops_per_sample, command=self.command)
+                                session=s, guard=self.guard, flops_per_sample=tune.flops_per_sample, command=self.command,
+                                warnings=tune.warnings, rule=tune.rule)
         if s.out_dir is not None:
             result.save_plan(s.out_dir)  # before the sweep: the plan is the main result
         count["total"] = count["done"] + 2 * len(self.sweep_batch_sizes)
@@ -277,13 +304,13 @@ class OptimizeJob:
 
 
 def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: str | torch.device = "auto",
-             data: Iterable | None = None, metric: Callable[[torch.Tensor], float] | None = None,
+             data: Iterable | str | Path | None = None, metric: Callable[[torch.Tensor], float] | None = None,
              max_accuracy_drop: float | None = None, min_fidelity: float = 0.99, min_gain: float = 1.02,
-             techniques: list[str] | None = None, batch_size: int | None = None, num_samples: int | None = None,
-             prune_ratio: float | None = None, finetune_steps: int | None = None,
+             lossless: bool = False, techniques: list[str] | None = None, batch_size: int | None = None,
+             num_samples: int | None = None, prune_ratio: float | None = None, finetune_steps: int | None = None,
              sweep_batch_sizes: list[int] | None = None, out: str | Path | None = None,
              input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
-             progress: Progress | None = None) -> OptimizeResult:
+             text_field: str | None = None, progress: Progress | None = None) -> OptimizeResult:
     """Measure `model` eager in fp32, then with each technique alone, compose the winners in
     canonical order (batching → prune → precision → graph → compile → runtime), roll back any
     step that is not faster or breaks the accuracy budget, and return the plan with the table.
@@ -291,19 +318,24 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
     Args:
         model: an `nn.Module` (with `example_inputs`), a built-in workload name (`"minilm"`,
             `"digits-cnn"`, a torchvision name such as `"resnet50"`), `"package.module:factory"`,
-            a `.pt2` / TorchScript file path, or a `Workload`. A module is put in eval mode.
+            a `.pt2` / TorchScript file path, or a `Workload`. A module is measured in eval mode (on
+            copies: your module is not changed).
         example_inputs: for a module: a tensor or tuple of tensors [B, ...] it runs on; B is the
             default batch size.
         device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N" or a torch.device.
-        data: for a module: evaluation batches shaped like `example_inputs`; candidates are judged
-            on their rows (without it, on seeded random rows of the example's shape: speed only).
+        data: your evaluation rows, on which candidates are judged: for a module, batches shaped
+            like `example_inputs`; for any model, a file (`.npy` [N, *row], a folder of images,
+            `.txt` / `.jsonl` / `.csv` text for text models; see `overdrive.workloads.data`).
+            Without it a module is judged on its example's rows, a built-in on its own samples.
         metric: for a module with `data`: `metric(outputs) -> float`, a task score of the outputs
             on all rows of `data` (float32 [N, ...] in order), higher is better.
         max_accuracy_drop: task-metric points (accuracy %, or `metric`'s units) a technique may
-            lose; None: only the fidelity floor applies.
+            lose; None: only the fidelity floor applies; 0: lossless techniques only.
         min_fidelity: floor on the workload's fidelity figure against fp32 (cosine or top-1
             agreement), in [0, 1].
-        min_gain: throughput ratio a step needs over the current best to be kept.
+        min_gain: throughput ratio a step needs over what it is added to, at the low end of the
+            95% confidence interval of interleaved measurements, to be kept.
+        lossless: keep lossless techniques only (as `max_accuracy_drop=0`).
         techniques: names to try (see `overdrive list`); None: every one that is not opt-in.
         batch_size: rows per call; None: the workload's.
         num_samples: distinct evaluation samples; None: 512 for text, all otherwise.
@@ -313,6 +345,7 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
         out: a folder to write plan.json, results.json, report.md and the plot into (OUT/<name>/);
             None: nothing is written until `result.save(folder)`.
         input_shape, input_dtype: for a TorchScript file, which stores no input shape.
+        text_field: the JSONL field / CSV column of a text `data` file (default "text").
         progress: called before each measurement as progress(description, done, expected).
 
     Returns:
@@ -321,13 +354,17 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
 
     Raises:
         ConfigError: an argument that cannot work (unknown technique, batch size, device, ...).
-        WorkloadError: the model cannot be built, or fails at the batch size in eager fp32.
+        WorkloadError: the model cannot be built, fails at the batch size in eager fp32, or cannot
+            be judged (its outputs change between two runs on the same rows, or its fidelity figure
+            fails the floor against itself).
+        DataError: `data` cannot be read or does not suit the model.
     """
     return OptimizeJob.prepare(
         model, example_inputs, device=device, data=data, metric=metric, max_accuracy_drop=max_accuracy_drop,
-        min_fidelity=min_fidelity, min_gain=min_gain, techniques=techniques, batch_size=batch_size,
+        min_fidelity=min_fidelity, min_gain=min_gain, lossless=lossless, techniques=techniques, batch_size=batch_size,
         num_samples=num_samples, prune_ratio=prune_ratio, finetune_steps=finetune_steps,
         sweep_batch_sizes=sweep_batch_sizes, out=out, input_shape=input_shape, input_dtype=input_dtype,
+        text_field=text_field,
     ).run(progress)
 
 
@@ -377,8 +414,9 @@ def _example_from(plan: Plan) -> tuple[torch.Tensor, ...]:
 
 
 def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int] | None = None,
-          device: str | torch.device | None = None, plan: str | Path | None = None, data: Iterable | None = None,
-          num_samples: int | None = None) -> dict[int, Measurement]:
+          device: str | torch.device | None = None, plan: str | Path | None = None,
+          data: Iterable | str | Path | None = None, num_samples: int | None = None,
+          text_field: str | None = None) -> dict[int, Measurement]:
     """Measure latency, throughput and peak memory at each batch size.
 
     Args:
@@ -390,8 +428,9 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
             else the CPU); for a workload: "auto", "cpu", "cuda", "cuda:N".
         plan: for a workload: a plan.json whose model is measured; its fidelity against the eager
             fp32 model at the same batch size is filled in.
-        data: for a module: batches like `example_inputs` whose rows are measured (default:
-            seeded rows of the example's shape).
+        data: the rows measured: for a module, batches like `example_inputs` (default: the
+            example's rows); for any model, a file as for `optimize`; `text_field` names the text
+            column of a .jsonl / .csv file.
         num_samples: rows per measurement (≥ the batch size); None: 512 for text, all otherwise.
 
     Returns:
@@ -405,7 +444,9 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
         if device is None:
             first = next(iter([*model.parameters(), *model.buffers()]), None)
             device = first.device if first is not None else torch.device("cpu")
-        session = open_session(workload, device=device, num_samples=num_samples)
+        session = open_session(workload, device=device, num_samples=num_samples, data=_data_left(model, data),
+                               text_field=text_field)
+        workload = session.workload
         sizes = session.sweep_sizes(batch_sizes or [session.batch_size])
         out = {}
         for b in sizes:
@@ -417,7 +458,7 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
     if plan is not None:
         loaded, device, _ = load_plan(plan, device=device or "auto", workload=model)
     session = open_session(model, device=device or "auto", batch_size=loaded.batch_size if loaded else None,
-                           num_samples=num_samples)
+                           num_samples=num_samples, data=data, text_field=text_field)
     curves, failures, _ = compare_plan(session, loaded, session.sweep_sizes(batch_sizes or [session.batch_size]))
     if failures:
         raise WorkloadError("; ".join(failures))

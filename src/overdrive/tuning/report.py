@@ -21,13 +21,31 @@ def _kept(row: Row) -> str:
         return "—"
     if row.phase == "without":
         return row.reason or "—"
+    if row.kept and row.phase == "compose" and row.gain is not None and row.versus != "the baseline":
+        return f"yes: {row.gain.describe()} over the steps before it"
     return "yes" if row.kept else f"no: {row.reason}"
 
 
-def rows_table(result: TuneResult, *, fidelity_key: str, title: str) -> Table:
+def _speedup(row: Row) -> str:
+    """The speedup vs the baseline, with its 95% interval where it was measured against the baseline directly."""
+    if row.speedup is None:
+        return ""
+    if row.gain is not None and row.versus == "the baseline":
+        return f"{row.speedup:.2f}× [{row.gain.low:.2f}, {row.gain.high:.2f}]"
+    return f"{row.speedup:.2f}×"
+
+
+def caption(result: TuneResult, rows_description: str) -> str:
+    """What the fidelity column is judged on and by: the rows, and the rule."""
+    rule = f"; {result.rule.describe()}" if result.rule is not None else ""
+    return f"fidelity against eager fp32 outputs, {rows_description}{rule}; speedup [95% interval] from interleaved passes"
+
+
+def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_description: str = "") -> Table:
     """The per-technique table: technique | kept? | latency p50/p90 | speedup | samples/s | peak memory | fidelity."""
     memory_kind = "CUDA allocator peak" if result.baseline.peak_memory_kind.startswith("cuda") else "process RSS high-water"
-    table = Table(title=title, show_lines=False, caption=f"peak memory: {memory_kind}; fidelity: against eager fp32 outputs")
+    table = Table(title=title, show_lines=False,
+                  caption=f"peak memory: {memory_kind}; {caption(result, rows_description or 'the evaluation rows')}")
     for col, justify in [("technique", "left"), ("kept? (why not)", "left"), ("latency p50/p90 ms", "right"),
                          ("speedup vs baseline", "right"), ("samples/s", "right"), ("peak memory", "right"),
                          ("fidelity", "left")]:
@@ -42,12 +60,17 @@ def rows_table(result: TuneResult, *, fidelity_key: str, title: str) -> Table:
             row.label,
             _kept(row),
             f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
-            f"{row.speedup:.2f}×" if row.speedup is not None else "",
+            _speedup(row),
             f"{m.samples_per_s:,.1f}" if m else "",
             format_bytes(m.peak_memory_bytes) if m else "",
-            format_fidelity(m, fidelity_key),
+            format_fidelity(m, _key(result, fidelity_key)),
         )
     return table
+
+
+def _key(result: TuneResult, fidelity_key: str) -> str:
+    """The figure the fidelity column shows: the workload's, or max_abs_error for a degenerate reference."""
+    return result.rule.key if result.rule is not None else fidelity_key
 
 
 def rows_markdown(result: TuneResult, *, fidelity_key: str) -> str:
@@ -60,10 +83,10 @@ def rows_markdown(result: TuneResult, *, fidelity_key: str) -> str:
             f"**{row.label}**" if row.phase in ("baseline", "plan") else row.label,
             _kept(row).replace("|", "/"),
             f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
-            f"{row.speedup:.2f}×" if row.speedup is not None else "",
+            _speedup(row),
             f"{m.samples_per_s:,.1f}" if m else "",
             format_bytes(m.peak_memory_bytes) if m else "",
-            format_fidelity(m, fidelity_key),
+            format_fidelity(m, _key(result, fidelity_key)),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -90,7 +113,7 @@ def compile_times(result: TuneResult, *, min_s: float = 1.0) -> list[tuple[str, 
 
 def write_report_md(path: Path, *, result: TuneResult, workload_name: str, device_name: str, fidelity_key: str,
                     sweep: dict[str, list[tuple[int, Measurement]]], plot_name: str | None, command: str,
-                    real_weights: bool) -> None:
+                    real_weights: bool, rows_description: str = "the evaluation rows", notes: list[str] = ()) -> None:
     b = result.baseline
     flops = (f"; FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP"
              if result.flops_per_sample else "")
@@ -106,9 +129,12 @@ def write_report_md(path: Path, *, result: TuneResult, workload_name: str, devic
     ]
     if not real_weights:
         lines.append("- weights are random: the figures are for speed only, not accuracy claims")
+    lines.append(f"- {caption(result, rows_description)}")
+    lines += [f"- note: {note}" for note in notes]
+    lines += [f"- **warning**: {warning}" for warning in getattr(result, "warnings", [])]
     memory_kind = "CUDA allocator peak" if b.peak_memory_kind.startswith("cuda") else "process RSS high-water mark"
     lines += ["", "## Per-technique table", "", rows_markdown(result, fidelity_key=fidelity_key), "",
-              f"Peak memory: {memory_kind}. Fidelity: against the eager fp32 outputs of the same samples.", "",
+              f"Peak memory: {memory_kind}. Fidelity: against the eager fp32 outputs of the same rows.", "",
               "## Latency vs batch size", ""]
     if plot_name:
         lines += [f"![latency vs batch size]({plot_name})", ""]

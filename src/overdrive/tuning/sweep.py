@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +70,14 @@ def writable_folder(root: str | Path, name: str) -> Path:
 
 def open_session(workload: str | Workload, *, device: str | torch.device | None = "auto", batch_size: int | None = None,
                  num_samples: int | None = None, out: str | Path | None = None,
-                 input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32") -> Session:
+                 input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
+                 data: str | Path | Iterable | None = None, text_field: str | None = None) -> Session:
     """Resolve the device, workload, batch size, sample count and output folder.
 
     Args:
         workload: a workload spec (see `create_workload`) or a built Workload.
+        data: the user's evaluation rows, judged instead of the workload's own samples (see
+            `overdrive.workloads.data.with_data`); `text_field` names their JSONL field / CSV column.
         device: "auto", "cpu", "cuda", "cuda:N" or a torch.device.
         batch_size: rows per call; None: the workload's (its fixed one for static-batch models).
         num_samples: distinct evaluation samples; None: 512 for text, all otherwise.
@@ -83,11 +87,18 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
     Raises:
         ConfigError: a device, batch size, dtype or folder that cannot work (the message names it).
         WorkloadError: the workload cannot be built.
+        DataError: `data` cannot be read or does not suit the model.
     """
     device = device if isinstance(device, torch.device) else resolve_device(device)
     spec = workload if isinstance(workload, str) else workload.name
     if isinstance(workload, str):
         workload = create_workload(workload, input_shape=input_shape, input_dtype=parse_dtype(input_dtype))
+    if data is not None:
+        from overdrive.workloads.data import with_data
+
+        workload = with_data(workload, data, text_field=text_field, max_rows=num_samples)
+    elif text_field is not None:
+        raise ConfigError(f"{arg('text_field')} names the text column of {arg('data')}; give the data file too")
     batch_size = batch_size or workload.fixed_batch_size or workload.default_batch_size
     if workload.fixed_batch_size and batch_size != workload.fixed_batch_size:
         raise ConfigError(f"{spec} accepts only batch size {workload.fixed_batch_size} (it was exported with a "

@@ -3,8 +3,21 @@
 Composition follows the canonical order of `Stage` (batching → prune → precision → graph →
 compile → runtime). Only techniques that were kept alone are tried; of a group of
 alternatives (bf16 / fp16 / int8) the fastest kept one is tried first and the others are
-skipped once one is kept. A step is rolled back when its throughput is not at least
-`Guard.min_gain` × the current best, or when it breaks the accuracy budget; the row says why.
+skipped once one is kept.
+
+The guard (`Guard`, and DESIGN.md's "what every kept technique must pass"):
+- The baseline runs twice on the same rows: outputs that move between the runs (dropout,
+  batch statistics, random draws) are refused with the cause, and a fidelity figure that fails
+  its own floor against identical outputs is reported as a broken metric. A degenerate reference
+  (all outputs within `DEGENERATE_OUTPUT` of zero, or every row the same) is judged by the max
+  absolute error instead of cosine or agreement, and the table says so.
+- Fidelity is judged on the workload's rows (the user's data or example; the table says when they
+  are random rows of the right shape only); a lossy technique must also keep each row's answer
+  independent of its batch-mates (`invariance.InvarianceProbe`).
+- Speed: a candidate and what it is compared with run interleaved (`measure.compare`) until the
+  95% confidence interval of the gain decides; a step is kept only when the interval's low end
+  clears `Guard.min_gain`. The table shows the interval; noisy timing is named in `warnings`.
+- A zero accuracy budget (or `lossless`) keeps lossless techniques only.
 """
 
 from __future__ import annotations
@@ -18,10 +31,26 @@ import torch
 
 from overdrive.core import devices
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
-from overdrive.core.measure import Measurement, count_flops_per_sample, cycle_indices, measure
+from overdrive.core.graph_ops import training_mode_ops
+from overdrive.core.measure import Gain, Measurement, Runner, compare, count_flops_per_sample, cycle_indices, judge_outputs
 from overdrive.core.workload import Workload
-from overdrive.techniques import TechniqueConfig, default_config, get_technique, list_techniques
+from overdrive.techniques import TechniqueConfig, default_config, get_technique, list_techniques, technique_for
+from overdrive.tuning.invariance import InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan, build
+
+# Reference outputs all smaller than this are float noise: cosine and agreement with them mean nothing
+# (a random-weight torchvision MobileNet gives ~1e-10, a ViT with its zero-initialised head exactly 0).
+DEGENERATE_OUTPUT = 1e-6
+# A degenerate reference is judged by max |candidate − reference| ≤ DEGENERATE_ATOL + DEGENERATE_RTOL × max |reference|.
+DEGENERATE_ATOL = 1e-5
+DEGENERATE_RTOL = 1e-3
+# Two runs of the eager fp32 model on the same rows may differ by float noise (atomics on a GPU), no more.
+REPEAT_RTOL = 1e-4
+# Under a zero budget, a lossless technique's fidelity figure must be within float tolerance of 1.
+LOSSLESS_TOLERANCE = 1e-5
+# A gain whose 95% interval spans more than this ratio (high / low) is flagged as noisy timing.
+NOISY_INTERVAL = 1.3
+NOISY_PASSES = 1.25  # p90 / p50 of the baseline's pass times
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,48 +60,91 @@ class Guard:
     Attributes:
         min_fidelity: floor on the workload's fidelity figure (cosine or agreement), in [0, 1].
         max_accuracy_drop: most task-metric points a candidate may lose (workloads with a task metric);
-            None: no task-metric budget beyond the fidelity floor.
-        min_gain: a candidate must reach this × the throughput it is compared with to be kept.
+            None: no task-metric budget beyond the fidelity floor; 0: lossless techniques only.
+        min_gain: the low end of a step's 95% gain interval must reach this to be kept (0: keep every
+            step within the budget, whatever its speed).
+        lossless: keep lossless techniques only (also implied by `max_accuracy_drop` 0 and
+            `min_fidelity` 1).
     """
 
     min_fidelity: float = 0.99
     max_accuracy_drop: float | None = None
     min_gain: float = 1.02
+    lossless: bool = False
 
     def __post_init__(self):
         if not 0.0 <= self.min_fidelity <= 1.0:  # NaN fails every comparison, so it is refused too
             raise ConfigError(f"{arg('min_fidelity', self.min_fidelity)}: expected a number in [0, 1]")
         if self.max_accuracy_drop is not None and not 0 <= self.max_accuracy_drop < math.inf:
             raise ConfigError(f"{arg('max_accuracy_drop', self.max_accuracy_drop)}: expected a finite number ≥ 0 (points)")
-        if not 0 < self.min_gain < math.inf:
-            raise ConfigError(f"{arg('min_gain', self.min_gain)}: expected a finite ratio > 0 (e.g. 1.02)")
+        if not 0 <= self.min_gain < math.inf:
+            raise ConfigError(f"{arg('min_gain', self.min_gain)}: expected a finite ratio ≥ 0 (e.g. 1.02)")
 
-    def violation(self, m: Measurement, baseline: Measurement, fidelity_key: str) -> str | None:
+    @property
+    def lossless_only(self) -> str | None:
+        """Why only lossless techniques may be kept, or None."""
+        if self.lossless:
+            return "lossless techniques only were asked for"
+        if self.max_accuracy_drop == 0:
+            return "the accuracy budget is 0"
+        if self.min_fidelity >= 1.0:
+            return "the fidelity floor is 1"
+        return None
+
+    def violation(self, m: Measurement, baseline_task_metric: dict[str, float] | None, rule: FidelityRule) -> str | None:
         """The figure that breaks the budget, or None. Non-finite outputs (fp16 overflow) always do."""
         if m.nonfinite_outputs:
             return f"{m.nonfinite_outputs} non-finite output values (overflow?) where fp32 has none"
-        value = m.fidelity.get(fidelity_key)
-        if value is not None and not value >= self.min_fidelity:  # NaN fails too
-            return f"{fidelity_key} {value:.4f} < {self.min_fidelity} floor"
-        if self.max_accuracy_drop is not None and m.task_metric and baseline.task_metric:
-            key = next(iter(baseline.task_metric))  # "accuracy_pct", or a user metric's "metric"
-            drop = baseline.task_metric[key] - m.task_metric[key]
+        broken = rule.violation(m.fidelity)
+        if broken:
+            return broken
+        if self.max_accuracy_drop is not None and m.task_metric and baseline_task_metric:
+            key = next(iter(baseline_task_metric))  # "accuracy_pct", or a user metric's "metric"
+            drop = baseline_task_metric[key] - m.task_metric[key]
             if drop > self.max_accuracy_drop:
                 return f"accuracy drop {drop:.2f} pt > {self.max_accuracy_drop} pt budget"
         return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FidelityRule:
+    """How candidates' outputs are judged against the reference: the fidelity figure `key` ≥ `floor`,
+    or, for a degenerate reference (`degenerate` says why), `max_abs_error` ≤ `floor`."""
+
+    key: str
+    floor: float
+    degenerate: str = ""
+
+    def passes(self, value: float) -> bool:
+        return value <= self.floor if self.degenerate else value >= self.floor  # NaN fails both
+
+    def violation(self, figures: dict[str, float]) -> str | None:
+        value = figures.get(self.key)
+        if value is None or self.passes(value):
+            return None
+        return f"{self.key} {value:.3g} > {self.floor:.3g} tolerance" if self.degenerate else \
+            f"{self.key} {value:.4f} < {self.floor:.6g} floor"
+
+    def describe(self) -> str:
+        if self.degenerate:
+            return f"degenerate reference ({self.degenerate}): judged by max_abs_error ≤ {self.floor:.3g}, not cosine"
+        return f"{self.key} ≥ {self.floor:.6g}"
 
 
 @dataclass(kw_only=True)
 class Row:
     """One line of the table: a candidate, whether it was kept, why not, and its figures."""
 
-    phase: str  # "baseline", "alone", "compose", "plan"
+    phase: str  # "baseline", "alone", "compose", "plan", "without"
     label: str
     steps: list[str]
     kept: bool
     reason: str = ""
     measurement: Measurement | None = None
-    speedup: float | None = None  # samples/s ÷ baseline samples/s
+    speedup: float | None = None  # throughput ÷ the baseline's (a direct interleaved gain, or a chain of them)
+    gain: Gain | None = None  # the interleaved comparison this row was judged by
+    versus: str = ""  # what `gain` is against
+    invariance: Verdict | None = None  # batch-invariance figures (lossy candidates)
     details: list[dict] = field(default_factory=list)  # technique reports (pruning: params, FLOPs, recovery)
 
     def to_dict(self) -> dict:
@@ -83,6 +155,8 @@ class Row:
             "kept": self.kept,
             "reason": self.reason,
             "speedup_vs_baseline": self.speedup,
+            "gain": {**self.gain.to_dict(), "versus": self.versus} if self.gain else None,
+            "batch_invariance": vars(self.invariance) if self.invariance else None,
             "measurement": self.measurement.to_dict() if self.measurement else None,
             "details": self.details,
         }
@@ -94,13 +168,12 @@ class TuneResult:
     plan: Plan
     baseline: Measurement
     flops_per_sample: float | None
+    rule: FidelityRule | None = None
+    warnings: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
 
 
 Progress = Callable[[str], None]
-# Reference outputs all smaller than this are float noise: cosine and agreement with them mean nothing
-# (a random-weight torchvision MobileNet gives ~1e-10, a ViT with its zero-initialised head exactly 0).
-DEGENERATE_OUTPUT = 1e-6
 
 
 @dataclass(kw_only=True)
@@ -113,8 +186,9 @@ class Tuner:
         guard: accuracy budget and speed bar.
         num_samples: evaluation samples (the first N of the workload's samples; cycled up to
             one full batch when the workload has fewer).
-        min_timed_calls, min_timed_s: each measurement times at least this many calls and
-            seconds (whole passes), so fast candidates get several passes and a robust median.
+        min_rounds, max_rounds, max_compare_s: each comparison times at least `min_rounds`
+            interleaved rounds and stops once its 95% interval decides, or at `max_rounds`
+            rounds or `max_compare_s` seconds (see `measure.compare`).
         progress: called with a description before each measurement.
         configs: technique configs to use instead of the defaults, by name (e.g. a pruning
             ratio from the command line).
@@ -126,8 +200,9 @@ class Tuner:
     techniques: list[str] | None = None
     guard: Guard = field(default_factory=Guard)
     num_samples: int | None = None
-    min_timed_calls: int = 10
-    min_timed_s: float = 3.0
+    min_rounds: int = 4
+    max_rounds: int = 12
+    max_compare_s: float = 20.0
     progress: Progress = lambda _: None
     workload_spec: str | None = None
     configs: dict[str, TechniqueConfig] = field(default_factory=dict)
@@ -138,165 +213,277 @@ class Tuner:
         self.indices = cycle_indices(max(n, self.batch_size), available)
         names = self.techniques if self.techniques is not None else [t.name for t in list_techniques() if not t.opt_in]
         self.techniques = [get_technique(n).name for n in names]  # KeyError names the unknown one
+        self.rule: FidelityRule | None = None
+        self.probe: InvarianceProbe | None = None
+        self.warnings: list[str] = []
 
     def _step(self, name: str) -> TechniqueConfig:
         return self.configs.get(name) or default_config(name)
 
-    def _measure(self, steps: list[TechniqueConfig], reference: torch.Tensor | None, reports: list[dict]) -> Measurement:
-        model, policy = build(self.workload, steps, self.device, reports)
-        try:
-            m, _ = measure(
-                model, self.workload, device=self.device, batch_size=self.batch_size,
-                indices=self.indices, policy=policy, reference=reference, min_timed_calls=self.min_timed_calls,
-                min_timed_s=self.min_timed_s,
-            )
-            return m
-        finally:
-            del model
-            gc.collect()
-            torch.compiler.reset()  # drop compiled graphs so the next candidate starts clean
+    # -- runners ---------------------------------------------------------------------------------
 
-    def _try(self, phase: str, label: str, steps: list[TechniqueConfig], reference: torch.Tensor) -> Row:
-        """Measure a candidate; the row is judged later (`_judge`), once its comparison is known."""
+    def _runner(self, steps: list[TechniqueConfig], reports: list[dict] | None = None) -> Runner:
+        model, policy = build(self.workload, steps, self.device, reports)
+        return Runner(model, self.workload, device=self.device, batch_size=self.batch_size, indices=self.indices,
+                      policy=policy)
+
+    @staticmethod
+    def _release(*runners: Runner | None) -> None:
+        for runner in runners:
+            if runner is not None:
+                runner.model = None
+                runner.batches = []
+        gc.collect()
+        torch.compiler.reset()  # drop compiled graphs so the next candidate starts clean
+
+    def _compare(self, reference: Runner, candidate: Runner, *, decide: bool) -> Gain:
+        return compare(reference, candidate, min_gain=self.guard.min_gain, min_rounds=self.min_rounds,
+                       max_rounds=self.max_rounds if decide else self.min_rounds, max_s=self.max_compare_s)
+
+    # -- the baseline ----------------------------------------------------------------------------
+
+    def _baseline(self) -> tuple[Runner, torch.Tensor, float | None]:
+        """The eager fp32 runner, warmed up, its outputs (the reference) and FLOPs per sample; sets the
+        fidelity rule after checking that the baseline can be judged against at all.
+
+        Raises:
+            WorkloadError: the model fails at this batch size, gives non-finite outputs, gives
+                different outputs for the same rows on two runs, or its fidelity figure fails the
+                floor against its own outputs (a broken metric).
+        """
+        runner = self._runner([])
+        flops = count_flops_per_sample(runner.model, self.workload, device=self.device, indices=self.indices)
+        name = self.workload.name
+        try:
+            first = runner.warm_up()
+            second = runner.outputs()
+            runner.timed_pass()
+        except Exception as exc:  # noqa: BLE001 - the user's model, at the user's batch size
+            raise WorkloadError(f"{name}: the eager fp32 model failed at batch size {self.batch_size}: {one_line(exc)}") from None
+        nonfinite = int((~torch.isfinite(first)).sum())
+        if nonfinite:
+            raise WorkloadError(f"{name}: the eager fp32 model gives {nonfinite} non-finite output values (NaN/inf) on its "
+                                "samples, so no technique can be judged against it")
+        self.rule = self._fidelity_rule(first, second)
+        self.repeat = second
+        return runner, first, flops
+
+    def _fidelity_rule(self, first: torch.Tensor, second: torch.Tensor) -> FidelityRule:
+        """The rule candidates are judged by, from two runs of the baseline on the same rows."""
+        name, key = self.workload.name, self.workload.fidelity_key
+        scale = float(first.abs().max()) if first.numel() else 0.0
+        moved = float((first - second).abs().max()) if first.numel() else 0.0
+        if moved > REPEAT_RTOL * max(scale, DEGENERATE_OUTPUT):
+            figure = self.workload.fidelity(second, first).get(key, math.nan)
+            raise WorkloadError(f"{name}: the eager fp32 model gives different outputs for the same rows on two runs "
+                                f"(largest difference {moved:.3g} of outputs up to {scale:.3g}; {key} {figure:.4f} between "
+                                f"the runs): {self._moving_cause()}. No technique can be judged against a moving reference")
+        rows = first.reshape(len(first), -1)
+        degenerate = ""
+        if scale < DEGENERATE_OUTPUT:
+            degenerate = f"every output is within {DEGENERATE_OUTPUT:g} of zero, the largest {scale:.2g}"
+        elif len(rows) > 1 and float((rows - rows[:1]).abs().max()) <= REPEAT_RTOL * scale:
+            degenerate = "every row's output is the same, whatever its input"
+        if degenerate:
+            return FidelityRule(key="max_abs_error", floor=DEGENERATE_ATOL + DEGENERATE_RTOL * scale, degenerate=degenerate)
+        floor = 1.0 - LOSSLESS_TOLERANCE if self.guard.lossless_only else self.guard.min_fidelity
+        own = self.workload.fidelity(second, first).get(key)
+        if own is None:
+            raise WorkloadError(f"{name}: its fidelity function gives no {key!r} figure (it gives "
+                                f"{sorted(self.workload.fidelity(second, first))})")
+        if not own >= floor:
+            raise WorkloadError(f"{name}: broken fidelity metric: the eager fp32 model's outputs against themselves give "
+                                f"{key} {own:.4f}, below the {floor:.6g} floor, so every technique would fail it (a fidelity "
+                                "function that does not give its best figure for identical outputs?)")
+        return FidelityRule(key=key, floor=floor)
+
+    def _moving_cause(self) -> str:
+        ops = training_mode_ops(self.workload.model)
+        if ops:
+            return f"its graph holds training-mode ops ({', '.join(ops)}); export it after model.eval()"
+        return ("no dropout or batch-norm layer is in training mode, so its forward draws random numbers, or keeps "
+                "state that changes from call to call; make it deterministic in eval mode")
+
+    # -- candidates ------------------------------------------------------------------------------
+
+    def _try(self, phase: str, label: str, steps: list[TechniqueConfig], reference: Runner, versus: str, *,
+             judge: bool = True) -> tuple[Row, Runner | None]:
+        """Build, warm up and judge a candidate, then time it against `reference` (briefly when its
+        outputs already break the budget). Returns the row (judged unless `judge` is False) and the
+        candidate's runner (None when it failed)."""
         self.progress(label)
         names = [s.name for s in steps]
         reports: list[dict] = []
+        runner = None
         try:
-            m = self._measure(steps, reference, reports)
+            runner = self._runner(steps, reports)
+            outputs = runner.warm_up()
+            runner.timed_pass()
+            m = judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference)
+            verdict = None
+            if self.probe is not None and any(not technique_for(s).lossless for s in steps):
+                verdict = self.probe.check(runner.model, key=self.rule.key, degenerate=bool(self.rule.degenerate))
+            breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps)
+            gain = self._compare(reference, runner, decide=judge and breaks is None)
+            m = judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference)
         except Exception as exc:  # noqa: BLE001 - a failing technique is a row, not a crash
-            return Row(phase=phase, label=label, steps=names, kept=False, reason=f"failed: {one_line(exc)}", details=reports)
-        return Row(phase=phase, label=label, steps=names, kept=False, measurement=m, details=reports)
+            self._release(runner)
+            return Row(phase=phase, label=label, steps=names, kept=False, reason=f"failed: {one_line(exc)}",
+                       details=reports), None
+        row = Row(phase=phase, label=label, steps=names, kept=False, measurement=m, details=reports, gain=gain,
+                  versus=versus, invariance=verdict)
+        if judge:
+            self._judge(row, breaks)
+        return row, runner
 
-    def _judge(self, row: Row, baseline: Measurement, compare_to: Measurement) -> Row:
-        """Set speedup, kept and the reason: over budget (with the figure), or not faster."""
-        m = row.measurement
-        if m is None:
-            return row
-        row.speedup = m.samples_per_s / baseline.samples_per_s
-        violation = self.guard.violation(m, baseline, self.workload.fidelity_key)
-        gain = m.samples_per_s / compare_to.samples_per_s
-        if violation:
-            row.reason = violation
-        elif gain < self.guard.min_gain:
-            versus = "baseline" if compare_to is baseline else "the throughput without it"
-            row.reason = f"not faster: {gain:.2f}× {versus} (needs ≥ {self.guard.min_gain:.2f}×)"
+    def _batch_dependence(self, verdict: Verdict | None, steps: list[TechniqueConfig]) -> str | None:
+        """The reason a candidate's rows depend on their batch-mates beyond the floor, or None."""
+        if verdict is None or self.rule.passes(verdict.mixed):
+            return None
+        hints = [technique_for(s).batch_dependence for s in steps if technique_for(s).batch_dependence]
+        why = f" ({hints[0]})" if hints else ""
+        return (f"batch-dependent: {self.rule.key} {verdict.mixed:.4g} for rows batched with other rows and an outlier "
+                f"row, {verdict.alone:.4g} alone{why}; unfit for serve and run")
+
+    def _judge(self, row: Row, breaks: str | None) -> Row:
+        """Set kept and the reason: over budget (with the figure), or not clearly faster."""
+        gain = row.gain
+        if breaks:
+            row.reason = breaks
+        elif gain.low < self.guard.min_gain:
+            row.reason = (f"not faster beyond the noise: {gain.describe()} over {row.versus} "
+                          f"(95% interval, {gain.rounds} rounds; needs its low end ≥ {self.guard.min_gain:.2f}×)")
         else:
             row.kept = True
+        if gain.high / max(gain.low, 1e-12) > NOISY_INTERVAL:
+            self.warnings.append(f"timing was noisy for {row.label}: {gain.describe()} over {row.versus}; its figures "
+                                 "are uncertain (another process using the machine?)")
         return row
 
-    def _measure_baseline(self, *, count_flops: bool) -> tuple[Measurement, torch.Tensor, float | None]:
-        """Measure eager fp32 and (when asked) count its FLOPs per sample.
+    def _skip_reason(self, name: str) -> str | None:
+        technique = get_technique(name)
+        reason = technique.unsupported_reason(self.workload, self.device)
+        if reason:
+            return f"skipped: {reason}"
+        if self.guard.lossless_only and not technique.lossless:
+            return f"skipped: lossy, and {self.guard.lossless_only}"
+        return None
 
-        Raises:
-            WorkloadError: the user's model fails at this batch size or gives non-finite outputs.
-        """
-        model, _ = build(self.workload, [], self.device)
-        flops = count_flops_per_sample(model, self.workload, device=self.device, indices=self.indices) if count_flops else None
-        try:
-            m, out = measure(model, self.workload, device=self.device, batch_size=self.batch_size, indices=self.indices,
-                             min_timed_calls=self.min_timed_calls, min_timed_s=self.min_timed_s)
-        except Exception as exc:  # noqa: BLE001 - the user's model, at the user's batch size
-            raise WorkloadError(f"{self.workload.name}: the eager fp32 model failed at batch size {self.batch_size}: "
-                            f"{one_line(exc)}") from None
-        finally:
-            del model
-        if m.nonfinite_outputs:
-            raise WorkloadError(f"{self.workload.name}: the eager fp32 model gives {m.nonfinite_outputs} non-finite output "
-                                "values (NaN/inf) on its samples, so no technique can be judged against it")
-        largest = float(out.abs().max()) if out.numel() else 0.0
-        if largest < DEGENERATE_OUTPUT:
-            raise WorkloadError(f"{self.workload.name}: every output of the eager fp32 model is within {DEGENERATE_OUTPUT:g} "
-                                f"of zero (the largest is {largest:.2g}), so agreement with it measures float noise and no "
-                                "technique can be judged against it (random weights whose activations vanish, or a "
-                                "zero-initialised head?)")
-        return m, out, flops
-
-    def _leave_one_out(self, plan: list[TechniqueConfig], plan_m: Measurement, baseline: Measurement,
-                       reference: torch.Tensor) -> list[Row]:
-        """For each opt-in step of a plan with others (pruning), the plan without it: what that
-        step adds on top of the rest (composition measures it first, before the rest exist)."""
-        rows = []
-        for step in plan:
-            if len(plan) < 2 or not get_technique(step.name).opt_in:
-                continue
-            others = [s for s in plan if s is not step]
-            row = self._try("without", f"plan without {step.name}", others, reference)
-            if row.measurement is not None:
-                row.speedup = row.measurement.samples_per_s / baseline.samples_per_s
-                row.kept = True
-                row.reason = (f"{step.name} adds {plan_m.samples_per_s / row.measurement.samples_per_s:.2f}× "
-                              f"on top of {' + '.join(s.name for s in others)}")
-            rows.append(row)
-        return rows
+    # -- the flow --------------------------------------------------------------------------------
 
     def run(self) -> TuneResult:
         rows: list[Row] = []
         self.progress("baseline (eager fp32)")
-        baseline, reference, flops = self._measure_baseline(count_flops=True)
+        base, self.reference, flops = self._baseline()
+        self.baseline_task_metric = self.workload.task_metric(self.reference, self.indices) if self.workload.has_task_metric \
+            else None
+        lossy = [n for n in self.techniques if not get_technique(n).lossless and not self._skip_reason(n)]
+        if lossy:
+            self.probe = InvarianceProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
+                                         indices=self.indices)
 
-        # 1. Each technique alone: the attribution table.
+        # 1. Each technique alone against the baseline, interleaved: the attribution table.
         alone: dict[str, Row] = {}
         for name in self.techniques:
-            reason = get_technique(name).unsupported_reason(self.workload, self.device)
+            reason = self._skip_reason(name)
             if reason:
-                rows.append(Row(phase="alone", label=name, steps=[name], kept=False, reason=f"skipped: {reason}"))
+                rows.append(Row(phase="alone", label=name, steps=[name], kept=False, reason=reason))
                 continue
-            alone[name] = self._try("alone", name, [self._step(name)], reference)
-            rows.append(alone[name])
+            row, runner = self._try("alone", name, [self._step(name)], base, "the baseline")
+            self._release(runner)
+            row.speedup = row.gain.ratio if row.gain else None
+            alone[name] = row
+            rows.append(row)
+        baseline = judge_outputs(base.measurement(), self.workload, self.repeat, self.indices, self.reference)
+        rows.insert(0, Row(phase="baseline", label="baseline (eager fp32)", steps=[], kept=True, measurement=baseline,
+                           speedup=1.0))
+        if baseline.pass_spread > NOISY_PASSES:
+            self.warnings.insert(0, f"the machine was busy: the baseline's passes over the same rows varied p90/p50 = "
+                                    f"{baseline.pass_spread:.2f}×; gains are measured interleaved, but absolute figures "
+                                    "are uncertain")
 
-        # The baseline again: the faster of its two measurements is the one every speedup is
-        # against, so drift on a shared machine cannot make a technique look better than it is.
-        if alone:
-            self.progress("baseline (eager fp32), again")
-            again, _, _ = self._measure_baseline(count_flops=False)
-            if again.samples_per_s > baseline.samples_per_s:
-                baseline = again
-        baseline.fidelity = self.workload.fidelity(reference, reference)
-        rows.insert(0, Row(phase="baseline", label="baseline (eager fp32)", steps=[], kept=True, measurement=baseline, speedup=1.0))
-        for row in alone.values():
-            self._judge(row, baseline, baseline)
-
-        # 2. Greedy composition of the winners in canonical order.
+        # 2. Greedy composition of the winners in canonical order, each step against the plan so far.
         winners = [r for r in alone.values() if r.kept]
         winners.sort(key=lambda r: (get_technique(r.label).stage, -r.measurement.samples_per_s))
         current: list[TechniqueConfig] = []
-        current_m = baseline
+        current_row: Row | None = None
+        current_runner: Runner = base
         kept_groups: dict[str, str] = {}
-        for row in winners:
-            technique = get_technique(row.label)
+        for winner in winners:
+            technique = get_technique(winner.label)
             if technique.group and technique.group in kept_groups:
-                rows.append(Row(phase="compose", label=f"+ {row.label}", steps=[s.name for s in current] + [row.label],
+                rows.append(Row(phase="compose", label=f"+ {winner.label}", steps=[s.name for s in current] + [winner.label],
                                 kept=False, reason=f"alternative to {kept_groups[technique.group]}, already kept"))
                 continue
-            if not current:  # the first winner composed with nothing is its alone row
-                step_row = Row(**{**row.__dict__, "phase": "compose", "label": f"+ {row.label}"})
+            candidate = current + [self._step(winner.label)]
+            if not current:  # the first winner composed with nothing is its alone row; its model is built again
+                step_row = Row(**{**winner.__dict__, "phase": "compose", "label": f"+ {winner.label}"})
+                runner = self._runner(candidate)
+                runner.warm_up()
             else:
-                step_row = self._judge(
-                    self._try("compose", f"+ {row.label}", current + [self._step(row.label)], reference), baseline, current_m
-                )
+                self.progress(f"+ {winner.label}")
+                step_row, runner = self._try("compose", f"+ {winner.label}", candidate, current_runner,
+                                             "the steps before it")
+                if step_row.gain is not None:
+                    step_row.speedup = current_row.speedup * step_row.gain.ratio
             rows.append(step_row)
             if step_row.kept:
-                current = current + [self._step(row.label)]
-                current_m = step_row.measurement
+                if current_runner is not base:
+                    self._release(current_runner)
+                current, current_row, current_runner = candidate, step_row, runner
                 if technique.group:
-                    kept_groups[technique.group] = row.label
+                    kept_groups[technique.group] = winner.label
+            else:
+                self._release(runner)
 
-        names = [s.name for s in current]
-        rows.append(Row(phase="plan", label="plan: " + (" + ".join(names) or "baseline"), steps=names, kept=True,
-                        measurement=current_m, speedup=current_m.samples_per_s / baseline.samples_per_s))
-        rows += self._leave_one_out(current, current_m, baseline, reference)
+        plan_row = self._plan_row(current, current_runner, base, baseline)
+        rows.append(plan_row)
+        rows += self._leave_one_out(current, current_runner)
+        self._release(current_runner if current_runner is not base else None, base)
+        plan_m = plan_row.measurement
         plan = Plan(
             workload=self.workload_spec or self.workload.name,
             device=self.device.type,
             batch_size=self.batch_size,
             steps=current,
             measured={
-                "samples_per_s": current_m.samples_per_s,
-                "latency_ms": current_m.latency_ms,
-                "speedup_vs_baseline": current_m.samples_per_s / baseline.samples_per_s,
-                "fidelity": current_m.fidelity,
-                "task_metric": current_m.task_metric,
+                "samples_per_s": plan_m.samples_per_s,
+                "latency_ms": plan_m.latency_ms,
+                "speedup_vs_baseline": plan_row.speedup,
+                "speedup_ci95": [plan_row.gain.low, plan_row.gain.high] if plan_row.gain else [1.0, 1.0],
+                "fidelity": plan_m.fidelity,
+                "task_metric": plan_m.task_metric,
             },
             environment={"torch": torch.__version__, "device_name": devices.describe(self.device)},
         )
-        return TuneResult(rows=rows, plan=plan, baseline=baseline, flops_per_sample=flops)
+        return TuneResult(rows=rows, plan=plan, baseline=baseline, flops_per_sample=flops, rule=self.rule,
+                          warnings=list(dict.fromkeys(self.warnings)))
+
+    def _plan_row(self, current: list[TechniqueConfig], runner: Runner, base: Runner, baseline: Measurement) -> Row:
+        """The chosen plan, timed against the baseline once more (interleaved): the headline gain."""
+        names = [s.name for s in current]
+        label = "plan: " + (" + ".join(names) or "baseline")
+        if not current:
+            return Row(phase="plan", label=label, steps=[], kept=True, measurement=baseline, speedup=1.0)
+        self.progress(label + " vs baseline")
+        gain = self._compare(base, runner, decide=True)
+        m = judge_outputs(runner.measurement(), self.workload, runner.outputs(), self.indices, self.reference)
+        return Row(phase="plan", label=label, steps=names, kept=True, measurement=m, speedup=gain.ratio, gain=gain,
+                   versus="the baseline")
+
+    def _leave_one_out(self, plan: list[TechniqueConfig], plan_runner: Runner) -> list[Row]:
+        """For each opt-in step of a plan with others (pruning), the plan without it, timed against
+        the plan: what that step adds on top of the rest (composition measured it before the rest existed)."""
+        rows = []
+        for step in plan:
+            if len(plan) < 2 or not get_technique(step.name).opt_in:
+                continue
+            others = [s for s in plan if s is not step]
+            row, runner = self._try("without", f"plan without {step.name}", others, plan_runner, "the plan", judge=False)
+            self._release(runner)
+            if row.gain is not None:
+                row.kept = True
+                row.reason = (f"{step.name} adds {1 / row.gain.ratio:.2f}× [{1 / row.gain.high:.2f}, {1 / row.gain.low:.2f}] "
+                              f"on top of {' + '.join(s.name for s in others)}")
+            rows.append(row)
+        return rows

@@ -2,15 +2,21 @@
 
 A factory returns either a `Workload`, or a pair `(model, example_input)` where
 `example_input` is a tensor (or tuple of tensors) whose first dimension is the batch. For a
-pair, and for saved files, overdrive makes `NUM_SAMPLES` seeded samples of the example's
-per-row shape and dtype, and judges candidates by agreement with the fp32 outputs.
+pair, and for saved files, candidates are judged by agreement with the fp32 outputs on real
+rows: the rows of `data` when given, else the rows of the example itself (a .pt2 file carries
+the example it was exported with). Only when the example is a placeholder (every value the same,
+as the zeros made from a TorchScript file's `input_shape`) are `NUM_SAMPLES` seeded random rows
+of its shape used, and the table says that fidelity is then on random inputs, shape only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -18,6 +24,7 @@ import torch
 from torch import nn
 
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
+from overdrive.core.graph_ops import is_graph_program, to_eval_ops, training_mode_modules, training_mode_ops
 from overdrive.core.workload import Workload, eval_mode, logits_fidelity
 
 NUM_SAMPLES = 64
@@ -48,45 +55,103 @@ def _accepts_other_batch_sizes(model: nn.Module, example: tuple[torch.Tensor, ..
     return True
 
 
+@contextlib.contextmanager
+def _eval_for_probes(model: nn.Module):
+    """Eval mode while the probes run, then every submodule's own mode back: the caller's model is
+    not changed (a training script that goes on with it keeps its dropout)."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        eval_mode(model)
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _is_placeholder(example: tuple[torch.Tensor, ...]) -> bool:
+    """True when every tensor of the example holds one value throughout (zeros from a shape): no real rows."""
+    return all(t.numel() == 0 or bool((t.reshape(-1) == t.reshape(-1)[0]).all()) for t in example)
+
+
+def _eval_graph(name: str, model: nn.Module, *, owned: bool) -> tuple[nn.Module, list[str]]:
+    """A torch.export program exported in train mode, with its dropout and batch-norm ops switched to
+    eval mode (a copy unless `owned`), and the note that says so; other models as they are.
+
+    Raises:
+        WorkloadError: training-mode ops that cannot be switched (the message names them).
+    """
+    if not is_graph_program(model) or not training_mode_ops(model):
+        return model, []
+    model = model if owned else copy.deepcopy(model)
+    try:
+        found = to_eval_ops(model)
+    except RuntimeError as exc:
+        raise WorkloadError(f"{name}: the program was exported in training mode ({', '.join(training_mode_ops(model))}) "
+                            f"and {exc}") from None
+    return model, [f"the program was exported in training mode ({', '.join(found)}): its outputs change from call to "
+                   "call; overdrive switched those ops to eval mode (dropout off, batch norm on its running statistics), "
+                   "as model.eval() would before torch.export"]
+
+
 def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...], *,
-                        data: Iterable | None = None, metric: Callable[[torch.Tensor], float] | None = None) -> Workload:
-    """Wrap a model and one example batch into a Workload: judged on the rows of `data` when
-    given, else on seeded samples of the example's shape and dtype (speed only).
+                        data: Iterable | None = None, metric: Callable[[torch.Tensor], float] | None = None,
+                        owned: bool = False) -> Workload:
+    """Wrap a model and one example batch into a Workload judged on real rows: those of `data` when
+    given, else the example's own rows; seeded random rows of the example's shape and dtype only
+    when the example is a placeholder (one value throughout), which the workload then says.
+
+    The model is measured in eval mode; the caller's module is not changed (copies are put in eval
+    mode when built). A torch.export program exported in train mode has its dropout and batch-norm
+    ops switched to eval mode (on a copy unless `owned`), and `notes` says so.
 
     Args:
         name: the workload name (used for the output folder).
         model: any module whose forward takes the example's tensors positionally and returns
-            one tensor [B, ...] with the example's batch size B. It is put in eval mode.
+            one tensor [B, ...] with the example's batch size B.
         example: a tensor or tuple of tensors, each [B, ...].
         data: evaluation batches, each shaped like `example` (a tensor, or a tuple of tensors
             with the same first dimension); their rows, in order, are the samples.
         metric: a task score of the model's outputs on all rows of `data`, float32 [N, ...] in
             data order -> float, higher is better (e.g. accuracy in percent, closing over your
             labels); `max_accuracy_drop` budgets it in its own units.
+        owned: the model was loaded by overdrive (a file), so it may be changed in place.
 
     Raises:
-        WorkloadError: the example or data are not tensors of one layout, or the model does not
-            run on the example or does not return a [B, ...] tensor.
+        WorkloadError: the example or data are not tensors of one layout, the model does not
+            run on the example or does not return a [B, ...] tensor, or it was exported in train
+            mode with ops that cannot be switched to eval mode.
         ConfigError: a `metric` without `data`.
     """
     example = (example,) if isinstance(example, torch.Tensor) else tuple(example)
     if not example or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in example):
         raise WorkloadError(f"{name}: the example input must be a tensor or tuple of tensors with a batch dimension")
-    model = eval_mode(model)
+    model, notes = _eval_graph(name, model, owned=owned)
+    if not is_graph_program(model) and training_mode_modules(model):
+        notes.append(f"the model is in training mode ({len(training_mode_modules(model))} dropout / batch-norm layers, "
+                     "e.g. " + ", ".join(training_mode_modules(model)[:3]) + "): overdrive measures copies in eval mode; "
+                     "your module is not changed")
     batch = int(example[0].shape[0])
-    try:
-        with torch.no_grad():
-            out = model(*example)
-    except Exception as exc:  # noqa: BLE001 - any failure here is the user's model
-        raise WorkloadError(f"{name}: the model failed on its example input of shape {tuple(example[0].shape)}: {one_line(exc)}") from None
-    if not isinstance(out, torch.Tensor):
-        raise WorkloadError(f"{name}: the model must return one tensor [B, ...]; it returned {type(out).__name__}")
-    if out.dim() == 0 or out.shape[0] != batch:
-        raise WorkloadError(f"{name}: the model must return a tensor [B, ...] with B = {batch} rows; it returned shape {tuple(out.shape)}")
-    fixed = None if _accepts_other_batch_sizes(model, example) else batch
+    with _eval_for_probes(model):
+        try:
+            with torch.no_grad():
+                out = model(*example)
+        except Exception as exc:  # noqa: BLE001 - any failure here is the user's model
+            raise WorkloadError(f"{name}: the model failed on its example input of shape {tuple(example[0].shape)}: "
+                                f"{one_line(exc)}") from None
+        if not isinstance(out, torch.Tensor):
+            raise WorkloadError(f"{name}: the model must return one tensor [B, ...]; it returned {type(out).__name__}")
+        if out.dim() == 0 or out.shape[0] != batch:
+            raise WorkloadError(f"{name}: the model must return a tensor [B, ...] with B = {batch} rows; it returned "
+                                f"shape {tuple(out.shape)}")
+        fixed = None if _accepts_other_batch_sizes(model, example) else batch
     if metric is not None and data is None:
         raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
-    samples = _rows_of(name, data, example) if data is not None else _random_like_rows(example, NUM_SAMPLES)
+    if data is not None:
+        samples, source = _rows_of(name, data, example), "data"
+    elif not _is_placeholder(example):
+        samples, source = [tuple(t[r].detach().cpu() for t in example) for r in range(batch)], "example"
+    else:
+        samples, source = _random_like_rows(example, NUM_SAMPLES), "random"
     return Workload(
         name=name,
         model=model,
@@ -97,9 +162,11 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         default_batch_size=batch,
         fixed_batch_size=fixed,
         metric=metric,
-        real_weights=data is not None,
-        description=("user model on its own evaluation data" if data is not None
-                     else "user model with seeded inputs of its example's shape (speed only)"),
+        real_weights=True,
+        rows_source=source,
+        notes=notes,
+        description={"data": "user model on its own evaluation data", "example": "user model on its example's rows",
+                     "random": "user model with seeded inputs of its example's shape (speed only)"}[source],
     )
 
 
@@ -159,6 +226,23 @@ def build_from_import_path(spec: str) -> Workload:
     raise WorkloadError(f"{spec}() returned {type(made).__name__}; expected an overdrive Workload or a (model, example_input) pair")
 
 
+def check_archive(path: Path) -> None:
+    """Read every member of a zip archive (torch.export, TorchScript and torch.save files are zips)
+    and verify its CRC-32, so a damaged file is refused instead of loading with wrong weights.
+
+    Raises:
+        WorkloadError: a member fails its CRC check or cannot be decompressed (the message names it).
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as exc:
+        raise WorkloadError(f"{path} is damaged: {one_line(exc)}; export or copy it again") from None
+    if bad is not None:
+        raise WorkloadError(f"{path} is damaged: its member {bad!r} fails the zip CRC-32 check (a truncated or corrupted "
+                            "copy?); export or copy it again")
+
+
 def archive_kind(path: Path) -> str:
     """'export' (torch.export.save), 'torchscript' (torch.jit.save), 'pickle' (torch.save) or 'unknown'."""
     try:
@@ -185,8 +269,8 @@ def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dt
         input_dtype: dtype of the generated inputs when `input_shape` is given.
 
     Raises:
-        WorkloadError: the file is missing, a folder, not one of the two formats, or a TorchScript
-            file was given without `input_shape`.
+        WorkloadError: the file is missing, a folder, not one of the two formats, damaged (a member
+            fails its CRC check), or a TorchScript file was given without `input_shape`.
     """
     if path.is_dir():
         raise WorkloadError(f"{path} is a folder; expected a model file (.pt2 from torch.export.save, .pt from torch.jit.save)")
@@ -199,6 +283,7 @@ def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dt
                         "save the model with torch.export.save (.pt2) or torch.jit.save, or give a factory")
     if kind == "unknown":
         raise WorkloadError(f"{path} is not a model file; expected a torch.export (.pt2) or TorchScript (.pt) archive")
+    check_archive(path)
     if kind == "export":
         try:
             program = torch.export.load(str(path))
@@ -210,7 +295,7 @@ def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dt
             example = (torch.zeros(input_shape, dtype=input_dtype),)
         if not example:
             raise WorkloadError(f"{path} carries no example inputs; pass {arg('input_shape', 'B,C,H,W')} (for example)")
-        return workload_from_model(name, program.module(), example)
+        return workload_from_model(name, program.module(), example, owned=True)
     if input_shape is None:
         raise WorkloadError(f"{path} is TorchScript, which stores no input shape; pass {arg('input_shape', 'B,C,H,W')} "
                             "(for example)")
@@ -220,4 +305,4 @@ def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dt
             model = torch.jit.load(str(path), map_location="cpu")
         except Exception as exc:  # noqa: BLE001
             raise WorkloadError(f"{path}: torch.jit.load failed: {one_line(exc)}") from None
-    return workload_from_model(name, model, torch.zeros(input_shape, dtype=input_dtype))
+    return workload_from_model(name, model, torch.zeros(input_shape, dtype=input_dtype), owned=True)

@@ -77,6 +77,7 @@ def build_torchvision(name: str, *, num_samples: int = NUM_SAMPLES) -> Workload:
         fidelity_key="min_cosine",
         default_batch_size=8,
         real_weights=False,
+        rows_source="random",
         description=f"torchvision {name}, random weights (speed only)",
         extra={"image_transform": image_preset(name), "classifier": True},  # for `overdrive run` over image folders
     )

@@ -29,6 +29,7 @@ class Int8Dynamic(Technique):
     devices = ("cpu",)  # torch.ao dynamic quantization has CPU kernels only
     rewrites_modules = True
     description = "int8 dynamic quantization of nn.Linear (weights int8, activations per batch)"
+    batch_dependence = "int8-dynamic quantizes each Linear's input with one scale for the whole batch"
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if not any(isinstance(m, nn.Linear) for m in workload.model.modules()):

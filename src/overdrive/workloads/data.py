@@ -1,0 +1,129 @@
+"""The user's own evaluation rows for any workload: `optimize --data FILE`, `optimize(..., data=...)`.
+
+A built-in workload (or a factory's) is judged on its own samples; with data, it is judged on the
+user's instead, read the way `overdrive run` reads its input (`overdrive.run.inputs`): a `.txt`,
+`.jsonl` or `.csv` file of text for text models, a `.npy` array [N, *row] or a folder of images
+for tensor models. The workload's labels and metric belong to its own samples, so they are
+dropped: the user's rows are judged by agreement with the eager fp32 outputs (fidelity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from overdrive.core.errors import DataError, arg, one_line
+from overdrive.core.workload import Workload
+
+DEFAULT_MAX_ROWS = 4096
+
+
+def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: str | None = None,
+              max_rows: int | None = None) -> Workload:
+    """`workload` judged on the user's rows `data` instead of its own samples.
+
+    Args:
+        workload: any workload.
+        data: a file or folder (see the module docstring); or, for a text workload, strings; or,
+            for a tensor workload, batches shaped like its samples (a tensor [B, *row], or a
+            tuple of such tensors for a model with several inputs).
+        text_field: the JSONL field / CSV column holding the text.
+        max_rows: read at most this many rows (the first ones); None: `DEFAULT_MAX_ROWS`.
+
+    Returns:
+        A copy of `workload` with `samples` the user's rows (`rows_source` "data"), no labels and
+        no task metric, and a note naming what was left out.
+
+    Raises:
+        DataError: the data cannot be read, holds no readable row, or does not suit the model
+            (text for a tensor model, rows of another shape or dtype); the message names `data`.
+    """
+    limit = max_rows or DEFAULT_MAX_ROWS
+    notes: list[str] = []
+    if isinstance(data, (str, Path)):
+        rows, skipped = _rows_from_file(Path(data), workload, text_field=text_field, limit=limit)
+        if skipped:
+            notes.append(f"{len(skipped)} record(s) of {data} could not be read and were left out (the first: "
+                         f"{skipped[0]})")
+        origin = str(data)
+    else:
+        rows = _rows_from_objects(workload, data, limit)
+        origin = "data"
+    if not rows:
+        raise DataError(f"{arg('data')} holds no rows the model can read")
+    _check_like(workload, rows[0], origin)
+    dropped = [what for what, present in (("labels", workload.labels is not None), ("metric", workload.metric is not None))
+               if present]
+    if dropped:
+        notes.append(f"the workload's {' and '.join(dropped)} belong to its own samples: your rows are judged by "
+                     "agreement with the eager fp32 outputs")
+    return dataclasses.replace(workload, samples=rows, labels=None, metric=None, rows_source="data",
+                               notes=[*workload.notes, *notes],
+                               description=f"{workload.description} — on your data ({origin})")
+
+
+def _rows_from_file(path: Path, workload: Workload, *, text_field: str | None, limit: int) -> tuple[list, list[str]]:
+    from overdrive.run.inputs import RecordError, open_source
+
+    source = open_source(path, workload, text_field=text_field, argument="data")
+    rows, skipped = [], []
+    for i in range(len(source)):
+        if len(rows) >= limit:
+            break
+        try:
+            value = source.read(i)
+        except RecordError as exc:
+            skipped.append(f"{source.source_key(i)}: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - an odd record is reported, not a crash
+            skipped.append(f"{source.source_key(i)}: {one_line(exc)}")
+            continue
+        rows.append(_as_sample(workload, value))
+    return rows, skipped
+
+
+def _as_sample(workload: Workload, value):
+    """A record in the structure of the workload's samples (a 1-tuple for factories' workloads)."""
+    if isinstance(workload.samples[0], tuple) and isinstance(value, torch.Tensor):
+        return (value,)
+    return value
+
+
+def _rows_from_objects(workload: Workload, data: Iterable, limit: int) -> list:
+    rows: list = []
+    for i, item in enumerate(data):
+        if workload.is_text:
+            if not isinstance(item, str):
+                raise DataError(f"{arg('data')}: item {i} is {type(item).__name__}; {workload.name!r} is a text model "
+                                "and takes strings")
+            rows.append(item)
+        else:
+            batch = (item,) if isinstance(item, torch.Tensor) else tuple(item)
+            if not batch or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in batch) or \
+                    len({t.shape[0] for t in batch}) != 1:
+                raise DataError(f"{arg('data')}: batch {i} is not a tensor [B, ...] or a tuple of tensors with one first "
+                                "dimension")
+            columns = [t.detach().cpu() for t in batch]
+            rows += [_as_sample(workload, columns[0][r]) if len(columns) == 1 else tuple(c[r] for c in columns)
+                     for r in range(columns[0].shape[0])]
+        if len(rows) >= limit:
+            break
+    return rows[:limit]
+
+
+def _check_like(workload: Workload, row, origin: str) -> None:
+    """The user's row has the structure, per-row shape and dtype of the workload's samples."""
+    sample = workload.samples[0]
+    if workload.is_text:
+        return
+    want = sample if isinstance(sample, tuple) else (sample,)
+    got = row if isinstance(row, tuple) else (row,)
+    if len(got) != len(want) or any(not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype
+                                    for g, w in zip(got, want)):
+        describe = lambda cols: ", ".join(f"{c.dtype} {list(c.shape)}" if isinstance(c, torch.Tensor)  # noqa: E731
+                                          else type(c).__name__ for c in cols)
+        raise DataError(f"{arg('data', origin)}: rows are {describe(got)}; {workload.name!r} takes rows of "
+                        f"{describe(want)}")
