@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from overdrive.core.errors import one_line
+from overdrive.core.measure import owned_host_float32
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload
 from overdrive.run.inputs import RecordError, RecordSource
@@ -237,7 +238,7 @@ class Replica:
             start = time.perf_counter()
             output = self.model(*staged.inputs)
             mid = time.perf_counter()
-            host = _check_output(output, staged.inputs[0].shape[0])[:rows].float().contiguous()
+            host = owned_host_float32(_check_output(output, staged.inputs[0].shape[0])[:rows])  # the writer reads it later
             return Result(batch, host, times=(0.0, mid - start, time.perf_counter() - mid))
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(staged.ready)
@@ -248,6 +249,9 @@ class Replica:
         output = self.model(*staged.inputs)
         end.record(stream)
         output = _check_output(output, staged.inputs[0].shape[0])[:rows].float()
+        # Owned before the next call: the copy is enqueued on `stream` now, and the model's next
+        # call is enqueued on the same stream after it, so it cannot overwrite a buffer the model
+        # reuses (CUDA graphs) before the copy has read it.
         host = torch.empty(output.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(output, non_blocking=True)
         done.record(stream)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from overdrive.core.measure import to_device
+from overdrive.core.measure import owned_host_float32, to_device
 from overdrive.core.workload import Workload
 from overdrive.run.replica import text_lengths
 from overdrive.serve.protocol import DATATYPES, InferRequest, Tensor, datatype_of
@@ -224,5 +224,5 @@ class ServedModel:
         if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != sum(sizes) + max(pad, 0):
             shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
             raise ValueError(f"the model returned {shape} for a batch of {sum(sizes)} rows; expected [rows, ...]")
-        output = output[: sum(sizes)].float().cpu().numpy()
+        output = owned_host_float32(output[: sum(sizes)]).numpy()  # responses are encoded after the next call
         return np.split(output, np.cumsum(sizes)[:-1])
