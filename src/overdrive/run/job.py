@@ -56,7 +56,17 @@ from overdrive.run.replica import (
     probe_inputs,
     text_lengths,
 )
-from overdrive.run.resume import MANIFEST_VERSION, Parts, atomic_write, check_manifest, claim_output, errors_file, file_sha256
+from overdrive.run.resume import (
+    MANIFEST_VERSION,
+    Parts,
+    atomic_write,
+    check_manifest,
+    checkpoint_fingerprints,
+    claim_output,
+    errors_file,
+    file_sha256,
+    weights_fingerprint,
+)
 from overdrive.run.threads import _execute, _records, _Run, _write_failed
 
 DEFAULT_CHUNK_SIZE = 4096
@@ -192,7 +202,9 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
                     for m, d in zip(models, devices)]
         # The manifest: everything a resumed run must share with the first one to give the same bytes.
         manifest = {"version": MANIFEST_VERSION, "workload": workload.name,
-                    "plan": file_sha256(config.plan) if config.plan else None, "device": devices[0].type,
+                    "plan": file_sha256(config.plan) if config.plan else None,
+                    "weights": weights_fingerprint(workload.model),
+                    "checkpoints": checkpoint_fingerprints(plan.steps) if plan else {}, "device": devices[0].type,
                     "input": source.fingerprint(), "text_field": config.text_field, "output_format": out_fmt,
                     "bucket": config.bucket, "batch_size": None, "chunk_size": None}
         stored = check_manifest(parts, manifest, config.output) if mode == "resume" else manifest
@@ -205,6 +217,10 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         auto: list[dict[str, float]] = []
         if stored.get("batch_size"):
             batch_size, origin, chunk_size = stored["batch_size"], "the interrupted run", stored["chunk_size"]
+            if isinstance(config.batch_size, int) and config.batch_size != batch_size:
+                raise ConfigError(f"{arg('resume', True)} continues the interrupted run at its batch size {batch_size}, "
+                                  f"which cut its finished chunks; leave out {arg('batch_size', config.batch_size)}, or "
+                                  f"pass {arg('overwrite', True)} to start over at the new size")
         else:
             batch_size, origin = _choose_batch_size(config, workload, plan, replicas[0], values, collate, len(source), say, auto)
             if workload.fixed_batch_size and batch_size > workload.fixed_batch_size:
