@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
+from overdrive.core.input_limits import InputLimits, derive_input_limits
 from overdrive.core.workload import Workload, eval_mode, logits_fidelity
 
 NUM_SAMPLES = 64
@@ -86,7 +87,8 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
     fixed = None if _accepts_other_batch_sizes(model, example) else batch
     if metric is not None and data is None:
         raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
-    samples = _rows_of(name, data, example) if data is not None else _random_like_rows(example, NUM_SAMPLES)
+    limits = derive_input_limits(model, example) if data is not None else None
+    samples = _rows_of(name, data, example, limits) if data is not None else _random_like_rows(example, NUM_SAMPLES)
     return Workload(
         name=name,
         model=model,
@@ -108,11 +110,13 @@ def stack_rows(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]
     return tuple(torch.stack(col) for col in zip(*rows))
 
 
-def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
+             limits: InputLimits | None = None) -> list[tuple[torch.Tensor, ...]]:
     """The rows of evaluation batches `data` as samples (tuples of row tensors, detached, on the CPU).
 
     Raises:
-        WorkloadError: a batch that is not laid out like the example, or no rows at all.
+        WorkloadError: a batch that is not laid out like the example, a row outside the model's
+            `limits` (an id past an embedding's rows, a NaN), or no rows at all.
     """
     rows: list[tuple[torch.Tensor, ...]] = []
     for i, batch in enumerate(data):
@@ -124,6 +128,11 @@ def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...]) -> li
                 raise WorkloadError(f"{name}: batch {i} of {arg('data')} holds {t.dtype} {list(t.shape)}; expected rows "
                                     f"like the example's {e.dtype} {list(e.shape)} and one first dimension")
         columns = [t.detach().cpu() for t in batch]
+        problems = limits.row_problems(columns) if limits else {}
+        if problems:
+            row, reason = min(problems.items())
+            raise WorkloadError(f"{name}: batch {i} of {arg('data')}, row {row}: {reason}; a compiled model given it could "
+                                "abort the process, so remove or fix that row")
         rows += [tuple(col[r] for col in columns) for r in range(batch[0].shape[0])]
     if not rows:
         raise WorkloadError(f"{name}: {arg('data')} holds no rows")
