@@ -205,3 +205,13 @@ def test_run_with_a_compiled_plan_survives_an_out_of_range_id(tmp_path):
     good = [i for i in range(1024) if i != 700]
     np.testing.assert_allclose(rows[good], eager(id_embedder(), torch.from_numpy(ids[good])), rtol=1e-4, atol=1e-5)
     assert not (tmp_path / "out.npy.parts").exists()
+
+
+def test_run_files_npy_values_that_the_models_integer_dtype_cannot_hold(tmp_path):
+    ids = np.random.default_rng(3).integers(0, VOCAB, (8, 6)).astype(np.float64)
+    ids[2, 1] = 3.5  # would silently become id 3
+    np.save(tmp_path / "ids.npy", ids)
+    summary = run(tmp_path / "ids.npy", tmp_path / "out.npy", workload=id_embedder(), batch_size=4)
+    errors = [json.loads(line) for line in Path(summary.errors_path).read_text().splitlines()]
+    assert [(e["index"], e["reason"]) for e in errors] == [(2, "row holds 3.5, which the model's int64 input cannot hold exactly")]
+    assert np.isfinite(np.load(tmp_path / "out.npy")[[0, 1, 3, 4, 5, 6, 7]]).all()
