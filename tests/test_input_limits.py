@@ -215,3 +215,12 @@ def test_run_files_npy_values_that_the_models_integer_dtype_cannot_hold(tmp_path
     errors = [json.loads(line) for line in Path(summary.errors_path).read_text().splitlines()]
     assert [(e["index"], e["reason"]) for e in errors] == [(2, "row holds 3.5, which the model's int64 input cannot hold exactly")]
     assert np.isfinite(np.load(tmp_path / "out.npy")[[0, 1, 3, 4, 5, 6, 7]]).all()
+
+
+def test_run_whose_first_records_the_model_cannot_take_is_refused_before_it_starts(tmp_path):
+    from overdrive.core.errors import DataError
+
+    np.save(tmp_path / "ids.npy", np.full((5, 6), VOCAB, dtype=np.int64))
+    with pytest.raises(DataError, match=rf"none of its first 5 readable records is an input this model takes .*holds {VOCAB}"):
+        run(tmp_path / "ids.npy", tmp_path / "out.npy", workload=id_embedder())
+    assert not (tmp_path / "out.npy.parts").exists()
