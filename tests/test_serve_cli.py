@@ -125,7 +125,8 @@ def test_warmup_runs_each_batch_size_once_within_its_budget():
     text = toy_text_workload()
     served = ServedModel("toy-text", text, [text.model], [torch.device("cpu")])
     assert served.warmup(12, budget_s=60)[0] == 12
-    assert [rows for rows, _ in text.model.seen[1:]] == [1, 2, 4, 8, 12]
+    # [0]: the input-limits probe (its ids feed an embedding: core/input_limits.py), [1]: the start-up probe
+    assert text.model.seen[0][0] == len(text.samples) and [rows for rows, _ in text.model.seen[2:]] == [1, 2, 4, 8, 12]
 
 
 def test_instance_threads_set_their_own_intra_op_threads_and_warm_only_their_model():

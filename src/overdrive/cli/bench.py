@@ -1,7 +1,10 @@
 """`overdrive bench`: the baseline and (optionally) a plan measured at several batch sizes
-(`overdrive.tuning.sweep.compare_plan`), as a table, bench.json and a plot."""
+(`overdrive.tuning.sweep.compare_plan`), as a table, bench.json and a plot. A configuration that
+fails at a batch size is named on stderr and the exit code is 1."""
 
 from __future__ import annotations
+
+import sys
 
 from overdrive.cli.args import add_workload_args, int_list
 
@@ -56,8 +59,6 @@ def main(args, argv: list[str]) -> int:
     console.print(f"{session.describe_samples()} per measurement")
     for report in (r for label_reports in reports.values() for r in label_reports):
         console.print(describe_report(report, key), highlight=False, soft_wrap=True)
-    for failure in failures:
-        console.print(f"[yellow]{failure}[/]")
     out = session.out_dir
     write_results(out / "bench.json", {
         "workload": session.workload.name, "device": device_name, "environment": environment(),
@@ -69,4 +70,6 @@ def main(args, argv: list[str]) -> int:
     if len(batch_sizes) > 1:
         plot_latency_vs_batch(out / "bench_latency_vs_batch_size.png", curves, title=f"{session.workload.name} on {device_name}")
     console.print(f"wrote {out / 'bench.json'}")
-    return 0
+    for failure in failures:  # a table without the plan's row is not a measurement of it: exit 1
+        sys.stderr.write(f"overdrive: bench: {failure}\n")
+    return 1 if failures else 0

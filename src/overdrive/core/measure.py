@@ -114,6 +114,27 @@ def peak_memory(device: torch.device) -> tuple[int | None, str]:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_rss_hwm"
 
 
+def owned_host_float32(output: torch.Tensor) -> torch.Tensor:
+    """`output` on the CPU as float32, contiguous and in memory of its own.
+
+    A model may return a view of a buffer it reuses (CUDA graphs, static-buffer runtimes, a
+    module that writes into `self.out`): its next call overwrites it. A caller that keeps an
+    output past the model's next call takes it through here. The conversion's result is kept
+    when it already is a new tensor (a device->host copy, another dtype, a strided view made
+    contiguous); otherwise it is copied.
+
+    Args:
+        output: the model's output [B, ...], any float or integer dtype, on any device.
+
+    Returns:
+        float32 [B, ...] on the CPU, contiguous, sharing no storage with `output`.
+    """
+    owned = output.detach().float().cpu().contiguous()
+    if owned.device == output.device and owned.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+        owned = owned.clone()
+    return owned
+
+
 def to_device(inputs: Inputs, device: torch.device) -> Inputs:
     return tuple(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in inputs)
 

@@ -338,7 +338,11 @@ class NpySource(RecordSource):
         row = torch.from_numpy(np.array(self.array[i]))
         if not torch.isfinite(row.float()).all():
             raise RecordError("row holds NaN or infinite values")
-        return row.to(self.dtype)
+        cast = row.to(self.dtype)
+        if not self.dtype.is_floating_point and not torch.equal(cast.to(row.dtype), row):  # 3.5 -> 3, 2**40 -> int32
+            bad = row.reshape(-1)[(cast.to(row.dtype) != row).reshape(-1)][0].item()
+            raise RecordError(f"row holds {bad}, which the model's {str(self.dtype).removeprefix('torch.')} input cannot hold exactly")
+        return cast
 
     def __getstate__(self):  # workers re-open the memory map rather than pickling the data
         return {k: v for k, v in self.__dict__.items() if k != "array"} | {"array": None}

@@ -19,7 +19,9 @@ Invariants:
 - A chunk is done when `OUTPUT.parts/chunk-K.npy` exists: it is written to a temporary name,
   flushed to disk, then renamed. A kill at any point leaves whole chunks or no chunk.
 - Every input index gets exactly one row: an output, or a line in the errors file (a record
-  that cannot be read or decoded); none is duplicated or lost. Outputs are keyed by input index
+  that cannot be read or decoded, or whose inputs are outside what the model takes: an id past
+  an embedding's rows, a NaN; `overdrive.core.input_limits`, checked in the reader so such a
+  record never reaches the model); none is duplicated or lost. Outputs are keyed by input index
   and written in input order whatever the bucketing and the number of workers or replicas.
 - One process writes an output at a time: `OUTPUT.parts/` is claimed and flock-ed before the
   model is built (`overdrive.run.resume`), and a second run into it is refused.
@@ -45,6 +47,7 @@ import torch
 
 from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread
 from overdrive.core.errors import ConfigError, DataError, OverdriveError, RunAborted, arg, one_line
+from overdrive.core.input_limits import workload_input_limits
 from overdrive.core.workload import Workload
 from overdrive.run.inputs import RecordSource, open_source
 from overdrive.run.outputs import OutputChunk, write_output
@@ -56,7 +59,17 @@ from overdrive.run.replica import (
     probe_inputs,
     text_lengths,
 )
-from overdrive.run.resume import MANIFEST_VERSION, Parts, atomic_write, check_manifest, claim_output, errors_file, file_sha256
+from overdrive.run.resume import (
+    MANIFEST_VERSION,
+    Parts,
+    atomic_write,
+    check_manifest,
+    checkpoint_fingerprints,
+    claim_output,
+    errors_file,
+    file_sha256,
+    weights_fingerprint,
+)
 from overdrive.run.threads import _execute, _records, _Run, _write_failed
 
 DEFAULT_CHUNK_SIZE = 4096
@@ -186,25 +199,37 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         source = open_source(config.input, workload, text_field=config.text_field)
         if len(source) == 0:
             raise DataError(f"{arg('input', config.input)} holds no records")
-        collate = Collate(workload.collate if source.kind == "text" else None, 1)
         on_cpu = sum(d.type == "cpu" for d in devices)  # CPU replicas split the cores
         replicas = [Replica(m, d, workload.fixed_batch_size, max(1, cores // on_cpu) if d.type == "cpu" else None)
                     for m, d in zip(models, devices)]
+        limits = replicas[0].in_own_thread(workload_input_limits, workload)  # one call of the fp32 model, off the main thread
+        collate = Collate(workload.collate if source.kind == "text" else None, 1, limits)
         # The manifest: everything a resumed run must share with the first one to give the same bytes.
         manifest = {"version": MANIFEST_VERSION, "workload": workload.name,
-                    "plan": file_sha256(config.plan) if config.plan else None, "device": devices[0].type,
+                    "plan": file_sha256(config.plan) if config.plan else None,
+                    "weights": weights_fingerprint(workload.model),
+                    "checkpoints": checkpoint_fingerprints(plan.steps) if plan else {}, "device": devices[0].type,
                     "input": source.fingerprint(), "text_field": config.text_field, "output_format": out_fmt,
                     "bucket": config.bucket, "batch_size": None, "chunk_size": None}
         stored = check_manifest(parts, manifest, config.output) if mode == "resume" else manifest
         values = probe_inputs(source, lengths=text_lengths(workload) if source.kind == "text" else None)
         if not values:
             raise DataError(f"{arg('input', config.input)}: none of its first records can be read (e.g. {_first_error(source)})")
+        taken = [v for v in values if collate.accepts(v)]  # warm-up and `auto` run on records the model takes
+        if not taken:
+            raise DataError(f"{arg('input', config.input)}: none of its first {len(values)} readable records is an input "
+                            f"this model takes (the first: {collate(([(0, values[0], False, 0.0)])).errors[0][1]})")
+        values = taken
         row_shape = tuple(replicas[0].in_own_thread(replicas[0].warm_up, batch_from(values, 1, collate)))
         for r in replicas[1:]:
             r.in_own_thread(r.warm_up, batch_from(values, 1, collate))
         auto: list[dict[str, float]] = []
         if stored.get("batch_size"):
             batch_size, origin, chunk_size = stored["batch_size"], "the interrupted run", stored["chunk_size"]
+            if isinstance(config.batch_size, int) and config.batch_size != batch_size:
+                raise ConfigError(f"{arg('resume', True)} continues the interrupted run at its batch size {batch_size}, "
+                                  f"which cut its finished chunks; leave out {arg('batch_size', config.batch_size)}, or "
+                                  f"pass {arg('overwrite', True)} to start over at the new size")
         else:
             batch_size, origin = _choose_batch_size(config, workload, plan, replicas[0], values, collate, len(source), say, auto)
             if workload.fixed_batch_size and batch_size > workload.fixed_batch_size:

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from overdrive.core.errors import one_line
+from overdrive.core.input_limits import InputLimits
+from overdrive.core.measure import owned_host_float32
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload
 from overdrive.run.inputs import RecordError, RecordSource
@@ -69,11 +71,21 @@ class RecordDataset(torch.utils.data.Dataset):
 
 class Collate:
     """Picklable collate_fn: good records -> the model's inputs (text: the workload's tokenizer,
-    tensors: stacked); a collate failure is narrowed to the records that cause it."""
+    tensors: stacked); a collate failure is narrowed to the records that cause it, and a record
+    whose inputs break the model's `limits` (an id past an embedding's rows, a NaN) is filed as
+    failed and never reaches the model."""
 
-    def __init__(self, collate_text: Callable | None, chunk_size: int):
+    def __init__(self, collate_text: Callable | None, chunk_size: int, limits: InputLimits | None = None):
         self.collate_text = collate_text
         self.chunk_size = chunk_size
+        self.limits = limits or InputLimits()
+
+    def accepts(self, value) -> bool:
+        """Whether one record collates into inputs within the model's limits."""
+        try:
+            return not self.limits.row_problems(self._collate([value]))
+        except Exception:  # noqa: BLE001
+            return False
 
     def _collate(self, values: list) -> tuple[torch.Tensor, ...]:
         if self.collate_text is not None:
@@ -97,6 +109,11 @@ class Collate:
                     except Exception as exc:
                         errors.append((i, f"cannot prepare as model input: {one_line(exc)}"))
                 good = kept
+                inputs = self._collate([v for _, v in good]) if good else None
+            problems = self.limits.row_problems(inputs) if inputs is not None and self.limits else {}
+            if problems:  # collated again without them, so they are not even padding for the others
+                errors += [(good[r][0], f"not an input this model takes: {reason}") for r, reason in problems.items()]
+                good = [g for r, g in enumerate(good) if r not in problems]
                 inputs = self._collate([v for _, v in good]) if good else None
         read_s = sum(s for *_, s in items) + time.perf_counter() - start
         return HostBatch(items[0][0] // self.chunk_size, [i for i, _ in good], inputs, sorted(errors), read_s)
@@ -237,7 +254,7 @@ class Replica:
             start = time.perf_counter()
             output = self.model(*staged.inputs)
             mid = time.perf_counter()
-            host = _check_output(output, staged.inputs[0].shape[0])[:rows].float().contiguous()
+            host = owned_host_float32(_check_output(output, staged.inputs[0].shape[0])[:rows])  # the writer reads it later
             return Result(batch, host, times=(0.0, mid - start, time.perf_counter() - mid))
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(staged.ready)
@@ -248,6 +265,9 @@ class Replica:
         output = self.model(*staged.inputs)
         end.record(stream)
         output = _check_output(output, staged.inputs[0].shape[0])[:rows].float()
+        # Owned before the next call: the copy is enqueued on `stream` now, and the model's next
+        # call is enqueued on the same stream after it, so it cannot overwrite a buffer the model
+        # reuses (CUDA graphs) before the copy has read it.
         host = torch.empty(output.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(output, non_blocking=True)
         done.record(stream)

@@ -22,7 +22,7 @@ import numpy as np
 from overdrive.core.errors import ConfigError, DataError, arg
 from overdrive.run.outputs import OUTPUT_FORMATS, OutputChunk, output_format
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: the weights' and plan checkpoints' fingerprints
 
 
 class Parts:
@@ -107,8 +107,45 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes, hex, read in 8 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(8 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def weights_fingerprint(model) -> str:
+    """sha256 (hex) over the model's state_dict, parameters and buffers: each entry's name, shape,
+    dtype and bytes, in state_dict order. TorchScript modules and torch.export programs' modules
+    have a state_dict too. A value that is not a tensor contributes its type name only.
+
+    Args:
+        model: an nn.Module (the workload's fp32 model, before any technique).
+    """
+    import torch
+
+    digest = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        digest.update(name.encode() + b"\0")
+        if not isinstance(value, torch.Tensor):
+            digest.update(type(value).__name__.encode() + b"\0")
+            continue
+        t = value.detach()
+        digest.update(f"{list(t.shape)} {t.dtype}\0".encode())
+        if t.is_quantized:
+            t = t.int_repr()
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        t = t.cpu().contiguous().reshape(-1)
+        digest.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def checkpoint_fingerprints(steps) -> dict[str, str]:
+    """{file name: sha256} of each checkpoint file a plan's steps name (pruning's `checkpoint`)."""
+    return {Path(c).name: file_sha256(c) for c in (getattr(s, "checkpoint", None) for s in steps) if c}
 
 
 def claim_output(config) -> tuple[str, str, Parts]:
@@ -180,13 +217,23 @@ def check_manifest(parts: Parts, manifest: dict[str, Any], output: Path) -> dict
     stored = _read_manifest(parts)
     differ = [k for k in manifest if k not in ("batch_size", "chunk_size") and stored.get(k) != manifest[k]]
     if differ:
-        details = "; ".join(_difference(k, stored.get(k), manifest[k]) for k in differ[:3])
-        raise DataError(f"cannot resume into {output}: the interrupted run differs ({details}); pass {arg('overwrite', True)} "
-                        "to start over")
+        named = [_difference(k, stored.get(k), manifest[k]) for k in differ if k in ("weights", "checkpoints")]
+        other = [_difference(k, stored.get(k), manifest[k]) for k in differ if k not in ("weights", "checkpoints")]
+        details = "; ".join(named + ([f"the interrupted run differs ({'; '.join(other[:3])})"] if other else []))
+        raise DataError(f"cannot resume into {output}: {details}; its finished chunks would not match the rest, "
+                        f"{arg('overwrite', True)} starts over")
     return stored
 
 
 def _difference(key: str, was: Any, now: Any) -> str:
+    if key == "weights":
+        return f"the model's weights changed since the interrupted run (fingerprint {str(was)[:8]}… → {str(now)[:8]}…)"
+    if key == "checkpoints":
+        was, now = was or {}, now or {}
+        changed = [f"plan checkpoint {n} changed" for n in now if n in was and was[n] != now[n]]
+        changed += [f"plan checkpoint {n} is new" for n in now if n not in was]
+        changed += [f"plan checkpoint {n} is gone" for n in was if n not in now]
+        return "; ".join(changed)
     if isinstance(was, dict) and isinstance(now, dict):
         fields = [k for k in now if was.get(k) != now[k]]
         return f"{key} " + ", ".join(f"{k} was {was.get(k)!r}, now {now[k]!r}" for k in fields[:2])

@@ -5,6 +5,11 @@ Inputs: text workloads take one BYTES tensor `text` of shape [N] (or [N, 1]) of 
 sentences, tokenized on the server and padded per batch with an attention mask. Tensor
 workloads take `input` (or `input__0`, `input__1`, ... for several) of shape [N, *row shape]
 in the workload's dtype. Output: `output`, FP32 [N, *output row shape].
+
+Validation (HTTP 400, before a request joins a batch): names, datatypes and shapes, then the
+values against `overdrive.core.input_limits`: an integer input that the model looks up in an
+embedding must hold ids within its rows (text: the tokenized ids, when the tokenizer can give
+ids the model has no rows for), and floating-point inputs must be finite (no NaN or ±inf).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from overdrive.core.measure import to_device
+from overdrive.core.input_limits import InputLimits, workload_input_limits
+from overdrive.core.measure import owned_host_float32, to_device
 from overdrive.core.workload import Workload
 from overdrive.run.replica import text_lengths
 from overdrive.serve.protocol import DATATYPES, InferRequest, Tensor, datatype_of
@@ -47,6 +53,15 @@ class TextPayload:
 def _columns(sample) -> tuple:
     """A tensor sample as a 1-tuple; a tuple sample (several model inputs) as itself."""
     return (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
+
+
+def _tokenizer_fits(workload: Workload, limits: InputLimits) -> bool:
+    """Whether every id the workload's tokenizer (`extra["tokenizer"]`) can give is within every id range."""
+    tokenizer = workload.extra.get("tokenizer")
+    try:
+        return tokenizer is not None and len(tokenizer) <= limits.lowest_high()
+    except TypeError:  # a tokenizer without a length
+        return False
 
 
 class ServedModel:
@@ -84,6 +99,10 @@ class ServedModel:
             names = ["input"] if len(columns) == 1 else [f"input__{i}" for i in range(len(columns))]
             self.inputs = [TensorSpec(n, datatype_of(np.dtype(str(c.dtype).removeprefix("torch."))), [-1, *c.shape])
                            for n, c in zip(names, columns)]
+        # What the inputs may hold (ids within the embeddings' rows, finite floats), from the fp32
+        # model: a bad value gets a 400 here instead of reaching compiled code, which can abort the process.
+        self.limits = workload_input_limits(workload)
+        self._check_text_ids = workload.is_text and bool(self.limits.ranges) and not _tokenizer_fits(workload, self.limits)
         probe = self.execute([self._example()], 0)[0]  # also warms every instance up below
         for i in range(1, len(models)):
             self.execute([self._example()], i)
@@ -160,7 +179,15 @@ class ServedModel:
         rows = {t.shape[0] for t in tensors}
         if len(rows) != 1:
             raise ValidationError(f"all inputs must have the same first (batch) dimension; got {sorted(rows)}")
+        self._check_limits(tuple(tensors), [f"input {s.name!r}" for s in self.inputs], "row")
         return tuple(tensors)
+
+    def _check_limits(self, inputs: tuple[torch.Tensor, ...], names: list[str], row_word: str) -> None:
+        problems = self.limits.row_problems(inputs, names)
+        if problems:
+            row, reason = min(problems.items())
+            more = f" ({len(problems) - 1} more {row_word}s of the request too)" if len(problems) > 1 else ""
+            raise ValidationError(f"{row_word} {row}: {reason}{more}")
 
     @staticmethod
     def _describe(specs: list[TensorSpec]) -> str:
@@ -177,6 +204,14 @@ class ServedModel:
                 texts.append(raw.decode("utf-8"))
             except UnicodeDecodeError as exc:
                 raise ValidationError(f"input 'text' element {i} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        if self._check_text_ids:  # the tokenizer can give ids the model has no rows for
+            try:
+                inputs = self.workload.collate(texts)
+            except Exception:  # noqa: BLE001 - it fails again in `execute`, which answers for it
+                inputs = None
+            if inputs is not None:
+                self._check_limits(tuple(inputs), [f"model input {i} (tokenized)" for i in range(len(inputs))],
+                                   "input 'text' element")
         return TextPayload(texts, self._token_counts(texts))
 
     def _validate_tensor(self, tensor: Tensor, spec: TensorSpec) -> torch.Tensor:
@@ -224,5 +259,5 @@ class ServedModel:
         if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != sum(sizes) + max(pad, 0):
             shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
             raise ValueError(f"the model returned {shape} for a batch of {sum(sizes)} rows; expected [rows, ...]")
-        output = output[: sum(sizes)].float().cpu().numpy()
+        output = owned_host_float32(output[: sum(sizes)]).numpy()  # responses are encoded after the next call
         return np.split(output, np.cumsum(sizes)[:-1])

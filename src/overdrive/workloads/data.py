@@ -55,6 +55,12 @@ def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: st
     if not rows:
         raise DataError(f"{arg('data')} holds no rows the model can read")
     _check_like(workload, rows[0], origin)
+    rows, refused = _within_limits(workload, rows)
+    if refused:
+        notes.append(f"{len(refused)} row(s) of {origin} hold values the model cannot take and were left out (the "
+                     f"first: {refused[0]}); a compiled model given them could abort the process")
+    if not rows:
+        raise DataError(f"{arg('data')}: no row holds values the model can take (the first: {refused[0]})")
     dropped = [what for what, present in (("labels", workload.labels is not None), ("metric", workload.metric is not None))
                if present]
     if dropped:
@@ -63,6 +69,26 @@ def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: st
     return dataclasses.replace(workload, samples=rows, labels=None, metric=None, rows_source="data",
                                notes=[*workload.notes, *notes],
                                description=f"{workload.description} — on your data ({origin})")
+
+
+def _within_limits(workload: Workload, rows: list) -> tuple[list, list[str]]:
+    """The rows whose values the model can take (ids within its embeddings' rows, finite floats;
+    `overdrive.core.input_limits`), and a reason for each one left out."""
+    if workload.is_text:
+        return rows, []
+    from overdrive.core.input_limits import workload_input_limits
+
+    limits = workload_input_limits(workload)
+    if not limits:
+        return rows, []
+    kept, refused = [], []
+    for i, row in enumerate(rows):
+        problems = limits.row_problems([c.unsqueeze(0) for c in (row if isinstance(row, tuple) else (row,))])
+        if problems:
+            refused.append(f"row {i}: {problems[0]}")
+        else:
+            kept.append(row)
+    return kept, refused
 
 
 def _rows_from_file(path: Path, workload: Workload, *, text_field: str | None, limit: int) -> tuple[list, list[str]]:

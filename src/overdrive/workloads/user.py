@@ -25,6 +25,7 @@ from torch import nn
 
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.core.graph_ops import is_graph_program, to_eval_ops, training_mode_modules, training_mode_ops
+from overdrive.core.input_limits import InputLimits, derive_input_limits
 from overdrive.core.workload import Workload, eval_mode, logits_fidelity
 
 NUM_SAMPLES = 64
@@ -144,10 +145,11 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             raise WorkloadError(f"{name}: the model must return a tensor [B, ...] with B = {batch} rows; it returned "
                                 f"shape {tuple(out.shape)}")
         fixed = None if _accepts_other_batch_sizes(model, example) else batch
+        limits = derive_input_limits(model, example) if data is not None else None
     if metric is not None and data is None:
         raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
     if data is not None:
-        samples, source = _rows_of(name, data, example), "data"
+        samples, source = _rows_of(name, data, example, limits), "data"
     elif not _is_placeholder(example):
         samples, source = [tuple(t[r].detach().cpu() for t in example) for r in range(batch)], "example"
     else:
@@ -175,11 +177,13 @@ def stack_rows(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]
     return tuple(torch.stack(col) for col in zip(*rows))
 
 
-def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
+             limits: InputLimits | None = None) -> list[tuple[torch.Tensor, ...]]:
     """The rows of evaluation batches `data` as samples (tuples of row tensors, detached, on the CPU).
 
     Raises:
-        WorkloadError: a batch that is not laid out like the example, or no rows at all.
+        WorkloadError: a batch that is not laid out like the example, a row outside the model's
+            `limits` (an id past an embedding's rows, a NaN), or no rows at all.
     """
     rows: list[tuple[torch.Tensor, ...]] = []
     for i, batch in enumerate(data):
@@ -191,6 +195,11 @@ def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...]) -> li
                 raise WorkloadError(f"{name}: batch {i} of {arg('data')} holds {t.dtype} {list(t.shape)}; expected rows "
                                     f"like the example's {e.dtype} {list(e.shape)} and one first dimension")
         columns = [t.detach().cpu() for t in batch]
+        problems = limits.row_problems(columns) if limits else {}
+        if problems:
+            row, reason = min(problems.items())
+            raise WorkloadError(f"{name}: batch {i} of {arg('data')}, row {row}: {reason}; a compiled model given it could "
+                                "abort the process, so remove or fix that row")
         rows += [tuple(col[r] for col in columns) for r in range(batch[0].shape[0])]
     if not rows:
         raise WorkloadError(f"{name}: {arg('data')} holds no rows")
