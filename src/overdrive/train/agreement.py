@@ -1,6 +1,9 @@
 """Checks that ranks which must see the same batch do: the ranks of tensor parallelism (one
 replica, split across ranks) and the stages of a pipeline (the first feeds the inputs, the last
-computes the targets from the same rows).
+computes the targets from the same rows). And every rank starts from the same weights: rank 0's
+(`adopt_rank0_weights`), as DDP does, so a factory that initialises without a seed cannot mix
+different starting points (FSDP shards, tensor-parallel replicated layers, pipeline stages, a
+distillation teacher per rank).
 
 Each step, every rank reduces a fingerprint of its batch, two int64 numbers, with one MAX
 all-reduce of [fingerprint, −fingerprint]: the maximum and minimum agree only when every rank
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from overdrive.core.errors import WorkloadError, arg
 
@@ -91,3 +95,25 @@ def check_same_batch(tensors: Sequence[torch.Tensor], *, step: int, strategy: st
         f"{seen} at step {step} ({detail}{layout}). The workload's training samples differ between processes: a "
         "factory that reads RANK, or unseeded randomness in the data (seed every generator, or build the samples "
         "the same way on every rank)")
+
+
+def adopt_rank0_weights(model: nn.Module) -> bool:
+    """Make every rank's parameters and buffers rank 0's, before any strategy wraps the model.
+
+    Compares fingerprints first (one all-reduce) and broadcasts only when they differ.
+
+    Returns:
+        True when some rank's weights differed from another's (and were replaced by rank 0's).
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    if not tensors:
+        return False
+    mine = batch_fingerprint(tensors)
+    box = torch.cat([mine, -mine])
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    if torch.equal(box[:2], -box[2:]):
+        return False
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, src=0)
+    return True

@@ -12,6 +12,13 @@ from overdrive.core.errors import ConfigError, arg
 from overdrive.train.parallel import ParallelDims
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+# Strategies whose gradients torch's GradScaler cannot unscale soundly, and why.
+FP16_REFUSED = {
+    "fsdp": "its gradient scaler needs sharded gradients",
+    "pipeline": "each stage's gradient scaler would see only its own stage's overflows, so stages could skip different steps",
+    "tensor-parallel": "the gradient scaler cannot unscale split (DTensor) and replicated gradients together; the first "
+                       "step would fail",
+}
 
 
 @dataclass(kw_only=True)
@@ -25,8 +32,8 @@ class TrainConfig:
         epochs: passes over the training samples (steps = ceil(epochs × samples / global batch)).
         grad_accum: micro-batches whose gradients are summed before each optimizer step.
         learning_rate: peak AdamW learning rate (linear warm-up over 10% of steps, cosine decay).
-        precision: "fp32", "bf16", "fp16" (CUDA, with a gradient scaler; not with FSDP or pipeline
-            parallelism) or "auto".
+        precision: "fp32", "bf16", "fp16" (CUDA, with a gradient scaler; DDP or one process only:
+            see FP16_REFUSED) or "auto".
         checkpoint_activations: recompute each block's activations in backward.
         compile: torch.compile the model.
         train_mode: the model in train mode while it trains (dropout on, BatchNorm on batch
@@ -85,10 +92,8 @@ class TrainConfig:
                 raise ConfigError(f"{arg(name, getattr(self, name))} must be ≥ 0")
         if self.save_every and not self.save_dir:
             raise ConfigError(f"{arg('save_every', self.save_every)} needs {arg('save_dir')} (the folder checkpoints go to)")
-        if self.precision == "fp16" and strategy in ("fsdp", "pipeline"):
-            why = ("its gradient scaler needs sharded gradients" if strategy == "fsdp" else
-                   "each stage's gradient scaler would see only its own stage's overflows, so stages could skip "
-                   "different steps")
+        if self.precision == "fp16" and strategy in FP16_REFUSED:
+            why = FP16_REFUSED[strategy]
             raise ConfigError(f"{arg('precision', 'fp16')} with {arg('strategy', strategy)} is not supported ({why}); "
                               f"use {arg('precision', 'bf16')}, which needs no scaler")
         if strategy == "pipeline":
@@ -180,8 +185,8 @@ class TrainSummary:
 def training_precision(device: torch.device, requested: str = "auto", *, strategy: str = "none") -> str:
     """The autocast dtype name to train with: "bf16", "fp16" or "fp32".
 
-    "auto" picks bf16 on a GPU that supports it (fp16 on one that does not, except under FSDP or
-    pipeline parallelism, which cannot scale fp16 gradients: fp32 there) and on a CPU with
+    "auto" picks bf16 on a GPU that supports it (fp16 on one that does not, except under the
+    strategies of FP16_REFUSED, which cannot scale fp16 gradients: fp32 there) and on a CPU with
     AVX512-BF16 instructions; fp32 elsewhere (emulated bf16 would be slower than fp32). fp16
     trains on CUDA only: CPUs have no fast fp16 matrix multiply.
 
@@ -198,7 +203,7 @@ def training_precision(device: torch.device, requested: str = "auto", *, strateg
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return "bf16"
-        return "fp32" if strategy in ("fsdp", "pipeline") else "fp16"
+        return "fp32" if strategy in FP16_REFUSED else "fp16"
     return "bf16" if devices.cpu_has_native_bf16() else "fp32"
 
 

@@ -38,7 +38,7 @@ from overdrive.core.measure import peak_memory, reset_peak_memory
 from overdrive.core.workload import Workload
 from overdrive.train import parallel
 from overdrive.train.checkpoint import load_checkpoint, save_checkpoint
-from overdrive.train.agreement import check_same_batch
+from overdrive.train.agreement import adopt_rank0_weights, check_same_batch
 from overdrive.train.config import TrainConfig, TrainSummary, autocast_dtype, check_runnable, warmup_cosine
 from overdrive.train.data import SampleStream, micro_batch_indices, train_inputs
 from overdrive.train.launch import DistEnv
@@ -112,9 +112,14 @@ def _pipeline_stage(model: nn.Module, workload: Workload, config: TrainConfig, e
 
 def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str, batch_size: int,
            objective: Objective | None, stream: SampleStream, dp_rank: int):
-    """The parallelized model, its objective, optimizer and trainable parameters, and the
-    probe's `ParameterUse`, in the order parallel.py states."""
+    """The parallelized model, its objective, optimizer and trainable parameters, the probe's
+    `ParameterUse`, and notes on what was decided here; in the order parallel.py states."""
     model = workload.model.to(env.device)
+    notes = []
+    # before the teacher is copied and anything is split or sharded
+    if config.dims.strategy != "none" and dist.is_initialized() and adopt_rank0_weights(model):
+        notes.append("the ranks' starting weights differed (a factory that reads RANK, or initialises without a seed); "
+                     "every rank starts from rank 0's")
     if objective is None:
         objective = Objective(workload, None if workload.train_labels is not None else frozen_copy(model))
     dims = config.dims
@@ -147,7 +152,7 @@ def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str
     # Fused AdamW (one kernel for all parameters) where torch has it: CUDA, and CPU for plain tensors.
     fused = env.device.type == "cuda" or dims.strategy in ("none", "ddp", "pipeline")
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0, **({"fused": True} if fused else {}))
-    return model, objective, optimizer, params, use
+    return model, objective, optimizer, params, use, notes + ([use.note] if use.note else [])
 
 
 def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None = None,
@@ -185,7 +190,7 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     torch.manual_seed(config.seed + dp_rank)
     n = len(workload.train_samples)
     stream = SampleStream(n, config.seed)
-    model, objective, optimizer, params, use = _build(workload, config, env, precision, batch_size, objective, stream, dp_rank)
+    model, objective, optimizer, params, use, notes = _build(workload, config, env, precision, batch_size, objective, stream, dp_rank)
     runner = None
     if dims.strategy == "pipeline":
         from overdrive.train.pipeline import PipelineRunner
@@ -283,7 +288,7 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
         seconds=sum(times), peak_memory_bytes=peak, peak_memory_kind=kind, step_memory_bytes=added,
         first_loss=sum(losses[:tenth]) / tenth, last_loss=sum(losses[-tenth:]) / tenth, losses=losses,
         objective=objective.name, device=str(env.device), pipeline=pipeline_stats, frozen_parameters=use.frozen,
-        find_unused_parameters=use.find_unused_parameters, notes=[use.note] if use.note else [],
+        find_unused_parameters=use.find_unused_parameters, notes=notes,
     )
 
 
