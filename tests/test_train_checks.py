@@ -207,18 +207,20 @@ def test_parameter_use_decides_freezing_and_find_unused_parameters():
 
 
 @pytest.mark.timeout(300)
-def test_ddp_with_a_data_dependent_head_turns_on_find_unused_parameters(tmp_path):
-    # step 0: rank 0's 4 rows reach `rare`, rank 1's do not; step 2: no rank reaches it
-    ddp = spawn("routed_mlp", 2, tmp_path, steps=4, batch_size=4, learning_rate=1e-2,
-                dims=ParallelDims(strategy="ddp", world_size=2))
+@pytest.mark.parametrize("strategy, switch", [("ddp", "DDP's find_unused_parameters"),
+                                              ("fsdp", "FSDP's reduce-scatter of unused parameters")])
+def test_a_data_dependent_head_trains_as_in_one_process(tmp_path, strategy, switch):
+    # step 0: rank 0's 4 rows reach `rare`, rank 1's do not; step 2: no rank reaches it (AdamW must skip it)
+    run = spawn("routed_mlp", 2, tmp_path, steps=4, batch_size=4, learning_rate=1e-2,
+                dims=ParallelDims(strategy=strategy, world_size=2))
     ref = reference("routed_mlp", steps=4, batch_size=8, learning_rate=1e-2)
-    summary = ddp["summary"]
+    summary = run["summary"]
     assert summary["find_unused_parameters"] and summary["frozen_parameters"] == ["spare.bias", "spare.weight"]
-    assert any("find_unused_parameters" in note and "rare.weight" in note for note in summary["notes"])
-    assert ddp["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert any(note.startswith(f"{switch} is on") and "rare.weight" in note for note in summary["notes"])
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     ref["params"] = {k: v for k, v in ref["params"].items() if not k.startswith("spare.")}
-    ddp["params"] = {k: v for k, v in ddp["params"].items() if not k.startswith("spare.")}
-    assert_close(ddp["params"], ref["params"], atol=1e-5)  # `rare` trained as in one process
+    run["params"] = {k: v for k, v in run["params"].items() if not k.startswith("spare.")}
+    assert_close(run["params"], ref["params"], atol=1e-5)  # `rare` trained as in one process
 
 
 @pytest.mark.timeout(300)

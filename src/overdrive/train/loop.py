@@ -44,7 +44,8 @@ from overdrive.train.data import SampleStream, micro_batch_indices, train_inputs
 from overdrive.train.launch import DistEnv
 from overdrive.train.objective import Objective, frozen_copy
 from overdrive.train.parallel import ParallelDims
-from overdrive.train.probe import NUM_PROBE_BATCHES, ParameterUse, plan_parameter_use, probe_parameter_use
+from overdrive.train.probe import (NUM_PROBE_BATCHES, ParameterUse, UnreachedGrads, plan_parameter_use,
+                                   probe_parameter_use)
 
 
 def _current_memory(device: torch.device) -> int:
@@ -216,6 +217,10 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     times: list[float] = []
     is_ddp = dims.strategy == "ddp"
     end = min(steps, config.stop_after) if config.stop_after else steps
+    # FSDP2 reduces zeros for what no rank reached; drop them so AdamW skips those parameters, as one process would
+    unreached = None
+    if dims.strategy == "fsdp" and use.find_unused_parameters:  # asked for without a probe: watch every parameter
+        unreached = UnreachedGrads(model, use.varying or [n for n, p in model.named_parameters() if p.requires_grad])
     with objective:  # hint hooks on while the steps run
         for step in range(start_step, end):
             t0 = time.perf_counter()
@@ -244,6 +249,8 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
                 with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
                     target = objective.target(idx, inputs, env.device) if runner.last else None
                     total = runner.step(inputs, target)
+            if unreached:
+                unreached.drop(env.device)
             if scaler:
                 scaler.unscale_(optimizer)
             if on_grads:

@@ -13,7 +13,9 @@ batches that gave it a gradient:
   it (unless a later batch reaches it: then it stays untrained, and the list says so);
 - reached by some batches but not all: the branch depends on the data, so DDP's
   `find_unused_parameters` (FSDP2: `set_reduce_scatter_unused_params`) is turned on and the
-  summary says so; such a parameter is never frozen.
+  summary says so; such a parameter is never frozen. In a step no rank reached it, DDP leaves
+  its gradient None (AdamW skips it, as one process would); FSDP2 reduces a zero gradient, which
+  AdamW would still move by its momentum, so `UnreachedGrads` drops that gradient.
 
 The probe leaves no trace: gradients, buffers (BatchNorm's running statistics and batch count)
 and the RNG state (CPU, and the model's CUDA device) are as they were before it. Pipeline and
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from overdrive.core.errors import ConfigError, arg
@@ -112,3 +115,45 @@ def plan_parameter_use(counts: dict[str, int], *, num_probes: int, strategy: str
                         note=f"{wrapper} is on: {_names(varying)} were reached by only some of {num_probes} probe "
                              "batches (a branch that depends on the data), so each step reduces a zero gradient for "
                              "what a rank did not reach")
+
+
+class UnreachedGrads:
+    """Drops, after a step's backward passes, the gradients of `varying` parameters that no rank
+    reached in the step: FSDP2 reduces zeros for them, and AdamW would move a parameter with a
+    zero gradient by its momentum where one process skips it. A parameter counts as reached when
+    the module holding it ran a forward (a forward pre-hook counts the calls).
+
+    Args:
+        model: the model, wrapped or not (parameter names as in `named_parameters`).
+        varying: `ParameterUse.varying`.
+    """
+
+    def __init__(self, model: nn.Module, varying: list[str]):
+        wanted = set(varying)
+        self.groups: list[list[nn.Parameter]] = []
+        self.handles = []
+        for prefix, module in model.named_modules():
+            own = [p for name, p in module.named_parameters(prefix=prefix, recurse=False) if name in wanted]
+            if own:
+                self.handles.append(module.register_forward_pre_hook(self._count(len(self.groups))))
+                self.groups.append(own)
+        self.calls = [0] * len(self.groups)
+
+    def _count(self, i: int):
+        def hook(_module, _args):
+            self.calls[i] += 1
+
+        return hook
+
+    def drop(self, device: torch.device) -> None:
+        """Sum this step's calls over the ranks, set the gradients of modules no rank ran to None,
+        and start counting the next step."""
+        if not self.groups:
+            return
+        calls = torch.tensor(self.calls, dtype=torch.int64, device=device)
+        dist.all_reduce(calls)
+        for count, params in zip(calls.tolist(), self.groups, strict=True):
+            if count == 0:
+                for p in params:
+                    p.grad = None
+        self.calls = [0] * len(self.groups)
