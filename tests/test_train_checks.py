@@ -188,6 +188,21 @@ def test_the_probe_leaves_no_trace():
     assert model.training and all(p.requires_grad for p in model.parameters())
 
 
+def test_the_probe_counts_the_batches_that_reach_each_parameter():
+    from overdrive.train.objective import Objective
+    from overdrive.train.probe import probe_parameter_use
+
+    workload = train_models.routed_mlp()
+    rare = (torch.stack(workload.train_samples)[:, 0] > 1.0).tolist()
+    with_rare = [i for i, r in enumerate(rare) if r][:1] + [i for i, r in enumerate(rare) if not r][:3]
+    without = [i for i, r in enumerate(rare) if not r][3:7]
+    counts = probe_parameter_use(workload.model.train(), workload, Objective(workload, None),
+                                 [with_rare, without, without], CPU)
+    assert counts["trunk.0.weight"] == 3 and counts["common.weight"] == 3
+    assert counts["rare.weight"] == counts["rare.bias"] == 1 and counts["spare.weight"] == 0
+    assert all(p.grad is None for p in workload.model.parameters())  # forward passes only
+
+
 def test_parameter_use_decides_freezing_and_find_unused_parameters():
     from overdrive.train.probe import plan_parameter_use
 

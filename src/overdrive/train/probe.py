@@ -5,9 +5,10 @@ DDP and FSDP reduce each parameter's gradient across the ranks every step, and e
 offer the same parameters: one that no rank's forward reaches leaves DDP waiting for its
 gradient ("Expected to have finished reduction"), and one that some ranks reach and others do
 not (a branch that depends on the data) does the same, or under FSDP mismatches the ranks'
-reduce-scatters. So before wrapping, every rank runs forward and backward on its first
-`NUM_PROBE_BATCHES` micro-batches of the real batch size, and the ranks sum, per parameter, the
-batches that gave it a gradient:
+reduce-scatters. So before wrapping, every rank runs the forward pass of its first
+`NUM_PROBE_BATCHES` micro-batches of the real batch size, finds in each loss's autograd graph the
+parameters it would give gradients (the walk DDP's `find_unused_parameters` does; no backward
+runs), and the ranks sum, per parameter, the batches that reached it:
 
 - reached by none: frozen (`requires_grad` off) and listed in the summary; no step would train
   it (unless a later batch reaches it: then it stays untrained, and the list says so);
@@ -17,8 +18,8 @@ batches that gave it a gradient:
   its gradient None (AdamW skips it, as one process would); FSDP2 reduces a zero gradient, which
   AdamW would still move by its momentum, so `UnreachedGrads` drops that gradient.
 
-The probe leaves no trace: gradients, buffers (BatchNorm's running statistics and batch count)
-and the RNG state (CPU, and the model's CUDA device) are as they were before it. Pipeline and
+The probe leaves no trace: it computes no gradients, and buffers (BatchNorm's running statistics
+and batch count) and the RNG state (CPU, and the model's CUDA device) are restored. Pipeline and
 tensor parallelism need no probe: their ranks form one replica and see the same batch, and a
 parameter without a gradient is simply skipped by the optimizer.
 """
@@ -38,10 +39,31 @@ from overdrive.core.workload import Workload
 NUM_PROBE_BATCHES = 4  # per rank: with dp ranks, dp × 4 batches in all
 
 
+def reached_leaves(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) whose gradients `loss`'s autograd graph reaches:
+    its AccumulateGrad nodes, found by walking `grad_fn.next_functions` from the loss, as DDP's
+    `find_unused_parameters` walks the graph after each forward."""
+    reached: set[int] = set()
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        variable = getattr(fn, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return reached
+
+
 def probe_parameter_use(model: nn.Module, workload: Workload, objective, batches: Sequence[Sequence[int]],
                         device: torch.device) -> dict[str, int]:
     """For each trainable parameter, how many of `batches` (lists of training-sample indices)
-    give it a gradient through `objective`. Runs in the model's current mode; leaves no trace.
+    reach it through `objective`: forward passes only, each loss's autograd graph walked for the
+    parameters it would give gradients (`reached_leaves`). Activations are not kept (a saved-tensor
+    hook drops them: no backward runs). Runs in the model's current mode; leaves no trace.
 
     Returns:
         {parameter name: number of batches that reached it}, in `named_parameters` order.
@@ -49,21 +71,18 @@ def probe_parameter_use(model: nn.Module, workload: Workload, objective, batches
     from overdrive.train.data import train_inputs
 
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    grads = [p.grad for _, p in named]
     buffers = [(b, b.clone()) for b in model.buffers()]
     counts = dict.fromkeys((name for name, _ in named), 0)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for idx in batches:
-                for _, p in named:
-                    p.grad = None
                 inputs = train_inputs(workload, list(idx), device)
-                objective(model(*inputs), objective.target(list(idx), inputs, device)).backward()
+                target = objective.target(list(idx), inputs, device)
+                with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _packed: None):
+                    reached = reached_leaves(objective(model(*inputs), target))
                 for name, p in named:
-                    counts[name] += p.grad is not None
+                    counts[name] += id(p) in reached
     finally:
-        for (_, p), grad in zip(named, grads, strict=True):
-            p.grad = grad
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
