@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -264,3 +265,18 @@ def test_the_command_line_lists_frozen_parameters_and_says_what_it_turned_on(cap
     out = capsys.readouterr().out
     assert "frozen (reached by no probe batch): spare.bias, spare.weight" in " ".join(out.split())
     assert "find_unused_parameters is on" in out
+
+
+def test_compare_runs_its_one_process_baseline_after_find_unused_parameters(capsys):
+    from types import SimpleNamespace
+
+    from overdrive.cli.train import _finish
+    from overdrive.train.launch import DistEnv
+    from overdrive.train.loop import run_training
+
+    config = TrainConfig(workload="tests.fixtures.train_models:routed_mlp", device="cpu", steps=2, batch_size=4,
+                         dims=ParallelDims(strategy="ddp", world_size=1), find_unused_parameters=True)
+    summary = run_training(replace(config, dims=ParallelDims(strategy="none", world_size=1), find_unused_parameters=None),
+                           DistEnv(0, 0, 1, CPU))
+    _finish(SimpleNamespace(compare=True), config, summary)  # the baseline is one process: the option does not apply
+    assert "baseline: fp32, 1 process" in capsys.readouterr().out

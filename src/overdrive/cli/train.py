@@ -223,7 +223,8 @@ def _finish(args, config: TrainConfig, summary: TrainSummary) -> None:
     if args.compare:
         base_config = replace(config, dims=ParallelDims(strategy="none", world_size=1), precision="fp32",
                               checkpoint_activations=False, compile=False, save_dir=None, save_every=0, resume_dir=None,
-                              batch_size=summary.global_batch_size // config.grad_accum, steps=summary.steps)
+                              batch_size=summary.global_batch_size // config.grad_accum, steps=summary.steps,
+                              find_unused_parameters=None)
         with console.status("measuring the baseline: fp32, one process, same global batch and steps"):
             device = resolve_device(config.device)
             base = run_training(base_config, DistEnv(0, 0, 1, torch.device(device.type, 0) if device.type == "cuda" else device))
