@@ -140,8 +140,8 @@ def test_pipeline_refuses_stages_whose_inputs_differ(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_disagreeing_ranks_end_the_command_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "overdrive", "train", "tests.fixtures.train_models:tiny_bert_rank_data",
-                             "--device", "cpu", "--nproc", "2", "--strategy", "tensor-parallel", "--steps", "2",
+    result = subprocess.run([sys.executable, "-m", "overdrive", "train", "tests.fixtures.train_models:mlp_rank_data",
+                             "--device", "cpu", "--nproc", "2", "--strategy", "pipeline", "--steps", "2",
                              "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 2, result.stderr[-3000:]
