@@ -191,7 +191,8 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     torch.manual_seed(config.seed + dp_rank)
     n = len(workload.train_samples)
     stream = SampleStream(n, config.seed)
-    model, objective, optimizer, params, use, notes = _build(workload, config, env, precision, batch_size, objective, stream, dp_rank)
+    model, objective, optimizer, params, use, notes = _build(workload, config, env, precision, batch_size, objective,
+                                                             stream, dp_rank)
     runner = None
     if dims.strategy == "pipeline":
         from overdrive.train.pipeline import PipelineRunner
@@ -220,7 +221,7 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     # FSDP2 reduces zeros for what no rank reached; drop them so AdamW skips those parameters, as one process would
     unreached = None
     if dims.strategy == "fsdp" and use.find_unused_parameters:  # asked for without a probe: watch every parameter
-        unreached = UnreachedGrads(model, use.varying or [n for n, p in model.named_parameters() if p.requires_grad])
+        unreached = UnreachedGrads(model, use.varying or [name for name, p in model.named_parameters() if p.requires_grad])
     with objective:  # hint hooks on while the steps run
         for step in range(start_step, end):
             t0 = time.perf_counter()
