@@ -4,63 +4,17 @@ across world sizes, and the failure cases (refused configs, uneven data, a hung 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from overdrive.train.loop import SampleStream, TrainConfig, micro_batch_indices, run_training
-from overdrive.train.parallel import DistEnv, ParallelConfigError, ParallelDims, find_blocks
+from overdrive.train.loop import SampleStream, micro_batch_indices
+from overdrive.train.parallel import ParallelConfigError, ParallelDims, find_blocks
 from tests.fixtures import train_models
-from tests.fixtures.train_workers import clean, full
-
-CPU = DistEnv(0, 0, 1, torch.device("cpu"))
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(factory: str, world: int, tmp_path: Path, **config) -> dict:
-    out = tmp_path / f"rank0-{time.monotonic_ns()}.pt"
-    config.setdefault("workload", factory)
-    from tests.fixtures.train_workers import run_rank
-
-    mp.spawn(run_rank, args=(world, free_port(), factory, config, str(out)), nprocs=world, join=True)
-    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
-    result = ranks[0]  # losses and the summary are the same on every rank
-    for other in ranks[1:]:  # pipeline stages each hold some of the parameters
-        for key in ("grads", "params"):
-            result[key] = {**other[key], **result[key]}
-    return result
-
-
-def reference(factory: str, **config) -> dict:
-    """The single-process run, with the same result layout as `spawn`."""
-    grads = {}
-
-    def on_grads(step, model):
-        if step == 0:
-            grads.update({clean(n): full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
-
-    workload = getattr(train_models, factory)()
-    summary = run_training(TrainConfig(workload=factory, **config), CPU, workload=workload, on_grads=on_grads)
-    return {"losses": summary.losses, "grads": grads, "summary": summary.to_dict(),
-            "params": {clean(n): full(p) for n, p in workload.model.named_parameters()}}
-
-
-def assert_close(a: dict, b: dict, *, atol: float, rtol: float = 1e-4):
-    assert set(a) == set(b)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+from tests.fixtures.train_workers import REPO, assert_close, reference, spawn
 
 
 # -- data layout ---------------------------------------------------------------------------------------

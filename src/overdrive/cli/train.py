@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from overdrive.train.launch import DistEnv
 
 SUMMARY_ENV = "OVERDRIVE_TRAIN_SUMMARY"  # rank 0 of a job this command launched writes its summary there
+ERRORS_ENV = "OVERDRIVE_TRAIN_ERRORS"  # ... and each rank that fails with a library error, its one line, as FILE.RANK
 
 
 def add_parser(sub) -> None:
@@ -33,7 +34,8 @@ def add_parser(sub) -> None:
     train.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step (default 1)")
     train.add_argument("--lr", type=ratio, default=1e-4, help="peak AdamW learning rate (default 1e-4)")
     train.add_argument("--precision", choices=("fp32", "bf16", "fp16", "auto"), default="fp32",
-                       help="autocast precision (default fp32; fp16 needs CUDA and uses a gradient scaler)")
+                       help="autocast precision (default fp32; fp16 needs CUDA and uses a gradient scaler, not with "
+                            "fsdp or pipeline)")
     train.add_argument("--checkpoint-activations", action="store_true", help="recompute each block's activations in "
                                                                              "backward: less memory, more compute")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -46,6 +48,9 @@ def add_parser(sub) -> None:
     train.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe", help="pipeline schedule (default gpipe)")
     train.add_argument("--split-points", type=int_list, help="pipeline: first block index of each stage after the "
                                                              "first, e.g. 3 (default: balance measured block times)")
+    train.add_argument("--find-unused-parameters", action="store_true", default=None,
+                       help="ddp / fsdp: reduce a zero gradient for parameters a rank's forward did not reach, every "
+                            "step, and freeze none (default: on when a probe of the first batches sees use vary)")
     train.add_argument("--seed", type=nonnegative_int, default=0, help="data order and initial RNG state (default 0)")
     train.add_argument("--collective-timeout-s", type=ratio, default=600.0,
                        help="a collective waiting longer than this fails with an error naming the rank (default 600)")
@@ -62,7 +67,8 @@ def config_from_args(args, world_size: int) -> TrainConfig:
     """The TrainConfig for parsed `overdrive train` arguments at `world_size` processes.
 
     Raises:
-        ConfigError: degrees, microbatches or split points that cannot work (before any launch).
+        ConfigError: degrees, microbatches, split points, or any combination of flags that cannot
+            work whatever the model (`TrainConfig` checks them), before any launch.
     """
     from overdrive.train.config import TrainConfig
     from overdrive.train.parallel import ParallelDims
@@ -75,6 +81,7 @@ def config_from_args(args, world_size: int) -> TrainConfig:
         checkpoint_activations=args.checkpoint_activations, compile=args.compile, dims=dims, seed=args.seed,
         collective_timeout_s=args.collective_timeout_s,
         save_dir=args.save, save_every=args.save_every, resume_dir=args.resume,
+        find_unused_parameters=args.find_unused_parameters,
     )
 
 
@@ -89,7 +96,8 @@ def main(args, argv: list[str]) -> int:
     import torch
 
     from overdrive.core.devices import resolve_device
-    from overdrive.train.config import TrainSummary
+    from overdrive.train._torchrun import FAILURES_ENV
+    from overdrive.train.config import TrainSummary, check_runnable
     from overdrive.train.launch import DistEnv, launch, launched_by_torchrun
 
     if args.strategy is None:
@@ -97,23 +105,38 @@ def main(args, argv: list[str]) -> int:
     if launched_by_torchrun():
         return _rank_main(args)
     nproc = args.nproc or 1
-    config = config_from_args(args, nproc)  # refuses bad degrees before launching anything
-    resolve_device(config.device)
+    config = config_from_args(args, nproc)  # refuses flag errors (TrainConfig checks them) before launching anything
+    device = resolve_device(config.device)
+    check_runnable(config, device)  # and what depends on the device or the file system
     if config.dims.world_size > 1 or config.dims.strategy != "none":  # a strategy needs a process group, even of 1
-        if args.device in ("cuda", "auto") and torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        if device.type == "cuda" and torch.cuda.device_count() < nproc:
             raise ConfigError(f"{arg('nproc', nproc)} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}")
         with tempfile.TemporaryDirectory(prefix="overdrive-train-") as tmp:
             summary_file = Path(tmp) / "summary.json"  # rank 0 hands its summary back through it
-            code = launch(_without_nproc(argv), nproc, env={SUMMARY_ENV: str(summary_file)})
+            env = {SUMMARY_ENV: str(summary_file), ERRORS_ENV: str(Path(tmp) / "error"),
+                   FAILURES_ENV: str(Path(tmp) / "failures.json")}
+            code = launch(_without_nproc(argv), nproc, env=env)
             if code != 0:
-                sys.stderr.write(f"overdrive: error: training failed (torchrun exit code {code}; the failing rank's "
-                                 "error is above)\n")
-                return 1
+                return _launch_failed(code, Path(tmp))
             summary = TrainSummary(**json.loads(summary_file.read_text()))
     else:
         summary = _train_here(config, DistEnv(0, 0, 1, resolve_device(config.device)), args)
     _finish(args, config, summary)
     return 0
+
+
+def _launch_failed(code: int, tmp: Path) -> int:
+    """One line for a launched job that failed: the ranks' library error (exit 2), else the
+    failed ranks' exit codes, their own errors being above (exit 1)."""
+    errors = dict.fromkeys(p.read_text().strip() for p in sorted(tmp.glob("error.*")))  # each distinct line once
+    if errors:
+        sys.stderr.write("".join(f"overdrive: error: {line}\n" for line in errors))
+        return 2
+    failures = tmp / "failures.json"
+    ranks = json.loads(failures.read_text()) if failures.exists() else []
+    which = ", ".join(f"rank {r} exit code {c}" for r, c in ranks) or f"torchrun exit code {code}"
+    sys.stderr.write(f"overdrive: error: training failed ({which}; the failing rank's error is above)\n")
+    return 1
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -145,6 +168,11 @@ def _rank_main(args) -> int:
     except Exception as exc:
         shutdown_distributed(barrier=False)
         if isinstance(exc, OverdriveError):
+            if os.environ.get(ERRORS_ENV):  # launched by `overdrive train`: it prints the line, once for all ranks
+                from overdrive.cli import error_line
+
+                Path(f"{os.environ[ERRORS_ENV]}.{env.rank}").write_text(error_line(exc, "train"))
+                return 2
             raise
         raise RuntimeError(f"rank {env.rank} of {env.world_size} failed: {one_line(exc)}") from exc
     shutdown_distributed()
@@ -195,7 +223,8 @@ def _finish(args, config: TrainConfig, summary: TrainSummary) -> None:
     if args.compare:
         base_config = replace(config, dims=ParallelDims(strategy="none", world_size=1), precision="fp32",
                               checkpoint_activations=False, compile=False, save_dir=None, save_every=0, resume_dir=None,
-                              batch_size=summary.global_batch_size // config.grad_accum, steps=summary.steps)
+                              batch_size=summary.global_batch_size // config.grad_accum, steps=summary.steps,
+                              find_unused_parameters=None)
         with console.status("measuring the baseline: fp32, one process, same global batch and steps"):
             device = resolve_device(config.device)
             base = run_training(base_config, DistEnv(0, 0, 1, torch.device(device.type, 0) if device.type == "cuda" else device))
@@ -220,5 +249,11 @@ def _finish(args, config: TrainConfig, summary: TrainSummary) -> None:
                       f"{p['microbatches']} microbatches; idle (bubble) fraction measured {p['bubble_fraction']:.3f} "
                       f"(per rank {', '.join(f'{b:.3f}' for b in p['bubble_fraction_per_rank'])}); GPipe's "
                       f"(p−1)/(m+p−1) = {p['gpipe_formula']:.3f}", highlight=False)
+    if summary.frozen_parameters:
+        names = summary.frozen_parameters
+        console.print(f"frozen (reached by no probe batch): {', '.join(names[:12])}"
+                      f"{f' and {len(names) - 12} more' if len(names) > 12 else ''}", highlight=False)
+    for note in summary.notes:
+        console.print(note, highlight=False)
     if config.save_dir:
         console.print(f"checkpoints: {config.save_dir}/step-N", highlight=False)

@@ -71,9 +71,9 @@ def shutdown_distributed(*, barrier: bool = True) -> None:
 def launch(argv: list[str], nproc: int, *, env: dict[str, str] | None = None) -> int:
     """Run `python -m overdrive <argv>` in `nproc` processes with torchrun on this machine.
 
-    torchrun stops every rank when one fails (its exit code is then non-zero and it prints the
-    failing rank's error). Each rank gets OMP_NUM_THREADS = cores / nproc unless set, so CPU
-    ranks do not oversubscribe the cores.
+    torchrun stops every rank when one fails; its exit code is then non-zero, and instead of its
+    traceback it reports the failed ranks (`overdrive.train._torchrun`). Each rank gets
+    OMP_NUM_THREADS = cores / nproc unless set, so CPU ranks do not oversubscribe the cores.
 
     Args:
         env: extra environment variables for the ranks.
@@ -83,6 +83,6 @@ def launch(argv: list[str], nproc: int, *, env: dict[str, str] | None = None) ->
     """
     env = {**os.environ, **(env or {})}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    torchrun = [sys.executable, "-m", "overdrive.train._torchrun", "--standalone", f"--nproc-per-node={nproc}",
                 "--max-restarts=0", "-m", "overdrive"]
     return subprocess.run([*torchrun, *argv], env=env).returncode

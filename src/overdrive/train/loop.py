@@ -38,11 +38,14 @@ from overdrive.core.measure import peak_memory, reset_peak_memory
 from overdrive.core.workload import Workload
 from overdrive.train import parallel
 from overdrive.train.checkpoint import load_checkpoint, save_checkpoint
-from overdrive.train.config import TrainConfig, TrainSummary, autocast_dtype, training_precision, warmup_cosine
+from overdrive.train.agreement import adopt_rank0_weights, check_same_batch
+from overdrive.train.config import TrainConfig, TrainSummary, autocast_dtype, check_runnable, warmup_cosine
 from overdrive.train.data import SampleStream, micro_batch_indices, train_inputs
 from overdrive.train.launch import DistEnv
 from overdrive.train.objective import Objective, frozen_copy
 from overdrive.train.parallel import ParallelDims
+from overdrive.train.probe import (NUM_PROBE_BATCHES, ParameterUse, UnreachedGrads, plan_parameter_use,
+                                   probe_parameter_use)
 
 
 def _current_memory(device: torch.device) -> int:
@@ -55,19 +58,37 @@ def _current_memory(device: torch.device) -> int:
         return 0
 
 
-def _freeze_unreached(model: nn.Module, workload: Workload, objective: "Objective", device: torch.device) -> list[str]:
-    """Turn off gradients for parameters the objective never reaches (e.g. a BERT pooler under
-    mean pooling), found with one forward and backward pass over two training rows: DDP would
-    otherwise wait for their gradients forever. Returns their names."""
-    idx = list(range(min(2, len(workload.train_samples))))
-    inputs = train_inputs(workload, idx, device)
-    objective(model(*inputs), objective.target(idx, inputs, device)).backward()
-    frozen = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+def _probe_parameter_use(model: nn.Module, workload: Workload, objective: Objective, config: TrainConfig, env: DistEnv,
+                         stream: SampleStream, batch_size: int, dp_rank: int) -> ParameterUse:
+    """Probe this rank's first micro-batches (`overdrive.train.probe`), sum the counts over the
+    ranks, freeze the parameters no batch reached, and say what DDP / FSDP must do."""
+    dims = config.dims
+    if config.find_unused_parameters or dims.strategy not in ("ddp", "fsdp"):
+        return plan_parameter_use({}, num_probes=0, strategy=dims.strategy, requested=config.find_unused_parameters)
+    global_batch = batch_size * config.grad_accum * dims.dp
+    batches = [micro_batch_indices(stream, k // config.grad_accum * global_batch, batch_size=batch_size,
+                                   grad_accum=config.grad_accum, dp=dims.dp, dp_rank=dp_rank, micro=k % config.grad_accum)
+               for k in range(NUM_PROBE_BATCHES)]
+    counts = probe_parameter_use(model, workload, objective, batches, env.device)
+    if dist.is_initialized():
+        box = torch.tensor(list(counts.values()), dtype=torch.int64, device=env.device)
+        dist.all_reduce(box)
+        counts = dict(zip(counts, box.tolist(), strict=True))
+    use = plan_parameter_use(counts, num_probes=NUM_PROBE_BATCHES * dims.dp, strategy=dims.strategy,
+                             requested=config.find_unused_parameters)
     for name, p in model.named_parameters():
-        p.grad = None
-        if name in frozen:
+        if name in use.frozen:
             p.requires_grad_(False)
-    return frozen
+    return use
+
+
+def _same_batch_tensors(idx: list[int], inputs: tuple[torch.Tensor, ...], objective: Objective) -> list[torch.Tensor]:
+    """What ranks of one replica must agree on: the sample indices, the inputs, and the labels
+    (a teacher's outputs are not compared: they follow from the inputs and the weights)."""
+    tensors = [torch.tensor(idx, dtype=torch.int64, device=inputs[0].device), *inputs]
+    if objective.classification:
+        tensors.append(objective.workload.train_labels[idx].to(inputs[0].device))
+    return tensors
 
 
 def _pipeline_stage(model: nn.Module, workload: Workload, config: TrainConfig, env: DistEnv, batch_size: int) -> nn.Module:
@@ -91,15 +112,21 @@ def _pipeline_stage(model: nn.Module, workload: Workload, config: TrainConfig, e
 
 
 def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str, batch_size: int,
-           objective: Objective | None):
-    """The parallelized model, its objective and optimizer, in the order parallel.py states."""
+           objective: Objective | None, stream: SampleStream, dp_rank: int):
+    """The parallelized model, its objective, optimizer and trainable parameters, the probe's
+    `ParameterUse`, and notes on what was decided here; in the order parallel.py states."""
     model = workload.model.to(env.device)
+    notes = []
+    # before the teacher is copied and anything is split or sharded
+    if config.dims.strategy != "none" and dist.is_initialized() and adopt_rank0_weights(model):
+        notes.append("the ranks' starting weights differed (a factory that reads RANK, or initialises without a seed); "
+                     "every rank starts from rank 0's")
     if objective is None:
         objective = Objective(workload, None if workload.train_labels is not None else frozen_copy(model))
     dims = config.dims
     model.train(config.train_mode)
-    if dims.strategy != "none":  # one process needs no probe: AdamW skips parameters without gradients
-        _freeze_unreached(model, workload, objective, env.device)
+    # one process, pipeline and tensor parallelism need no probe: AdamW skips parameters without gradients
+    use = _probe_parameter_use(model, workload, objective, config, env, stream, batch_size, dp_rank)
     if dims.strategy == "pipeline":
         model = workload.model = _pipeline_stage(model, workload, config, env, batch_size)  # the rank trains its stage
     if dims.strategy == "tensor-parallel":
@@ -115,15 +142,18 @@ def _build(workload: Workload, config: TrainConfig, env: DistEnv, precision: str
     if config.compile:
         model.compile()
     if dims.strategy == "ddp":
-        model = parallel.apply_ddp(model, env)
+        model = parallel.apply_ddp(model, env, find_unused_parameters=use.find_unused_parameters)
     elif dims.strategy == "fsdp":
-        parallel.apply_fsdp(model, env, param_dtype=autocast_dtype(precision))
+        try:
+            parallel.apply_fsdp(model, env, param_dtype=autocast_dtype(precision), reduce_unused=use.find_unused_parameters)
+        except ValueError as exc:
+            raise ConfigError(f"{arg('strategy', 'fsdp')}: {exc}") from None
     model.train(config.train_mode)
     params = [p for p in model.parameters() if p.requires_grad]
     # Fused AdamW (one kernel for all parameters) where torch has it: CUDA, and CPU for plain tensors.
     fused = env.device.type == "cuda" or dims.strategy in ("none", "ddp", "pipeline")
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0, **({"fused": True} if fused else {}))
-    return model, objective, optimizer, params
+    return model, objective, optimizer, params, use, notes + ([use.note] if use.note else [])
 
 
 def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None = None,
@@ -155,34 +185,21 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
         raise ConfigError(f"workload {workload.name!r} has no training samples; a factory can return a Workload "
                         "with train_samples (and train_labels for classification)")
     dims = config.dims
-    try:
-        precision = training_precision(env.device, config.precision)
-    except ValueError as exc:
-        raise ConfigError(f"{arg('precision')}: {exc}") from None
-    if precision == "fp16" and dims.strategy == "fsdp":
-        raise ConfigError(f"{arg('precision', 'fp16')} with {arg('strategy', 'fsdp')} is not supported (its gradient scaler needs sharded "
-                        f"gradients); use {arg('precision', 'bf16')}")
-    batch_size = config.batch_size or min(workload.default_batch_size, 32)
-    runner = None
-    if dims.strategy == "pipeline":
-        if config.grad_accum != 1:
-            raise ConfigError(f"{arg('grad_accum')} with {arg('strategy', 'pipeline')}: the microbatches already accumulate; "
-                            f"raise {arg('microbatches')} and {arg('batch_size')} instead")
-        if batch_size % dims.num_microbatches:
-            raise ConfigError(f"{arg('batch_size', batch_size)} must be a multiple of the {dims.num_microbatches} pipeline "
-                            "microbatches")
+    precision = check_runnable(config, env.device)
+    batch_size = config.batch_size_for(workload.default_batch_size)
     dp_rank = env.rank if dims.dp > 1 else 0
     torch.manual_seed(config.seed + dp_rank)
-    if config.steps is not None and config.steps < 1 or batch_size < 1 or not config.learning_rate > 0:
-        raise ConfigError(f"{arg('steps', config.steps)}, {arg('batch_size', batch_size)} and "
-                          f"{arg('learning_rate', config.learning_rate)} must be positive")
-    model, objective, optimizer, params = _build(workload, config, env, precision, batch_size, objective)
+    n = len(workload.train_samples)
+    stream = SampleStream(n, config.seed)
+    model, objective, optimizer, params, use, notes = _build(workload, config, env, precision, batch_size, objective,
+                                                             stream, dp_rank)
+    runner = None
     if dims.strategy == "pipeline":
         from overdrive.train.pipeline import PipelineRunner
 
         runner = PipelineRunner(model, dims, env, objective)
+    check_batches = dims.strategy in ("tensor-parallel", "pipeline") and dist.is_initialized()
     global_batch = batch_size * config.grad_accum * dims.dp
-    n = len(workload.train_samples)
     steps = config.steps or max(1, math.ceil((config.epochs or 1.0) * n / global_batch))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     start_step, position = 0, 0
@@ -193,7 +210,6 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
         if start_step >= steps:
             raise ConfigError(f"{arg('resume_dir', config.resume_dir)} is at step {start_step}; ask for more steps than that "
                             f"({arg('steps', start_step + steps)})")
-    stream = SampleStream(n, config.seed)
     reset_peak_memory(env.device)
     start_memory = _current_memory(env.device)
     autocast = autocast_dtype(precision) if dims.strategy != "fsdp" else None  # FSDP casts through its policy
@@ -202,6 +218,10 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
     times: list[float] = []
     is_ddp = dims.strategy == "ddp"
     end = min(steps, config.stop_after) if config.stop_after else steps
+    # FSDP2 reduces zeros for what no rank reached; drop them so AdamW skips those parameters, as one process would
+    unreached = None
+    if dims.strategy == "fsdp" and use.find_unused_parameters:  # asked for without a probe: watch every parameter
+        unreached = UnreachedGrads(model, use.varying or [name for name, p in model.named_parameters() if p.requires_grad])
     with objective:  # hint hooks on while the steps run
         for step in range(start_step, end):
             t0 = time.perf_counter()
@@ -214,6 +234,8 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
                 if dims.strategy == "fsdp":
                     model.set_requires_gradient_sync(last)
                 sync = model.no_sync() if is_ddp and not last else contextlib.nullcontext()
+                if check_batches:  # the ranks of one replica must hold the same rows, before the model's collectives
+                    check_same_batch(_same_batch_tensors(idx, inputs, objective), step=step, strategy=dims.strategy)
                 with sync:
                     with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
                         target = objective.target(idx, inputs, env.device)  # the teacher also runs in autocast
@@ -223,9 +245,13 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
             if runner:  # the schedule splits the batch into microbatches and runs forward and backward
                 idx = stream.take(position, batch_size)
                 inputs = train_inputs(workload, idx, env.device)
+                if check_batches:  # the first stage feeds these rows; the last computes their targets
+                    check_same_batch(_same_batch_tensors(idx, inputs, objective), step=step, strategy=dims.strategy)
                 with torch.autocast(env.device.type, dtype=autocast, enabled=autocast is not None):
                     target = objective.target(idx, inputs, env.device) if runner.last else None
                     total = runner.step(inputs, target)
+            if unreached:
+                unreached.drop(env.device)
             if scaler:
                 scaler.unscale_(optimizer)
             if on_grads:
@@ -269,7 +295,8 @@ def run_training(config: TrainConfig, env: DistEnv, *, workload: Workload | None
         global_batch_size=global_batch, samples_per_s=global_batch * len(measured) / sum(measured),
         seconds=sum(times), peak_memory_bytes=peak, peak_memory_kind=kind, step_memory_bytes=added,
         first_loss=sum(losses[:tenth]) / tenth, last_loss=sum(losses[-tenth:]) / tenth, losses=losses,
-        objective=objective.name, device=str(env.device), pipeline=pipeline_stats,
+        objective=objective.name, device=str(env.device), pipeline=pipeline_stats, frozen_parameters=use.frozen,
+        find_unused_parameters=use.find_unused_parameters, notes=notes,
     )
 
 

@@ -177,15 +177,23 @@ def _run_segment(segment, x):
     return x
 
 
-def apply_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
+def apply_ddp(model: nn.Module, env: DistEnv, *, find_unused_parameters: bool = False) -> nn.Module:
     """DistributedDataParallel (Li et al., VLDB 2020): gradients all-reduced in buckets,
-    overlapped with the backward pass. Use `no_sync()` on accumulation micro-steps."""
+    overlapped with the backward pass. Use `no_sync()` on accumulation micro-steps.
+
+    Args:
+        find_unused_parameters: after each forward, walk the autograd graph for the parameters
+            it did not reach and reduce a zero gradient for them on this rank (a branch that
+            depends on the data); costs one graph traversal per step.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                                   find_unused_parameters=find_unused_parameters)
 
 
-def apply_fsdp(model: nn.Module, env: DistEnv, *, param_dtype: torch.dtype | None) -> nn.Module:
+def apply_fsdp(model: nn.Module, env: DistEnv, *, param_dtype: torch.dtype | None,
+               reduce_unused: bool = False) -> nn.Module:
     """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded across the
     data-parallel ranks (ZeRO-3, Rajbhandari et al. 2020), each block its own unit so one
     block's parameters are all-gathered while the previous block computes.
@@ -193,9 +201,16 @@ def apply_fsdp(model: nn.Module, env: DistEnv, *, param_dtype: torch.dtype | Non
     Args:
         param_dtype: the dtype parameters are all-gathered and computed in (bf16 for mixed
             precision), with gradients reduced in fp32; None for fp32 throughout.
+        reduce_unused: reduce-scatter a zero gradient for each parameter this rank's backward
+            did not reach (`set_reduce_scatter_unused_params`, FSDP2's counterpart of DDP's
+            `find_unused_parameters`), so ranks that took different branches still reduce the
+            same parameters.
 
     Returns:
         The same module, sharded in place (its parameters become DTensors).
+
+    Raises:
+        ValueError: `reduce_unused` with a torch whose FSDP2 cannot do it.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -207,6 +222,11 @@ def apply_fsdp(model: nn.Module, env: DistEnv, *, param_dtype: torch.dtype | Non
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if reduce_unused:
+        if not hasattr(model, "set_reduce_scatter_unused_params"):
+            raise ValueError(f"FSDP2 in torch {torch.__version__} cannot reduce parameters that only some ranks reached "
+                             "(no set_reduce_scatter_unused_params); use DDP, or a newer torch")
+        model.set_reduce_scatter_unused_params(True)
     return model
 
 
