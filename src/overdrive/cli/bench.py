@@ -46,17 +46,19 @@ def main(args, argv: list[str]) -> int:
                                                  progress=lambda d: status.update(f"measuring {d}"))
 
     table = Table(title=f"overdrive bench {session.workload.name} — {device_name}")
-    for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup", "peak memory", "fidelity"):
+    for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup [95% interval]", "peak memory",
+                "fidelity"):
         table.add_column(col, justify="left" if col in ("configuration", "fidelity") else "right")
-    base = dict(next(iter(curves.values())))
+    first = next(iter(curves))
     key = session.workload.fidelity_key
     for label, points in curves.items():
         for b, m in points:
             table.add_row(label, str(b), f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f} / {m.latency_ms['p99']:.2f}",
-                          f"{m.samples_per_s:,.1f}", f"{m.samples_per_s / base[b].samples_per_s:.2f}×" if b in base else "",
+                          f"{m.samples_per_s:,.1f}", m.gain.describe() if m.gain else ("1.00×" if label == first else ""),
                           format_bytes(m.peak_memory_bytes), format_fidelity(m, key))
     console.print(table)
-    console.print(f"{session.describe_samples()} per measurement")
+    console.print(f"{session.describe_samples()} per measurement; {session.workload.describe_rows(session.num_distinct_samples)}; "
+                  "speedup over the baseline at the same batch size, timed interleaved with it", highlight=False)
     for report in (r for label_reports in reports.values() for r in label_reports):
         console.print(describe_report(report, key), highlight=False, soft_wrap=True)
     out = session.out_dir

@@ -55,6 +55,7 @@ class Measurement:
         task_metric: e.g. {"accuracy_pct": 99.2} for workloads with labels.
         num_passes: timed passes over all the evaluation rows.
         pass_spread: p90 / p50 of the pass times (1.0: steady; well above: a busy machine).
+        gain: throughput over the eager baseline's, timed interleaved with it (`compare`), where it was.
     """
 
     batch_size: int
@@ -72,6 +73,7 @@ class Measurement:
     task_metric: dict[str, float] | None = None
     num_passes: int = 0
     pass_spread: float = math.nan
+    gain: Gain | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -29,6 +29,7 @@ from overdrive.tuning.tuner import FidelityRule, Guard, Row, Tuner
 
 Progress = Callable[[str, int, int], None]  # (what is measured next, measurements done, expected in all)
 PLOT_NAME = "latency_vs_batch_size.png"
+SWEEP_MAX_ROWS = 256  # rows per pass of the report's latency-vs-batch-size curve (the plan's figures use every row)
 BASELINE_LABEL = "baseline (eager fp32)"
 PYTHON_MODEL_PREFIX = "<python "  # the workload of a plan made from a module passed in Python
 
@@ -297,7 +298,7 @@ class OptimizeJob:
             result.save_plan(s.out_dir)  # before the sweep: the plan is the main result
         count["total"] = count["done"] + 2 * len(self.sweep_batch_sizes)
         result.sweep = sweep(s, {BASELINE_LABEL: [], "plan": result.plan.steps}, self.sweep_batch_sizes,
-                             progress=step, warn=warnings.append)
+                             progress=step, warn=warnings.append, max_rows=SWEEP_MAX_ROWS)
         if s.out_dir is not None:
             result.save(s.out_dir)
         return result

@@ -11,7 +11,7 @@ import torch
 
 from overdrive.core.devices import resolve_device
 from overdrive.core.errors import ConfigError, arg, one_line
-from overdrive.core.measure import Measurement, cycle_indices, measure
+from overdrive.core.measure import Gain, Measurement, Runner, compare, cycle_indices, judge_outputs
 from overdrive.techniques import TechniqueConfig
 from overdrive.tuning.plan import build
 from overdrive.workloads import Workload, create_workload
@@ -117,27 +117,19 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
     )
 
 
-def measure_steps(session: Session, steps: list[TechniqueConfig], *, batch_size: int, reference: torch.Tensor | None = None,
-                  min_timed_calls: int = 5, reports: list[dict] | None = None) -> tuple[Measurement, torch.Tensor]:
-    """Build `steps` on the session's workload and measure them at `batch_size` on the same
-    samples `optimize` judged (cycled up to one full batch when there are fewer). Technique
-    reports (pruning) are appended to `reports` when given."""
-    indices = cycle_indices(max(session.num_distinct_samples, batch_size), len(session.workload.samples))
-    model, policy = build(session.workload, steps, session.device, reports)
-    try:
-        return measure(model, session.workload, device=session.device, batch_size=batch_size,
-                       indices=indices, policy=policy, reference=reference,
-                       min_timed_calls=min_timed_calls, min_timed_s=0.5)
-    finally:
-        del model
-        torch.compiler.reset()
-
-
 def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_sizes: list[int],
-          progress=lambda _: None, warn=lambda _: None,
-          reports: dict[str, list[dict]] | None = None) -> dict[str, list[tuple[int, Measurement]]]:
-    """Measure each configuration at each batch size; fidelity against the baseline at that size.
-    `reports`, when given, receives each configuration's technique reports from its first build.
+          progress=lambda _: None, warn=lambda _: None, reports: dict[str, list[dict]] | None = None, *,
+          rounds: int = 4, max_rows: int | None = None) -> dict[str, list[tuple[int, Measurement]]]:
+    """Measure each configuration at each batch size, on the same rows `optimize` judged (cycled up
+    to one full batch when there are fewer). When the first configuration is the eager baseline
+    (no steps), every other one is timed against it in `rounds` interleaved rounds
+    (`measure.compare`), so its `gain` (speedup with a 95% interval) is the one `optimize` reports,
+    and its fidelity is against the baseline at the same batch size.
+
+    Args:
+        reports: when given, receives each configuration's technique reports from its first build.
+        rounds: interleaved rounds per configuration and batch size.
+        max_rows: rows per pass at most (the report's curve needs no full pass); None: all of them.
 
     A configuration that fails at a batch size is reported through `warn` and left out of
     that point; the rest of the sweep goes on.
@@ -145,31 +137,58 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
     Returns:
         {label: [(batch_size, measurement), ...]} in the order given.
     """
+    workload = session.workload
     out: dict[str, list[tuple[int, Measurement]]] = {label: [] for label in configs}
+    first = next(iter(configs), None)
+    baseline_label = first if first is not None and not configs[first] else None
     for b in batch_sizes:
-        reference = None
-        for label, steps in configs.items():
-            progress(f"{label} @ batch {b}")
-            try:
-                collected: list[dict] = []
-                m, outputs = measure_steps(session, steps, batch_size=b, reference=reference, reports=collected)
-                if reports is not None:
-                    reports.setdefault(label, collected)
-            except Exception as exc:  # noqa: BLE001 - one failing point must not lose the others
-                warn(f"{label} at batch size {b} failed: {one_line(exc)}")
-                continue
-            if reference is None and not steps:
-                reference = outputs
-                m.fidelity = session.workload.fidelity(outputs, outputs)
-            out[label].append((b, m))
+        rows = max(session.num_distinct_samples, b) if max_rows is None else max(b, min(session.num_distinct_samples, max_rows))
+        indices = cycle_indices(rows, len(workload.samples))
+        runners: dict[str, Runner] = {}
+        outputs: dict[str, torch.Tensor] = {}
+        gains: dict[str, Gain] = {}
+        try:
+            for label, steps in configs.items():
+                progress(f"{label} @ batch {b}")
+                try:
+                    collected: list[dict] = []
+                    model, policy = build(workload, steps, session.device, collected)
+                    runners[label] = Runner(model, workload, device=session.device, batch_size=b, indices=indices,
+                                            policy=policy)
+                    outputs[label] = runners[label].warm_up()
+                    if reports is not None:
+                        reports.setdefault(label, collected)
+                    if label != baseline_label and baseline_label in runners:
+                        gains[label] = compare(runners[baseline_label], runners[label], min_gain=0.0, min_rounds=rounds,
+                                               max_rounds=rounds)
+                    elif baseline_label is None:
+                        for _ in range(rounds):
+                            runners[label].timed_pass()
+                except Exception as exc:  # noqa: BLE001 - one failing point must not lose the others
+                    warn(f"{label} at batch size {b} failed: {one_line(exc)}")
+                    runners.pop(label, None)
+            if baseline_label in runners and not runners[baseline_label].pass_s:  # the baseline alone
+                for _ in range(rounds):
+                    runners[baseline_label].timed_pass()
+            reference = outputs.get(baseline_label)
+            for label, runner in runners.items():
+                m = judge_outputs(runner.measurement(), workload, outputs[label], indices, reference)
+                m.gain = gains.get(label)
+                out[label].append((b, m))
+        finally:
+            for runner in runners.values():
+                runner.model, runner.batches = None, []
+            runners.clear()
+            torch.compiler.reset()
     return out
 
 
 def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda _: None,
                  ) -> tuple[dict[str, list[tuple[int, Measurement]]], list[str], dict[str, list[dict]]]:
     """The eager fp32 baseline and `plan` (a Plan, or None for the baseline alone) measured at each
-    batch size, the plan's fidelity against the baseline at the same size; `progress` is called
-    with a description before each measurement.
+    batch size, interleaved (`sweep`): the plan's gain over the baseline with its 95% interval, and
+    its fidelity against the baseline at the same size; `progress` is called with a description
+    before each measurement.
 
     Returns:
         (curves {label: [(batch size, Measurement)]}, the baseline first; the points that failed,
