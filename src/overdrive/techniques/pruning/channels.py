@@ -23,6 +23,7 @@ from torch import nn
 
 from overdrive.core.errors import one_line
 from overdrive.core.workload import Workload
+from overdrive.techniques.graph_programs import CONV_OPS, LINEAR_OPS, missing_layers_reason
 from overdrive.techniques.pruning.recovery import PruningConfig, PruningTechnique, example_inputs, importance_gradients
 from overdrive.techniques.registry import register
 
@@ -107,7 +108,8 @@ class PruneChannels(PruningTechnique):
         except ImportError:
             return "needs the torch-pruning package (pip install torch-pruning)"
         if not any(isinstance(m, _PRUNABLE) for m in workload.model.modules()):
-            return "not applicable: the model has no conv or Linear layers"
+            return missing_layers_reason(workload.model, layers="conv / nn.Linear", ops=CONV_OPS + LINEAR_OPS,
+                                         rewrites="prune-channels (Torch-Pruning) cuts channels out of conv and Linear modules")
         if any("Attention" in type(m).__name__ for m in workload.model.modules()):
             return "not applicable: attention blocks need head-aware pruning (prune-heads / prune-ffn)"
         return None

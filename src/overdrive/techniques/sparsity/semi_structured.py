@@ -23,6 +23,7 @@ from torch import nn
 
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload
+from overdrive.techniques.graph_programs import LINEAR_OPS, missing_layers_reason
 from overdrive.techniques.pruning.channels import output_layers
 from overdrive.techniques.pruning.recovery import example_inputs
 from overdrive.techniques.registry import Stage, Technique, TechniqueConfig, register
@@ -111,6 +112,9 @@ class Sparsity24(Technique):
             return f"needs compute capability ≥ 8.0 (sparse tensor cores); this GPU is {major}.{minor}"
         if not hasattr(torch.sparse, "to_sparse_semi_structured"):
             return "this PyTorch build has no torch.sparse.to_sparse_semi_structured"
+        if not any(isinstance(m, nn.Linear) for m in workload.model.modules()):
+            return missing_layers_reason(workload.model, layers="nn.Linear", ops=LINEAR_OPS,
+                                         rewrites="sparsity-2:4 swaps nn.Linear modules for sparse ones")
         if not any(isinstance(m, nn.Linear) and m.in_features % 4 == 0 for m in workload.model.modules()):
             return "not applicable: no Linear layer with in_features divisible by 4"
         return None
