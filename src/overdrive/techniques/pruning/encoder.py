@@ -148,8 +148,8 @@ class EncoderPruningTechnique(PruningTechnique):
     def applicability(self, workload, device):
         if not encoder_layers(workload.model):
             if holds_graph(workload.model):
-                return missing_layers_reason(workload.model, layers="encoder", ops=ATTENTION_OPS,
-                                             rewrites=f"{self.name} rewrites encoder-layer modules (BERT layout, nn.MultiheadAttention)")
+                rewrites = f"{self.name} rewrites encoder-layer modules (BERT layout, nn.MultiheadAttention)"
+                return missing_layers_reason(workload.model, layers="encoder", ops=ATTENTION_OPS, rewrites=rewrites)
             return f"not applicable: no {SUPPORTED_LAYOUTS} in the model"
         return None
 
