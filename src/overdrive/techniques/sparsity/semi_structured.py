@@ -176,8 +176,9 @@ class Sparsity24(Technique):
             layers.append(entry)
         converted = sum(not e["kept_dense"] for e in layers)
         if not converted:
-            raise RuntimeError(f"sparsity-2:4: no layer is faster sparse at these shapes ({len(layers)} measured; "
-                               "all stay dense)")
+            measured = ", ".join(f"{e['layer']} {e['gain']:.2f}×" if "gain" in e else f"{e['layer']} (no kernel)" for e in layers)
+            raise RuntimeError(f"sparsity-2:4: no layer is {config.min_layer_gain:g}× faster sparse at these shapes "
+                               f"({measured or 'no Linear layer measured'}; all stay dense)")
         model.overdrive_report = {"technique": self.name, "source": "2:4 sparsity", "layers": layers,
                                   "converted": converted, "dtype": str(dtype).removeprefix("torch.")}
         return model
