@@ -197,3 +197,27 @@ def test_sparsity_24_gate_reports_each_layers_measured_gain_on_a_gpu():
     with pytest.raises(RuntimeError, match=r"no layer is 1e\+06× faster sparse at these shapes \(0 \d+\.\d\d×, 2 \d+\.\d\d×;"):
         technique.apply(copy.deepcopy(workload.model), Sparsity24Config(min_layer_gain=1e6, timing_iterations=3),
                         workload=workload, device=device)
+
+
+class ScaledLinear(nn.Linear):
+    """A user's Linear subclass whose forward differs from nn.Linear's (here: doubled)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_a_linear_subclass_is_never_swapped_for_a_plain_sparse_linear(monkeypatch):
+    """Swapping it would drop its own forward (the doubling) without a word; it stays as it is."""
+    technique = get_technique("sparsity-2:4")
+    model = nn.Sequential(ScaledLinear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    workload = _mlp_workload(model, 16, num_samples=8, batch_size=8)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.sparse, "to_sparse_semi_structured", lambda weight: weight)
+    monkeypatch.setattr(semi_structured, "_time_ms", lambda fn, x, iterations: 1.0 if isinstance(fn, SemiStructuredLinear) else 2.0)
+    sparse = technique.apply(copy.deepcopy(model), Sparsity24Config(), workload=workload, device=CPU)
+    report = sparse.__dict__.pop("overdrive_report")
+    assert [e["layer"] for e in report["layers"]] == ["2"] and type(sparse[0]) is ScaledLinear
+    x = torch.stack(workload.samples)
+    with torch.no_grad():
+        cosine = nn.functional.cosine_similarity(sparse(x), _masked_reference(model, ["2"], None)(x), dim=-1)
+    assert cosine.min() > 0.999

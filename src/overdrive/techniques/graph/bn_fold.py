@@ -204,10 +204,12 @@ def fold_graph(gm: fx.GraphModule) -> int:
         the number of batch-norm nodes folded.
     """
     pairs = graph_pairs(gm)
+    replaced: list[fx.Node] = []  # get_attr nodes the folds stop reading
     for layer, bn, kind in pairs:
         _, weight, bias, mean, var, eps = _graph_bn_parts(bn)
         fetch = lambda n: None if n is None else _fetch(gm, n.target)  # noqa: E731
         old_bias = layer.args[2] if len(layer.args) > 2 else None
+        replaced += [n for n in (layer.args[1], old_bias, weight, bias, mean, var) if n is not None]
         fuse = fuse_linear_bn_weights if kind == "linear" else fuse_conv_bn_weights
         running_mean = fetch(mean)
         with torch.no_grad():
@@ -237,24 +239,28 @@ def fold_graph(gm: fx.GraphModule) -> int:
                     gm.graph.erase_node(user)
         gm.graph.erase_node(bn)
     if pairs:
-        _drop_unread_attributes(gm)
+        _drop_unread_attributes(gm, replaced)
         gm.graph.lint()
         gm.recompile()
     return len(pairs)
 
 
-def _drop_unread_attributes(gm: fx.GraphModule) -> None:
-    """Remove get_attr nodes nothing reads, and the parameters / buffers only they named."""
-    for node in list(gm.graph.nodes):
+def _drop_unread_attributes(gm: fx.GraphModule, candidates: list[fx.Node]) -> None:
+    """Remove the get_attr nodes among `candidates` (the folded layers' old weights and biases, the
+    batch norms' parameters and statistics) that nothing reads any more, and the attributes they
+    named when no other node of this graph reads them. Attributes the graph never named (those of
+    submodules it calls) are not touched."""
+    dropped = set()
+    for node in dict.fromkeys(candidates):
         if node.op == "get_attr" and not node.users:
+            dropped.add(node.target)
             gm.graph.erase_node(node)
-    read = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
-    for name in [n for n, _ in gm.named_parameters(remove_duplicate=False)] + [n for n, _ in gm.named_buffers()]:
-        if name not in read:
-            owner, _, attr = name.rpartition(".")
-            module = gm.get_submodule(owner) if owner else gm
-            if hasattr(module, attr):
-                delattr(module, attr)
+    still_read = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
+    for target in dropped - still_read:
+        owner, _, attr = target.rpartition(".")
+        module = gm.get_submodule(owner) if owner else gm
+        if hasattr(module, attr):
+            delattr(module, attr)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,8 @@ Per-layer speed gate: each candidate Linear is timed at the shapes it sees on th
 samples (its real input, at the workload's batch size), dense in the same half dtype against
 2:4 sparse, with CUDA events; a layer whose sparse form is not at least `min_layer_gain`×
 faster stays dense and unpruned, and the report says which and by how much. The output layer
-is never made sparse. On other devices the technique is listed as unsupported, not faked.
+is never made sparse, nor is a subclass of nn.Linear (its own forward would be lost). On other
+devices the technique is listed as unsupported, not faked.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ class Sparsity24(Technique):
         if not any(isinstance(m, nn.Linear) for m in workload.model.modules()):
             return missing_layers_reason(workload.model, layers="nn.Linear", ops=LINEAR_OPS,
                                          rewrites="sparsity-2:4 swaps nn.Linear modules for sparse ones")
-        if not any(isinstance(m, nn.Linear) and m.in_features % 4 == 0 for m in workload.model.modules()):
+        if not any(type(m) is nn.Linear for m in workload.model.modules()):
+            return "not applicable: its Linear layers are subclasses of nn.Linear, whose own forward a sparse Linear would drop"
+        if not any(type(m) is nn.Linear and m.in_features % 4 == 0 for m in workload.model.modules()):
             return "not applicable: no Linear layer with in_features divisible by 4"
         return None
 
@@ -134,7 +137,7 @@ class Sparsity24(Technique):
         inputs_seen: dict[str, torch.Tensor] = {}
         head = set(map(id, output_layers(model, example_inputs(workload, device))))
         candidates = {name: m for name, m in model.named_modules()
-                      if isinstance(m, nn.Linear) and m.in_features % 4 == 0 and id(m) not in head}
+                      if type(m) is nn.Linear and m.in_features % 4 == 0 and id(m) not in head}  # subclasses: own forward
 
         def record(name):
             return lambda _m, args: inputs_seen.setdefault(name, args[0].detach())
