@@ -432,3 +432,25 @@ def test_layers_coupled_to_an_lstm_stay_whole_and_the_rest_is_pruned():
     assert "nn.LSTM 'rnn'" in report["left_unpruned"]["pre"]
     with torch.no_grad():
         assert pruned(torch.stack(workload.samples)).shape == (8, 5)
+
+
+class NormalizedHead(nn.Module):
+    """An embedding model: the output is the head's output L2-normalised, not the head's tensor itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return nn.functional.normalize(self.head(torch.relu(self.conv(x)).mean((2, 3))), dim=-1)
+
+
+def test_the_output_layer_is_found_through_ops_after_it():
+    torch.manual_seed(0)
+    workload = _workload(NormalizedHead())
+    pruned = get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(finetune_steps=0),
+                                                   workload=workload, device=CPU)
+    assert pruned.head.out_features == 16 and pruned.conv.out_channels == 16
+    with torch.no_grad():
+        assert pruned(torch.stack(workload.samples)).shape == (8, 16)

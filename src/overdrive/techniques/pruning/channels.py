@@ -69,20 +69,46 @@ _PRUNABLE = PRUNABLE
 
 
 def output_layers(model: nn.Module, example: tuple[torch.Tensor, ...]) -> list[nn.Module]:
-    """The conv/Linear modules whose output tensor is the model's output (the classifier head)."""
+    """The conv/Linear modules whose output channels are the model's output channels (the
+    classifier head): the module that returns the output tensor itself, or, when the output is
+    computed from module outputs by other ops (`F.normalize(head(x))`, `softmax`, `2 * head(x)`,
+    a residual add), the modules reached first walking the autograd graph back from the output."""
     produced: dict[int, nn.Module] = {}
+    by_grad_fn: dict[object, nn.Module] = {}
 
     def hook(module, _inputs, output):
-        produced[id(output)] = module
+        if isinstance(output, torch.Tensor):
+            produced[id(output)] = module
+            if output.grad_fn is not None:
+                by_grad_fn[output.grad_fn] = module
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, _PRUNABLE)]
     try:
-        with torch.no_grad():
-            out = model(*example)
+        try:
+            with torch.enable_grad():  # the autograd graph links the output to the modules that made it
+                out = model(*example)
+        except RuntimeError:  # e.g. an in-place op autograd refuses: the output's own module only
+            produced.clear()
+            by_grad_fn.clear()
+            with torch.no_grad():
+                out = model(*example)
     finally:
         for h in handles:
             h.remove()
-    return [produced[id(out)]] if id(out) in produced else []
+    if id(out) in produced:
+        return [produced[id(out)]]
+    found: dict[int, nn.Module] = {}
+    todo, seen = [out.grad_fn] if isinstance(out, torch.Tensor) and out.grad_fn is not None else [], set()
+    while todo:  # breadth-first back from the output, stopping at the first module on each path
+        fn = todo.pop(0)
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if fn in by_grad_fn:
+            found[id(by_grad_fn[fn])] = by_grad_fn[fn]
+            continue
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return list(found.values())
 
 
 def nothing_pruned(model: nn.Module, config: PruneChannelsConfig, left: dict[str, str], ignored: list[nn.Module]) -> str:
