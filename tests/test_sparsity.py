@@ -51,6 +51,20 @@ def test_unstructured_masks_hold_through_the_recovery_fine_tune():
     assert weight_sparsity(model) == pytest.approx(report["weight_sparsity"]) and report["weight_sparsity"] > 0.45
 
 
+def test_an_undone_recovery_keeps_the_masked_weights_before_it():
+    workload = make_conv_workload(num_samples=32)
+    workload.train_samples, workload.labels = workload.samples, None  # distillation, judged on min_cosine
+    config = PruneUnstructuredConfig(ratio=0.5, finetune_steps=10, learning_rate=100.0)  # made to diverge
+    model = get_technique("prune-unstructured").apply(copy.deepcopy(workload.model), config, workload=workload, device=CPU)
+    report = model.__dict__.pop("overdrive_report")
+    assert report["recovery"]["kept"] is False and report["final"] == report["after_pruning"]
+    assert weight_sparsity(model) == pytest.approx(report["weight_sparsity"]) and report["weight_sparsity"] > 0.45
+    from overdrive.techniques.pruning.recovery import evaluate
+
+    reference, _ = evaluate(workload.model, workload, CPU)
+    assert evaluate(model, workload, CPU, reference)[1]["min_cosine"] == pytest.approx(report["after_pruning"]["min_cosine"])
+
+
 def test_mask_2_to_4_keeps_the_two_largest_of_every_four():
     weight = torch.tensor([[0.1, -3.0, 2.0, 0.5, 1.0, 1.0, -0.1, 0.0]])
     assert mask_2_to_4(weight).tolist() == [[False, True, True, False, True, True, False, False]]
