@@ -64,7 +64,7 @@ def digits(finetune_steps: int) -> bool:
                 indices=list(range(len(workload.samples))))
     (report,) = r["reports"]
     before = report["before"]["accuracy_pct"]
-    after = (report["after_recovery"] or report["after_pruning"])["accuracy_pct"]
+    after = report["final"]["accuracy_pct"]  # the kept weights: after recovery, or before it when it hurt
     print("\n## digits-cnn, prune-channels 50%, batch 256, 360 held-out images")
     print(f"  unpruned: {r['base'].samples_per_s:,.0f} images/s (p50 {r['base'].latency_ms['p50']:.2f} ms)")
     print(f"  pruned:   {r['pruned'].samples_per_s:,.0f} images/s (p50 {r['pruned'].latency_ms['p50']:.2f} ms)")

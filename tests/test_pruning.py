@@ -3,7 +3,9 @@
 Each case builds a small model, prunes half the channels with `prune-channels`, and asserts that
 the pruned model runs, returns the original output shape, and really has fewer parameters.
 Index-preserving cases also check that the pruned model computes what the unpruned one computes
-with the removed channels masked to zero. The real-data recovery test is at the end.
+with the removed channels masked to zero. GroupNorm nets lose whole groups; recurrent layers,
+which the dependency graph does not support, are named when they stop pruning. Recovery and
+checkpoints: test_pruning_recovery.py.
 """
 
 from __future__ import annotations
@@ -198,9 +200,21 @@ def test_named_layers_are_left_alone():
 
 def test_unprunable_structure_is_refused_with_a_reason():
     workload = _workload(Grouped())
-    with pytest.raises(RuntimeError, match="nothing could be pruned"):
-        get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(ignored=("g",)),
+    with pytest.raises(RuntimeError, match="nothing could be pruned at ratio 0.5: kept on purpose: 'head', 'a', 'g'"):
+        get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(ignored=("a", "g")),
                                               workload=workload, device=CPU)
+
+
+def test_a_grouped_convs_inputs_lose_as_many_channels_from_each_group():
+    # a (32 channels) feeds a conv of 4 groups of 8 inputs: half of 32 rounded to 8 is 16, 4 from each group
+    # (Torch-Pruning's own rounding counted 4 per group against all 32 channels and pruned nothing).
+    torch.manual_seed(0)
+    workload = _workload(Grouped())
+    pruned = get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(ignored=("g",)),
+                                                   workload=workload, device=CPU)
+    assert pruned.a.out_channels == 16 and pruned.g.in_channels == 16 and pruned.g.groups == 4
+    kept = _kept_rows(pruned.a.weight, workload.model.a.weight)
+    assert [sum(1 for k in kept if k // 8 == group) for group in range(4)] == [4, 4, 4, 4]
 
 
 def test_config_validation():
@@ -284,69 +298,159 @@ def test_linear_reshaped_into_conv_channels_stays_whole_and_the_conv_agrees_with
         torch.testing.assert_close(pruned(x), masked(x), rtol=1e-5, atol=1e-5)
 
 
-def test_pruned_weights_reload_into_a_fresh_model(tmp_path):
+class GroupNormNet(nn.Module):
+    """conv → GroupNorm(8 groups) → ReLU, twice: 32 channels in groups of 4, then 64 in groups of 8."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.gn1 = nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32)
+        self.conv2, self.gn2 = nn.Conv2d(32, 64, 3, padding=1), nn.GroupNorm(8, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.gn1(self.conv1(x)))  # [B, 32, H, W]
+        x = torch.relu(self.gn2(self.conv2(x)))  # [B, 64, H, W]
+        return self.head(x.mean((2, 3)))
+
+
+def _group_norm_workload() -> Workload:
     torch.manual_seed(0)
-    workload = _workload(Residual())
+    model = GroupNormNet()
+    with torch.no_grad():  # non-trivial affine parameters, so a wrong slice would show
+        for norm in (model.gn1, model.gn2):
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+    return _workload(model)
+
+
+@pytest.mark.parametrize("global_pruning", [False, True])
+def test_group_norm_nets_lose_whole_groups_rounded_to_8(global_pruning):
+    workload = _group_norm_workload()
+    pruned = get_technique("prune-channels").apply(
+        factory_copy(workload.model), PruneChannelsConfig(ratio=0.5, round_to=8, global_pruning=global_pruning),
+        workload=workload, device=CPU)
+    report = pruned.__dict__.pop("overdrive_report")
+    for conv, norm, size in ((pruned.conv1, pruned.gn1, 4), (pruned.conv2, pruned.gn2, 8)):
+        assert conv.out_channels % 8 == 0 and norm.num_channels == conv.out_channels
+        assert norm.num_channels == norm.num_groups * size  # each kept group keeps its channels
+    assert pruned.conv1.out_channels + pruned.conv2.out_channels < 32 + 64
+    if not global_pruning:
+        assert (pruned.conv1.out_channels, pruned.conv2.out_channels) == (16, 32)
+    x = torch.stack(workload.samples)
+    with torch.no_grad():
+        assert pruned(x).shape == (8, 10) and torch.isfinite(pruned(x)).all()
+    assert report["params_after"] < report["params_before"] and "left_unpruned" not in report
+
+
+def test_group_norm_pruning_agrees_with_masking_the_removed_groups():
+    # whole groups go, so the kept groups normalise over the same channels: exact, not approximate
+    workload = _group_norm_workload()
+    model = workload.model
+    pruned = get_technique("prune-channels").apply(factory_copy(model), PruneChannelsConfig(ratio=0.5, ignored=("conv2",)),
+                                                   workload=workload, device=CPU)
+    kept = _kept_rows(pruned.conv1.weight, model.conv1.weight)
+    assert len(kept) == 16 and pruned.gn1.num_groups == 4
+    assert all(sum(1 for k in kept if k // 4 == g) in (0, 4) for g in range(8))  # whole groups of 4
+    mask = torch.zeros(32)
+    mask[kept] = 1.0
+    masked = factory_copy(model)
+    masked.gn1.register_forward_hook(lambda _m, _i, out: out * mask.view(1, -1, 1, 1))
+    x = torch.stack(workload.samples)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(x), masked(x), rtol=1e-5, atol=1e-5)
+
+
+def test_group_norm_pruned_weights_reload_into_a_fresh_model(tmp_path):
+    workload = _group_norm_workload()
     technique = get_technique("prune-channels")
-    pruned = technique.apply(factory_copy(workload.model), PruneChannelsConfig(ratio=0.5, global_pruning=True),
-                             workload=workload, device=CPU)
-    path = tmp_path / "pruned.pt"
-    save_checkpoint(pruned, path, "prune-channels")
-    reloaded = technique.apply(factory_copy(workload.model), PruneChannelsConfig(checkpoint=str(path)),
+    pruned = technique.apply(factory_copy(workload.model), PruneChannelsConfig(ratio=0.5), workload=workload, device=CPU)
+    save_checkpoint(pruned, tmp_path / "gn.pt", "prune-channels")
+    reloaded = technique.apply(factory_copy(workload.model), PruneChannelsConfig(checkpoint=str(tmp_path / "gn.pt")),
                                workload=workload, device=CPU)
-    assert "checkpoint" in reloaded.__dict__.pop("overdrive_report")["source"]
+    assert (reloaded.gn1.num_groups, reloaded.gn2.num_groups) == (pruned.gn1.num_groups, pruned.gn2.num_groups)
     x = torch.stack(workload.samples)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(x), pruned(x))
-    assert num_parameters(reloaded) == num_parameters(pruned)
 
 
-def test_bad_checkpoints_are_refused_plainly(tmp_path):
-    workload = _workload(Residual())
+class EmbeddingLSTM(nn.Module):
+    """token ids [B, S] → Embedding → LSTM → last step → Linear head [B, 5]."""
 
-    def load(path):
-        return get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(checkpoint=str(path)),
-                                                     workload=workload, device=CPU)
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.rnn = nn.LSTM(32, 32, batch_first=True)
+        self.head = nn.Linear(32, 5)
 
-    save_checkpoint(nn.Linear(3, 3), tmp_path / "other.pt", "prune-channels")
-    with pytest.raises(RuntimeError, match="do not fit this model"):
-        load(tmp_path / "other.pt")
-    save_checkpoint(workload.model, tmp_path / "unpruned.pt", "prune-channels")
-    with pytest.raises(RuntimeError, match="holds no pruned layer"):
-        load(tmp_path / "unpruned.pt")
-    save_checkpoint(workload.model, tmp_path / "foreign.pt", "prune-unstructured")
-    with pytest.raises(RuntimeError, match="written by 'prune-unstructured', not 'prune-channels'"):
-        load(tmp_path / "foreign.pt")
-    (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
-    with pytest.raises(RuntimeError, match="cannot be read as a torch file"):
-        load(tmp_path / "garbage.pt")
-    torch.save({"weight": torch.zeros(1)}, tmp_path / "plain.pt")
-    with pytest.raises(RuntimeError, match="not a checkpoint written by `overdrive optimize`"):
-        load(tmp_path / "plain.pt")
-    with pytest.raises(RuntimeError, match="does not exist"):
-        load(tmp_path / "missing.pt")
+    def forward(self, ids):
+        h, _ = self.rnn(self.emb(ids))  # [B, S, 32]
+        return self.head(h[:, -1])
 
 
-def test_taylor_importance_needs_labelled_training_data():
-    workload = _workload(Residual())
-    with pytest.raises(ValueError, match="labelled training samples"):
-        get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(importance="taylor"),
-                                              workload=workload, device=CPU)
+class EmbeddingLinearLSTM(nn.Module):
+    """Embedding → Linear 'pre' (feeds the LSTM) → LSTM → Linear 'mid' → ReLU → Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.pre = nn.Linear(32, 32)
+        self.rnn = nn.LSTM(32, 32, batch_first=True)
+        self.mid = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, ids):
+        h, _ = self.rnn(self.pre(self.emb(ids)))
+        return self.head(torch.relu(self.mid(h[:, -1])))
 
 
-@pytest.mark.parametrize("importance", ["l2", "taylor"])
-def test_recovery_on_real_digits_restores_accuracy(importance, tmp_path, monkeypatch):
-    """Half the channels of the real digits CNN: accuracy collapses, then the fine-tune on the
-    training split brings it back within 1.5 points of the unpruned model on the held-out images."""
-    from overdrive.workloads import create_workload
+def _token_workload(model: nn.Module) -> Workload:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (8, 6), generator=g)
+    return Workload(name="tokens", model=model.eval(), samples=list(ids), collate=lambda s: (torch.stack(s),),
+                    fidelity=logits_fidelity, fidelity_key="min_cosine", default_batch_size=4, real_weights=False)
 
-    workload = create_workload("digits-cnn")
-    pruned = get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(importance=importance),
-                                                   workload=workload, device=CPU)
+
+def test_an_lstm_model_is_refused_naming_the_lstm_not_with_an_index_error():
+    torch.manual_seed(0)
+    workload = _token_workload(EmbeddingLSTM())
+    technique = get_technique("prune-channels")
+    reason = technique.unsupported_reason(workload, CPU)
+    assert reason and "nn.LSTM 'rnn' is not supported by the dependency graph" in reason and "nn.Linear 'head'" in reason
+    with pytest.raises(RuntimeError) as info:  # applied anyway (a plan written before): the same cause, said plainly
+        technique.apply(factory_copy(workload.model), PruneChannelsConfig(finetune_steps=0), workload=workload, device=CPU)
+    assert "nn.LSTM 'rnn'" in str(info.value) and "IndexError" not in str(info.value)
+
+
+def test_layers_coupled_to_an_lstm_stay_whole_and_the_rest_is_pruned():
+    torch.manual_seed(0)
+    workload = _token_workload(EmbeddingLinearLSTM())
+    technique = get_technique("prune-channels")
+    assert technique.unsupported_reason(workload, CPU) is None
+    pruned = technique.apply(factory_copy(workload.model), PruneChannelsConfig(finetune_steps=0), workload=workload, device=CPU)
     report = pruned.__dict__.pop("overdrive_report")
-    before = report["before"]["accuracy_pct"]
-    assert report["after_pruning"]["accuracy_pct"] < before - 10
-    assert report["after_recovery"]["accuracy_pct"] >= before - 1.5
-    assert report["params_after"] < 0.3 * report["params_before"]
-    assert report["flops_per_sample_after"] < 0.3 * report["flops_per_sample_before"]
-    assert report["fine_tune"]["steps"] == 300 and report["fine_tune"]["last_loss"] < report["fine_tune"]["first_loss"]
+    assert pruned.pre.out_features == 32 and pruned.rnn.input_size == 32 and pruned.mid.out_features == 16
+    assert "nn.LSTM 'rnn'" in report["left_unpruned"]["pre"]
+    with torch.no_grad():
+        assert pruned(torch.stack(workload.samples)).shape == (8, 5)
+
+
+class NormalizedHead(nn.Module):
+    """An embedding model: the output is the head's output L2-normalised, not the head's tensor itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return nn.functional.normalize(self.head(torch.relu(self.conv(x)).mean((2, 3))), dim=-1)
+
+
+def test_the_output_layer_is_found_through_ops_after_it():
+    torch.manual_seed(0)
+    workload = _workload(NormalizedHead())
+    pruned = get_technique("prune-channels").apply(factory_copy(workload.model), PruneChannelsConfig(finetune_steps=0),
+                                                   workload=workload, device=CPU)
+    assert pruned.head.out_features == 16 and pruned.conv.out_channels == 16
+    with torch.no_grad():
+        assert pruned(torch.stack(workload.samples)).shape == (8, 16)

@@ -6,6 +6,8 @@ minimum per-row cosine similarity to the fp32 outputs.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -162,3 +164,78 @@ def test_tuner_on_cuda_times_with_events_and_reads_the_allocator():
     assert all(r.measurement.latency_ms["p50"] > 0 for r in measured)
     assert next(r for r in result.rows if r.label == "compile").measurement.compile_s > 0.1
     assert result.plan.device == "cuda"
+
+
+def _with_statistics(model: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(3)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g))
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.weight.data.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+    return model.eval()
+
+
+class ConvCalledTwice(nn.Module):
+    """One conv module called twice, a BatchNorm after each call: folding either call's BN into the
+    module would change the other call."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn1, self.bn2 = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+        self.other = nn.Conv2d(4, 4, 1)
+        self.bn3 = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        x = self.bn2(self.conv(self.bn1(self.conv(x))))
+        return self.bn3(self.other(x)).mean((2, 3))  # [B, 4]
+
+
+class LinearOverTokens(nn.Module):
+    """Linear on [B, 8 tokens, 8 features] then BatchNorm1d(8) over the *tokens* (dim 1): the sizes match,
+    the dimensions do not, so the BN cannot fold into the Linear's features."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.fc2 = nn.Linear(8, 3)
+        self.bn2 = nn.BatchNorm1d(3)  # on a 2-D [B, 3] output: foldable
+
+    def forward(self, x):
+        return self.bn2(self.fc2(self.bn(self.fc(x)).mean(1)))
+
+
+@pytest.mark.parametrize("factory, shape, folded", [(ConvCalledTwice, (4, 4, 8, 8), 1), (LinearOverTokens, (4, 8, 8), 1)],
+                         ids=["conv-called-twice", "linear-over-tokens"])
+def test_bn_fold_folds_only_what_keeps_the_math(factory, shape, folded):
+    from overdrive.techniques import get_technique
+    from overdrive.techniques.graph.bn_fold import num_batchnorm
+
+    torch.manual_seed(0)
+    model = _with_statistics(factory())
+    x = torch.randn(*shape)
+    workload = type("W", (), {"samples": list(x), "collate": staticmethod(lambda s: (torch.stack(s),))})()
+    out = get_technique("bn-fold").apply(copy.deepcopy(model), None, workload=workload, device=CPU)
+    assert num_batchnorm(out) == num_batchnorm(model) - folded
+    with torch.no_grad():
+        torch.testing.assert_close(out(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class SubclassedLinear(nn.Linear):
+    """A user's Linear subclass (e.g. one with a LoRA branch): quantize_dynamic swaps exact nn.Linear only."""
+
+
+def test_int8_dynamic_never_keeps_a_model_it_did_not_quantize():
+    from overdrive.core.workload import Workload, logits_fidelity
+    from overdrive.techniques import get_technique
+
+    model = nn.Sequential(SubclassedLinear(8, 8), nn.ReLU(), SubclassedLinear(8, 4)).eval()
+    workload = Workload(name="subclassed", model=model, samples=list(torch.randn(8, 8)), collate=lambda s: (torch.stack(s),),
+                        fidelity=logits_fidelity, fidelity_key="min_cosine", default_batch_size=4, real_weights=False)
+    technique = get_technique("int8-dynamic")
+    reason = technique.unsupported_reason(workload, CPU)
+    assert reason and "SubclassedLinear" in reason and "quantize" in reason
+    with pytest.raises(RuntimeError, match="no nn.Linear layer was quantized"):
+        technique.apply(copy.deepcopy(model), default_config("int8-dynamic"), workload=workload, device=CPU)

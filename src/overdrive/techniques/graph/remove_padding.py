@@ -36,6 +36,7 @@ from torch import nn
 
 from overdrive.core.transformer import bert_encoder_layers
 from overdrive.core.workload import Workload
+from overdrive.techniques.graph_programs import ATTENTION_OPS, holds_graph, missing_layers_reason
 from overdrive.techniques.registry import Stage, Technique, TechniqueConfig, register
 
 
@@ -135,6 +136,9 @@ class RemovePadding(Technique):
         if not workload.is_text:
             return "not applicable: inputs have a fixed shape (no padding to remove)"
         if not _qualifies(workload.model) and not bert_encoders(workload.model):
+            if holds_graph(workload.model):
+                return missing_layers_reason(workload.model, layers="Hugging Face BERT encoder", ops=ATTENTION_OPS,
+                                             rewrites="remove-padding rewrites a BERT encoder module's layers")
             return "not applicable: no Hugging Face BERT-layout encoder (embeddings + encoder.layer) in the model"
         return None
 

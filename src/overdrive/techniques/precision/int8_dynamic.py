@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from overdrive.core.workload import Workload
+from overdrive.techniques.graph_programs import LINEAR_OPS, missing_layers_reason
 from overdrive.techniques.registry import Stage, Technique, TechniqueConfig, register
 
 
@@ -32,8 +33,14 @@ class Int8Dynamic(Technique):
     batch_dependence = "int8-dynamic quantizes each Linear's input with one scale for the whole batch"
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
-        if not any(isinstance(m, nn.Linear) for m in workload.model.modules()):
-            return "not applicable: the model has no nn.Linear layers"
+        linears = [m for m in workload.model.modules() if isinstance(m, nn.Linear)]
+        if not linears:
+            return missing_layers_reason(workload.model, layers="nn.Linear", ops=LINEAR_OPS,
+                                         rewrites="int8-dynamic swaps nn.Linear modules for quantized ones")
+        if not any(type(m) is nn.Linear for m in linears):
+            kinds = sorted({type(m).__name__ for m in linears})
+            return (f"not applicable: the model's {len(linears)} Linear layers are subclasses of nn.Linear "
+                    f"({', '.join(kinds)}), which torch.ao's quantize_dynamic leaves alone (their forward may differ)")
         return None
 
     def apply(self, model, config, *, workload, device):
@@ -43,4 +50,7 @@ class Int8Dynamic(Technique):
             warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
             from torch.ao.quantization import quantize_dynamic
 
-            return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+            quantized = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        if not any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in quantized.modules()):
+            raise RuntimeError("no nn.Linear layer was quantized (quantize_dynamic swaps exact nn.Linear modules only)")
+        return quantized

@@ -5,7 +5,10 @@ Pruning", CVPR 2023; the `torch-pruning` package), which removes coupled channel
 (residual adds, concatenations, BatchNorm, grouped and depthwise convs) so the pruned model
 stays consistent. Importance is the L1 or L2 norm of each channel group's weights, or the
 first-order Taylor criterion |w · ∂L/∂w| on labelled training batches (Molchanov et al.,
-CVPR 2019). Channel counts are rounded to a hardware multiple (8 by default). The output
+CVPR 2019). Which channels go is `channel_groups.prune_groups`'s: kept widths are rounded down
+to a hardware multiple (8 by default) that the group's structures allow (whole GroupNorm groups,
+as many channels from each group of a grouped conv); groups coupled to a recurrent layer, which
+the dependency graph does not support, stay whole and the report names the layer. The output
 layer (the module whose output is the model's output) and layers the user names are never
 pruned. Recovery fine-tuning and the checks are `recovery.PruningTechnique`'s.
 
@@ -23,6 +26,8 @@ from torch import nn
 
 from overdrive.core.errors import one_line
 from overdrive.core.workload import Workload
+from overdrive.techniques.graph_programs import CONV_OPS, LINEAR_OPS, missing_layers_reason
+from overdrive.techniques.pruning.channel_groups import PRUNABLE, UNSUPPORTED, describe, grouped_conv, prune_groups
 from overdrive.techniques.pruning.recovery import PruningConfig, PruningTechnique, example_inputs, importance_gradients
 from overdrive.techniques.registry import register
 
@@ -60,40 +65,65 @@ class PruneChannelsConfig(PruningConfig):
             raise ValueError(f"PruneChannelsConfig.round_to must be ≥ 1, got {self.round_to}")
 
 
-_PRUNABLE = (nn.Linear, nn.modules.conv._ConvNd)
+_PRUNABLE = PRUNABLE
 
 
 def output_layers(model: nn.Module, example: tuple[torch.Tensor, ...]) -> list[nn.Module]:
-    """The conv/Linear modules whose output tensor is the model's output (the classifier head)."""
+    """The conv/Linear modules whose output channels are the model's output channels (the
+    classifier head): the module that returns the output tensor itself, or, when the output is
+    computed from module outputs by other ops (`F.normalize(head(x))`, `softmax`, `2 * head(x)`,
+    a residual add), the modules reached first walking the autograd graph back from the output."""
     produced: dict[int, nn.Module] = {}
+    by_grad_fn: dict[object, nn.Module] = {}
 
     def hook(module, _inputs, output):
-        produced[id(output)] = module
+        if isinstance(output, torch.Tensor):
+            produced[id(output)] = module
+            if output.grad_fn is not None:
+                by_grad_fn[output.grad_fn] = module
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, _PRUNABLE)]
     try:
-        with torch.no_grad():
-            out = model(*example)
+        try:
+            with torch.enable_grad():  # the autograd graph links the output to the modules that made it
+                out = model(*example)
+        except RuntimeError:  # e.g. an in-place op autograd refuses: the output's own module only
+            produced.clear()
+            by_grad_fn.clear()
+            with torch.no_grad():
+                out = model(*example)
     finally:
         for h in handles:
             h.remove()
-    return [produced[id(out)]] if id(out) in produced else []
+    if id(out) in produced:
+        return [produced[id(out)]]
+    found: dict[int, nn.Module] = {}
+    todo, seen = [out.grad_fn] if isinstance(out, torch.Tensor) and out.grad_fn is not None else [], set()
+    while todo:  # breadth-first back from the output, stopping at the first module on each path
+        fn = todo.pop(0)
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if fn in by_grad_fn:
+            found[id(by_grad_fn[fn])] = by_grad_fn[fn]
+            continue
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return list(found.values())
 
 
-def _unprunable_layers(pruner, importance) -> dict[nn.Module, str]:
-    """Layers whose channel group the engine fails to score (e.g. Torch-Pruning 1.6 on a tensor
-    chunked and concatenated with itself), with the error: they are left unpruned."""
-    graph = pruner.DG
-    bad: dict[nn.Module, str] = {}
-    for group in graph.get_all_groups(ignored_layers=pruner.ignored_layers, root_module_types=pruner.root_module_types):
-        try:
-            importance(group)
-        except Exception as exc:  # noqa: BLE001 - recorded with the layer names in the report
-            for item in group:
-                module = item.dep.target.module
-                if isinstance(module, _PRUNABLE) and graph.is_out_channel_pruning_fn(item.dep.handler):
-                    bad[module] = f"Torch-Pruning cannot score its channel group: {one_line(exc)}"
-    return bad
+def nothing_pruned(model: nn.Module, config: PruneChannelsConfig, left: dict[str, str], ignored: list[nn.Module]) -> str:
+    """The message when no channel group could be pruned: each layer left whole and why, the
+    structures the dependency graph does not support, and the layers kept on purpose."""
+    names = {id(m): n for n, m in model.named_modules()}
+    parts = [f"{name} ({why})" for name, why in left.items()]
+    unsupported = [describe(m, names) for m in model.modules() if isinstance(m, UNSUPPORTED)]
+    if unsupported and not any("does not support" in why for why in left.values()):
+        parts.append(f"{', '.join(unsupported)} is not supported by the dependency graph")
+    kept = [f"'{names[id(m)]}'" for m in ignored if id(m) in names]
+    if kept:
+        parts.append(f"kept on purpose: {', '.join(kept)} (the output layer and `ignored`)")
+    return (f"prune-channels: nothing could be pruned at ratio {config.ratio}: "
+            + ("; ".join(parts) if parts else "every prunable layer is coupled to a kept one"))
 
 
 @register
@@ -107,9 +137,17 @@ class PruneChannels(PruningTechnique):
         except ImportError:
             return "needs the torch-pruning package (pip install torch-pruning)"
         if not any(isinstance(m, _PRUNABLE) for m in workload.model.modules()):
-            return "not applicable: the model has no conv or Linear layers"
+            return missing_layers_reason(workload.model, layers="conv / nn.Linear", ops=CONV_OPS + LINEAR_OPS,
+                                         rewrites="prune-channels (Torch-Pruning) cuts channels out of conv and Linear modules")
         if any("Attention" in type(m).__name__ for m in workload.model.modules()):
             return "not applicable: attention blocks need head-aware pruning (prune-heads / prune-ffn)"
+        layers = [m for m in workload.model.modules() if isinstance(m, _PRUNABLE)]
+        recurrent = [m for m in workload.model.modules() if isinstance(m, UNSUPPORTED)]
+        if recurrent and len(layers) == 1:  # the one layer is the output, coupled to the recurrent layer, or shapes it
+            names = {id(m): n for n, m in workload.model.named_modules()}
+            return (f"not applicable: {', '.join(describe(m, names) for m in recurrent)} is not supported by the dependency "
+                    f"graph (Torch-Pruning 1.6 mis-indexes its gate weights), and {describe(layers[0], names)} is the "
+                    "model's only conv / Linear layer")
         return None
 
     def prune(self, model, config, *, workload, device):
@@ -127,26 +165,23 @@ class PruneChannels(PruningTechnique):
         else:
             importance = tp.importance.GroupMagnitudeImportance(p=1 if config.importance is ChannelImportance.L1 else 2)
 
-        def make_pruner(ignored_layers):  # builds the dependency graph by tracing `example`
-            return tp.pruner.BasePruner(
-                model, example, importance=importance, pruning_ratio=config.ratio, global_pruning=config.global_pruning,
-                ignored_layers=ignored_layers, round_to=config.round_to,
-            )
-
-        try:
-            pruner = make_pruner(ignored)
-            unprunable = _unprunable_layers(pruner, importance)
-            if unprunable:  # leave the structures the engine cannot handle alone; prune the rest
-                pruner = make_pruner(ignored + list(unprunable))
-            pruner.step()
+        try:  # the dependency graph is built by tracing `example`
+            graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
         except Exception as exc:  # noqa: BLE001 - an engine failure is this technique's failure, said plainly
-            raise RuntimeError(f"Torch-Pruning could not prune this structure: {one_line(exc)}") from None
+            model.zero_grad(set_to_none=True)
+            raise RuntimeError(f"prune-channels: Torch-Pruning could not trace the model: {one_line(exc)}") from None
+        try:
+            pruned, left = prune_groups(model, graph, importance, ratio=config.ratio, round_to=config.round_to,
+                                        global_pruning=config.global_pruning, ignored=ignored)
+        except Exception as exc:  # noqa: BLE001
+            raise RuntimeError(f"prune-channels: Torch-Pruning could not prune this structure: {one_line(exc)}") from None
         finally:
             model.zero_grad(set_to_none=True)
-        names = {id(m): n for n, m in model.named_modules()}
+        if not pruned:
+            raise RuntimeError(nothing_pruned(model, config, left, ignored))
         notes = {"importance": config.importance.value}
-        if unprunable:
-            notes["left_unpruned"] = {names[id(m)]: reason for m, reason in unprunable.items()}
+        if left:
+            notes["left_unpruned"] = left
         return notes
 
     def shrink_to(self, model, state, *, workload, device):
@@ -166,4 +201,10 @@ class PruneChannels(PruningTechnique):
             if graph is None:
                 graph = tp.DependencyGraph().build_dependency(model, example_inputs=example_inputs(workload, device))
             fn = tp.prune_linear_out_channels if isinstance(module, nn.Linear) else tp.prune_conv_out_channels
-            graph.get_pruning_group(module, fn, idxs=list(range(target, current))).prune()
+            group = graph.get_pruning_group(module, fn, idxs=list(range(target, current)))
+            coupled = [item.dep.target.module for item in group]
+            norms = [(m, m.num_channels // m.num_groups) for m in dict.fromkeys(coupled) if isinstance(m, nn.GroupNorm)]
+            group.prune()
+            if not any(grouped_conv(m) for m in coupled):  # pruned in whole GroupNorm groups (channel_groups)
+                for norm, size in norms:
+                    norm.num_groups = norm.num_channels // size

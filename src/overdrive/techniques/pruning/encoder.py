@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from overdrive.core.transformer import SUPPORTED_LAYOUTS, EncoderLayer, encoder_layers, update_config
+from overdrive.techniques.graph_programs import ATTENTION_OPS, holds_graph, missing_layers_reason
 from overdrive.techniques.pruning.recovery import PruningConfig, PruningTechnique, importance_gradients
 
 
@@ -146,6 +147,9 @@ class EncoderPruningTechnique(PruningTechnique):
 
     def applicability(self, workload, device):
         if not encoder_layers(workload.model):
+            if holds_graph(workload.model):
+                rewrites = f"{self.name} rewrites encoder-layer modules (BERT layout, nn.MultiheadAttention)"
+                return missing_layers_reason(workload.model, layers="encoder", ops=ATTENTION_OPS, rewrites=rewrites)
             return f"not applicable: no {SUPPORTED_LAYOUTS} in the model"
         return None
 

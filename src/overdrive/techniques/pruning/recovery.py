@@ -12,8 +12,11 @@ state dict (so pruned weights can be loaded back into the original architecture)
 3. measures the metric right after pruning;
 4. recovers with a short fine-tune on the workload's training data (`overdrive.train.fine_tune`:
    cross-entropy with labels, else distillation toward the unpruned model);
-5. measures the metric after recovery and attaches the whole report to the model as
-   `overdrive_report` (`plan.build` collects it for the table).
+5. measures the metric after recovery and keeps the better of the weights before and after it,
+   judged on the workload's task metric when it has one, else its fidelity figure (a fine-tune
+   that lowers it is undone, and the report says so: `judge_recovery`);
+6. attaches the whole report to the model as `overdrive_report` (`plan.build` collects it for
+   the table).
 
 Pruning plus fine-tuning takes seconds to minutes, and the tuner builds the same candidate
 several times (alone, composed, batch-size sweep), so the recovered weights are kept in a
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -71,6 +75,10 @@ class PruningConfig(TechniqueConfig):
             raise ValueError(f"{type(self).__name__}.learning_rate must be > 0, got {self.learning_rate}")
         if self.finetune_batch_size < 1:
             raise ValueError(f"{type(self).__name__}.finetune_batch_size must be ≥ 1, got {self.finetune_batch_size}")
+
+
+def _number(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"
 
 
 def num_parameters(model: nn.Module) -> int:
@@ -131,6 +139,32 @@ def importance_gradients(model: nn.Module, workload: Workload, device: torch.dev
         nn.functional.cross_entropy(model(*inputs), workload.train_labels[idx].to(device)).backward()
 
 
+def _figure(figures: dict[str, float], key: str) -> float:
+    value = figures.get(key, math.nan)
+    return value if value == value else -math.inf  # NaN (a diverged fine-tune) is the worst
+
+
+def judge_recovery(after_pruning: dict[str, float], after_recovery: dict[str, float], workload: Workload) -> dict[str, Any]:
+    """Whether the recovery fine-tune's weights are kept: only when they are not worse than the
+    weights before it on the figure the workload is judged by: its task metric when it has one
+    (ties go to its fidelity figure), else its fidelity figure (`fidelity_key`).
+
+    Returns:
+        {"kept": bool, "figure": the deciding figure, "before": its value right after pruning,
+        "after": its value after recovery}.
+    """
+    keys = ([workload.task_metric_name] if workload.has_task_metric else []) + [workload.fidelity_key]
+    keys = [k for k in keys if k in after_pruning or k in after_recovery]
+    decided = keys[0] if keys else workload.fidelity_key
+    kept = True
+    for key in keys:
+        before, after = _figure(after_pruning, key), _figure(after_recovery, key)
+        if after != before:
+            decided, kept = key, after > before
+            break
+    return {"kept": kept, "figure": decided, "before": after_pruning.get(decided), "after": after_recovery.get(decided)}
+
+
 def default_learning_rate(workload: Workload) -> float:
     return 1e-3 if workload.train_labels is not None else 5e-4
 
@@ -188,6 +222,15 @@ class PruningTechnique(Technique):
             ft = report["fine_tune"]
             parts.append(f"after recovery: {metric(report['after_recovery'])} ({ft['steps']} steps, lr {ft['learning_rate']:g}, "
                          f"{ft['precision']}, {ft['seconds']:.1f} s)")
+            verdict = report.get("recovery")
+            if verdict:
+                figure, before, after = verdict["figure"], _number(verdict["before"]), _number(verdict["after"])
+                if not verdict["kept"]:
+                    parts.append(f"recovery lowered {figure} {before} → {after}; kept the weights before recovery")
+                elif before == after:
+                    parts.append(f"recovery left {figure} at {after}; kept the recovered weights")
+                else:
+                    parts.append(f"recovery raised {figure} {before} → {after}; kept the recovered weights")
         else:
             parts.append(report.get("fine_tune_skipped", "no recovery fine-tune"))
         return f"{self.name}: " + "; ".join(parts)
@@ -280,11 +323,17 @@ class PruningTechnique(Technique):
             report["fine_tune_skipped"] = f"workload {workload.name!r} has no training samples: no recovery"
         elif config.finetune_steps:
             lr = config.learning_rate or default_learning_rate(workload)
+            pruned_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             ft = fine_tune(model, workload, device=device, steps=config.finetune_steps, learning_rate=lr,
                            batch_size=config.finetune_batch_size, teacher=teacher,
                            hints=self.distillation_hints(model, teacher))
             report["fine_tune"] = ft.to_dict()
             report["after_recovery"] = evaluate(model, workload, device, reference)[1]
+            report["recovery"] = judge_recovery(report["after_pruning"], report["after_recovery"], workload)
+            if not report["recovery"]["kept"]:  # the fine-tune made it worse: the weights before it are the result
+                model.load_state_dict(pruned_state)
+        kept_recovery = report["after_recovery"] is not None and report["recovery"]["kept"]
+        report["final"] = report["after_recovery"] if kept_recovery else report["after_pruning"]  # the returned weights'
         report.update(self.finalize(model) or {})
         del teacher
         return report

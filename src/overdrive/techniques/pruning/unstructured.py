@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.utils import prune as torch_prune
 
 from overdrive.core.workload import Workload
+from overdrive.techniques.graph_programs import CONV_OPS, LINEAR_OPS, missing_layers_reason
 from overdrive.techniques.pruning.channels import output_layers
 from overdrive.techniques.pruning.recovery import PruningConfig, PruningTechnique, example_inputs
 from overdrive.techniques.registry import register
@@ -69,7 +70,8 @@ class PruneUnstructured(PruningTechnique):
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if not any(isinstance(m, _LAYERS) for m in workload.model.modules()):
-            return "not applicable: the model has no conv or Linear layers"
+            return missing_layers_reason(workload.model, layers="conv / nn.Linear", ops=CONV_OPS + LINEAR_OPS,
+                                         rewrites="prune-unstructured masks the weights of conv and Linear modules")
         return None
 
     def prune(self, model, config, *, workload, device):

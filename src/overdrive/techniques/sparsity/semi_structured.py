@@ -10,7 +10,8 @@ Per-layer speed gate: each candidate Linear is timed at the shapes it sees on th
 samples (its real input, at the workload's batch size), dense in the same half dtype against
 2:4 sparse, with CUDA events; a layer whose sparse form is not at least `min_layer_gain`×
 faster stays dense and unpruned, and the report says which and by how much. The output layer
-is never made sparse. On other devices the technique is listed as unsupported, not faked.
+is never made sparse, nor is a subclass of nn.Linear (its own forward would be lost). On other
+devices the technique is listed as unsupported, not faked.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload
+from overdrive.techniques.graph_programs import LINEAR_OPS, missing_layers_reason
 from overdrive.techniques.pruning.channels import output_layers
 from overdrive.techniques.pruning.recovery import example_inputs
 from overdrive.techniques.registry import Stage, Technique, TechniqueConfig, register
@@ -111,7 +113,12 @@ class Sparsity24(Technique):
             return f"needs compute capability ≥ 8.0 (sparse tensor cores); this GPU is {major}.{minor}"
         if not hasattr(torch.sparse, "to_sparse_semi_structured"):
             return "this PyTorch build has no torch.sparse.to_sparse_semi_structured"
-        if not any(isinstance(m, nn.Linear) and m.in_features % 4 == 0 for m in workload.model.modules()):
+        if not any(isinstance(m, nn.Linear) for m in workload.model.modules()):
+            return missing_layers_reason(workload.model, layers="nn.Linear", ops=LINEAR_OPS,
+                                         rewrites="sparsity-2:4 swaps nn.Linear modules for sparse ones")
+        if not any(type(m) is nn.Linear for m in workload.model.modules()):
+            return "not applicable: its Linear layers are subclasses of nn.Linear, whose own forward a sparse Linear would drop"
+        if not any(type(m) is nn.Linear and m.in_features % 4 == 0 for m in workload.model.modules()):
             return "not applicable: no Linear layer with in_features divisible by 4"
         return None
 
@@ -130,7 +137,7 @@ class Sparsity24(Technique):
         inputs_seen: dict[str, torch.Tensor] = {}
         head = set(map(id, output_layers(model, example_inputs(workload, device))))
         candidates = {name: m for name, m in model.named_modules()
-                      if isinstance(m, nn.Linear) and m.in_features % 4 == 0 and id(m) not in head}
+                      if type(m) is nn.Linear and m.in_features % 4 == 0 and id(m) not in head}  # subclasses: own forward
 
         def record(name):
             return lambda _m, args: inputs_seen.setdefault(name, args[0].detach())
@@ -172,8 +179,9 @@ class Sparsity24(Technique):
             layers.append(entry)
         converted = sum(not e["kept_dense"] for e in layers)
         if not converted:
-            raise RuntimeError(f"sparsity-2:4: no layer is faster sparse at these shapes ({len(layers)} measured; "
-                               "all stay dense)")
+            measured = ", ".join(f"{e['layer']} {e['gain']:.2f}×" if "gain" in e else f"{e['layer']} (no kernel)" for e in layers)
+            raise RuntimeError(f"sparsity-2:4: no layer is {config.min_layer_gain:g}× faster sparse at these shapes "
+                               f"({measured or 'no Linear layer measured'}; all stay dense)")
         model.overdrive_report = {"technique": self.name, "source": "2:4 sparsity", "layers": layers,
                                   "converted": converted, "dtype": str(dtype).removeprefix("torch.")}
         return model
