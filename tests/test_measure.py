@@ -56,11 +56,12 @@ def test_measure_times_calls_and_restores_order():
     assert m.peak_memory_bytes and m.peak_memory_bytes > 10 * 2**20  # a Python process with torch
 
 
-def test_partial_batches_are_judged_but_not_timed():
+def test_partial_batches_are_judged_and_timed():
     w = _sleep_workload(10)
     m, out = measure(w.model, w, device=CPU, batch_size=4, indices=list(range(10)), min_timed_calls=4, min_timed_s=0.0)
     assert out.shape == (10, 1)
-    assert m.num_timed_calls % 2 == 0  # two full batches per pass; the 2-row remainder is not timed
+    assert m.num_timed_calls % 3 == 0 and m.num_timed_calls == 3 * m.num_passes  # 4 + 4 + the 2-row remainder
+    assert m.samples_per_s < 10 / 0.010  # 10 rows per pass take at least 10 ms of sleep
 
 
 def test_compile_time_is_warmup_beyond_steady_state():

@@ -33,6 +33,10 @@ from overdrive.core.timer import Timer
 from overdrive.core.workload import Inputs, Workload
 from overdrive.techniques.registry import BatchingPolicy
 
+# Rows per timed pass in `optimize` and `bench`: enough batches for a steady figure, short enough for
+# several interleaved rounds (fidelity is still judged on every evaluation row).
+TIMING_ROWS = 256
+
 
 @dataclass(kw_only=True)
 class Measurement:
@@ -174,10 +178,11 @@ def cycle_indices(num_samples: int, num_available: int) -> list[int]:
 class Runner:
     """A model ready to be timed on a workload's batches: its warm-up, passes and call times.
 
-    A *pass* runs every batch of the evaluation rows once, the partial last batch too, so a pass
-    is the same work for every candidate whatever its batching policy (length bucketing changes
-    which rows share a batch, not which rows run). Outputs are copied to float32 CPU tensors
-    before the next call, so a model that returns a view of a reused buffer is judged right.
+    The warm-up pass runs every evaluation row (its outputs are the ones judged); a *timed pass*
+    runs every batch of the first `timing_rows` of them, the partial last batch too, so a timed
+    pass is the same work for every candidate whatever its batching policy (length bucketing
+    changes which rows share a batch, not which rows run). Outputs are copied to float32 CPU
+    tensors before the next call, so a model that returns a view of a reused buffer is judged right.
 
     Args:
         model: the candidate, already on `device`; `model(*inputs)` returns [B, ...].
@@ -187,20 +192,24 @@ class Runner:
         indices: which samples to evaluate, in the order outputs are returned (may repeat,
             see `cycle_indices`).
         policy: how samples are grouped into batches.
+        timing_rows: rows per timed pass (the first ones of `indices`, at least one batch); None: all.
 
     Raises:
         ValueError: batch_size < 1 or no indices.
     """
 
     def __init__(self, model: nn.Module, workload: Workload, *, device: torch.device, batch_size: int,
-                 indices: list[int], policy: BatchingPolicy = BatchingPolicy()):
+                 indices: list[int], policy: BatchingPolicy = BatchingPolicy(), timing_rows: int | None = None):
         if batch_size < 1 or not indices:
             raise ValueError(f"need batch_size ≥ 1 and at least one sample (got {batch_size}, {len(indices)})")
         self.model, self.workload, self.device = model, workload, device
         self.batch_size, self.indices = batch_size, indices
         self.batches = make_batches(workload, indices=indices, batch_size=batch_size, policy=policy, device=device)
+        timed = len(indices) if timing_rows is None else min(len(indices), max(timing_rows, batch_size))
+        self.timed_batches = self.batches if timed == len(indices) else make_batches(
+            workload, indices=indices[:timed], batch_size=batch_size, policy=policy, device=device)
         self.timer = Timer(device)
-        self.rows_per_pass = len(indices)
+        self.rows_per_pass = timed
         self.latencies_s: list[float] = []
         self.pass_s: list[float] = []
         self.warmup_s = 0.0
@@ -232,7 +241,7 @@ class Runner:
     def _pass(self, *, timed: bool) -> tuple[float, torch.Tensor | None]:
         outputs: torch.Tensor | None = None
         total = 0.0
-        for batch in self.batches:
+        for batch in self.timed_batches if timed else self.batches:
             out, seconds = self.timer(self.model, *batch.inputs)
             total += seconds
             if timed:
@@ -247,8 +256,8 @@ class Runner:
     def measurement(self) -> Measurement:
         """The Measurement of the passes timed so far (at least one).
 
-        Throughput is rows per pass over the median pass time; compile time is the warm-up's excess
-        over the median pass. `pass_spread` is p90 / p50 of the pass times: passes are the same work,
+        Throughput is rows per timed pass over the median pass time; compile time is the warm-up's
+        excess over the time the median pass would take for every row. `pass_spread` is p90 / p50 of the pass times: passes are the same work,
         so a spread well above 1 means the machine was busy while measuring.
         """
         if not self.pass_s:
@@ -269,7 +278,7 @@ class Runner:
             peak_memory_bytes=self.peak[0],
             peak_memory_kind=self.peak[1] or peak_memory(self.device)[1],
             warmup_s=self.warmup_s,
-            compile_s=max(0.0, self.warmup_s - median_pass_s),
+            compile_s=max(0.0, self.warmup_s - median_pass_s * len(self.indices) / self.rows_per_pass),
             mean_padded_length=sum(padded) / len(padded) if padded else None,
             num_passes=len(self.pass_s),
             pass_spread=percentile(self.pass_s, 90) / median_pass_s if median_pass_s > 0 else math.nan,

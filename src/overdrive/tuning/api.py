@@ -298,7 +298,7 @@ class OptimizeJob:
             result.save_plan(s.out_dir)  # before the sweep: the plan is the main result
         count["total"] = count["done"] + 2 * len(self.sweep_batch_sizes)
         result.sweep = sweep(s, {BASELINE_LABEL: [], "plan": result.plan.steps}, self.sweep_batch_sizes,
-                             progress=step, warn=warnings.append, max_rows=SWEEP_MAX_ROWS)
+                             progress=step, warn=warnings.append, max_rows=SWEEP_MAX_ROWS, rounds=3)
         if s.out_dir is not None:
             result.save(s.out_dir)
         return result

@@ -11,7 +11,7 @@ import torch
 
 from overdrive.core.devices import resolve_device
 from overdrive.core.errors import ConfigError, arg, one_line
-from overdrive.core.measure import Gain, Measurement, Runner, compare, cycle_indices, judge_outputs
+from overdrive.core.measure import TIMING_ROWS, Gain, Measurement, Runner, compare, cycle_indices, judge_outputs
 from overdrive.techniques import TechniqueConfig
 from overdrive.tuning.plan import build
 from overdrive.workloads import Workload, create_workload
@@ -121,7 +121,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
           progress=lambda _: None, warn=lambda _: None, reports: dict[str, list[dict]] | None = None, *,
           rounds: int = 4, max_rows: int | None = None) -> dict[str, list[tuple[int, Measurement]]]:
     """Measure each configuration at each batch size, on the same rows `optimize` judged (cycled up
-    to one full batch when there are fewer). When the first configuration is the eager baseline
+    to one full batch when there are fewer; passes timed over the first `TIMING_ROWS`, as there). When the first configuration is the eager baseline
     (no steps), every other one is timed against it in `rounds` interleaved rounds
     (`measure.compare`), so its `gain` (speedup with a 95% interval) is the one `optimize` reports,
     and its fidelity is against the baseline at the same batch size.
@@ -154,7 +154,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
                     collected: list[dict] = []
                     model, policy = build(workload, steps, session.device, collected)
                     runners[label] = Runner(model, workload, device=session.device, batch_size=b, indices=indices,
-                                            policy=policy)
+                                            policy=policy, timing_rows=TIMING_ROWS)
                     outputs[label] = runners[label].warm_up()
                     if reports is not None:
                         reports.setdefault(label, collected)

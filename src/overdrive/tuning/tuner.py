@@ -32,7 +32,16 @@ import torch
 from overdrive.core import devices
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.core.graph_ops import training_mode_ops
-from overdrive.core.measure import Gain, Measurement, Runner, compare, count_flops_per_sample, cycle_indices, judge_outputs
+from overdrive.core.measure import (
+    TIMING_ROWS,
+    Gain,
+    Measurement,
+    Runner,
+    compare,
+    count_flops_per_sample,
+    cycle_indices,
+    judge_outputs,
+)
 from overdrive.core.workload import Workload
 from overdrive.techniques import TechniqueConfig, default_config, get_technique, list_techniques, technique_for
 from overdrive.tuning.invariance import InvarianceProbe, Verdict
@@ -188,7 +197,9 @@ class Tuner:
             one full batch when the workload has fewer).
         min_rounds, max_rounds, max_compare_s: each comparison times at least `min_rounds`
             interleaved rounds and stops once its 95% interval decides, or at `max_rounds`
-            rounds or `max_compare_s` seconds (see `measure.compare`).
+            rounds or `max_compare_s` seconds (see `measure.compare`); a candidate whose outputs
+            already break the budget gets `min(2, min_rounds)` rounds, for the table's figures.
+        timing_rows: rows per timed pass (see `measure.Runner`); None: every evaluation row.
         progress: called with a description before each measurement.
         configs: technique configs to use instead of the defaults, by name (e.g. a pruning
             ratio from the command line).
@@ -203,6 +214,7 @@ class Tuner:
     min_rounds: int = 4
     max_rounds: int = 12
     max_compare_s: float = 20.0
+    timing_rows: int | None = TIMING_ROWS
     progress: Progress = lambda _: None
     workload_spec: str | None = None
     configs: dict[str, TechniqueConfig] = field(default_factory=dict)
@@ -225,7 +237,7 @@ class Tuner:
     def _runner(self, steps: list[TechniqueConfig], reports: list[dict] | None = None) -> Runner:
         model, policy = build(self.workload, steps, self.device, reports)
         return Runner(model, self.workload, device=self.device, batch_size=self.batch_size, indices=self.indices,
-                      policy=policy)
+                      policy=policy, timing_rows=self.timing_rows)
 
     @staticmethod
     def _release(*runners: Runner | None) -> None:
@@ -237,8 +249,9 @@ class Tuner:
         torch.compiler.reset()  # drop compiled graphs so the next candidate starts clean
 
     def _compare(self, reference: Runner, candidate: Runner, *, decide: bool) -> Gain:
-        return compare(reference, candidate, min_gain=self.guard.min_gain, min_rounds=self.min_rounds,
-                       max_rounds=self.max_rounds if decide else self.min_rounds, max_s=self.max_compare_s)
+        rounds = self.min_rounds if decide else min(2, self.min_rounds)
+        return compare(reference, candidate, min_gain=self.guard.min_gain, min_rounds=rounds,
+                       max_rounds=self.max_rounds if decide else rounds, max_s=self.max_compare_s)
 
     # -- the baseline ----------------------------------------------------------------------------
 
@@ -418,8 +431,11 @@ class Tuner:
             candidate = current + [self._step(winner.label)]
             if not current:  # the first winner composed with nothing is its alone row; its model is built again
                 step_row = Row(**{**winner.__dict__, "phase": "compose", "label": f"+ {winner.label}"})
-                runner = self._runner(candidate)
-                runner.warm_up()
+                try:
+                    runner = self._runner(candidate)
+                    runner.warm_up()
+                except Exception as exc:  # noqa: BLE001 - it ran alone; a second build failing is still a row
+                    step_row.kept, step_row.reason, runner = False, f"failed when built again: {one_line(exc)}", None
             else:
                 self.progress(f"+ {winner.label}")
                 step_row, runner = self._try("compose", f"+ {winner.label}", candidate, current_runner,
