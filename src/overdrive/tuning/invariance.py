@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from overdrive.core.measure import to_device
+from overdrive.core.measure import owned_host_float32, to_device
 from overdrive.core.workload import Workload
 
 OUTLIER_SCALE = 100.0
@@ -106,8 +106,8 @@ class InvarianceProbe:
         """{context: float32 [judged rows, ...]} in `judged` order."""
         rows: dict[str, list[torch.Tensor]] = {"alone": [], "mixed": []}
         for context, positions, inputs in self.batches:
-            out = model(*inputs).detach().float().cpu()
-            rows[context] += [out[p].clone() for p in positions]  # copies: the model may reuse its output buffer
+            out = owned_host_float32(model(*inputs))  # a copy: the model may reuse its output buffer
+            rows[context] += [out[p] for p in positions]
         return {c: torch.stack(r) for c, r in rows.items() if r}
 
     def check(self, model: nn.Module, *, key: str, degenerate: bool) -> Verdict:

@@ -103,12 +103,14 @@ def evaluate(model: nn.Module, workload: Workload, device: torch.device,
     Returns:
         (float32 outputs [N, ...] on the CPU, {fidelity figures vs `reference`, task metric}).
     """
+    from overdrive.core.measure import owned_host_float32  # not at import: core.measure imports the technique registry
+
     n = len(workload.samples) if workload.metric is not None else min(len(workload.samples), EVAL_SAMPLES)  # a metric scores all
     outputs = []
     with torch.no_grad():
         for start in range(0, n, workload.default_batch_size):
             batch = [workload.samples[i] for i in range(start, min(n, start + workload.default_batch_size))]
-            outputs.append(model(*(t.to(device) for t in workload.collate(batch))).float().cpu())
+            outputs.append(owned_host_float32(model(*(t.to(device) for t in workload.collate(batch)))))
     out = torch.cat(outputs)
     figures: dict[str, float] = {}
     if reference is not None:
