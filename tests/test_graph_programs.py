@@ -7,6 +7,8 @@ technique gives must be true of that graph, and what applies must keep the outpu
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from pathlib import Path
 
@@ -136,8 +138,11 @@ def test_bn_fold_says_why_a_programs_batch_norms_cannot_fold(tmp_path_factory):
     assert reason and "none of the program's 1 aten.batch_norm ops directly follows an aten.conv" in reason
     torch.manual_seed(0)
     trained = torch.export.export(TinyConvNet().train(), (torch.randn(4, 3, 16, 16),))
+    train_mode = dataclasses.replace(after_relu, model=trained.module())  # a program still in training mode
+    reason = get_technique("bn-fold").unsupported_reason(train_mode, CPU)
+    assert reason and "exported in training mode" in reason
     path = Path(tmp_path_factory.mktemp("pt2")) / "train.pt2"
     torch.export.save(trained, str(path))
-    reason = get_technique("bn-fold").unsupported_reason(build_from_file(path, input_shape=None,
-                                                                        input_dtype=torch.float32), CPU)
-    assert reason and "exported in training mode" in reason
+    loaded = build_from_file(path, input_shape=None, input_dtype=torch.float32)  # switched to eval ops, and says so
+    assert any("training mode" in note for note in loaded.notes)
+    assert get_technique("bn-fold").unsupported_reason(loaded, CPU) is None

@@ -245,8 +245,10 @@ def test_ddp_at_one_process_equals_one_process_with_batchnorm_and_dropout(tmp_pa
     ddp = spawn("bn_dropout_mlp", 1, tmp_path, steps=3, batch_size=8, learning_rate=1e-2,
                 dims=ParallelDims(strategy="ddp", world_size=1))
     ref = reference("bn_dropout_mlp", steps=3, batch_size=8, learning_rate=1e-2)
-    assert ddp["losses"] == ref["losses"]
-    assert_close(ddp["params"], ref["params"], atol=0, rtol=0)
+    # float noise only (the reference may run with another intra-op thread count); a moved BatchNorm
+    # statistic or another dropout mask changes the loss in the third digit
+    assert ddp["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    assert_close(ddp["params"], ref["params"], atol=1e-6, rtol=1e-6)
 
 
 def test_the_command_line_lists_frozen_parameters_and_says_what_it_turned_on(capsys):

@@ -158,12 +158,17 @@ class Batch:
 def make_batches(
     workload: Workload, *, indices: list[int], batch_size: int, policy: BatchingPolicy, device: torch.device
 ) -> list[Batch]:
-    """Cut `indices` into batches in the policy's order, collate and move them to `device`."""
+    """Cut `indices` into batches in the policy's order, collate and move them to `device`. For a
+    model that takes only one batch size, a short last batch is filled up with copies of its first
+    row (as `serve` and `run` do); only its own rows are judged."""
     order = policy.order(workload, indices)
     batches = []
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        inputs = workload.collate([workload.samples[indices[p]] for p in chunk])
+        rows = [workload.samples[indices[p]] for p in chunk]
+        if workload.fixed_batch_size and len(rows) < workload.fixed_batch_size:
+            rows += rows[:1] * (workload.fixed_batch_size - len(rows))
+        inputs = workload.collate(rows)
         batches.append(Batch(positions=chunk, inputs=to_device(inputs, device)))
     synchronize(device)
     return batches

@@ -337,7 +337,7 @@ class Tuner:
             if self.probe is not None and any(not technique_for(s).lossless for s in steps):
                 verdict = self.probe.check(runner.model, key=self.rule.key, degenerate=bool(self.rule.degenerate))
             breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps)
-            gain = self._compare(reference, runner, decide=judge and breaks is None)
+            gain = self._compare(reference, runner, decide=breaks is None)
             m = judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference)
         except Exception as exc:  # noqa: BLE001 - a failing technique is a row, not a crash
             self._release(runner)
