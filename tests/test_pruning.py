@@ -236,6 +236,17 @@ def test_chunk_then_concat_leaves_the_coupled_layers_alone_and_says_why():
     assert (pruned.a.out_channels, pruned.c.out_channels, pruned.b.out_channels) == (32, 16, 16)
 
 
+def _assert_equals_masking(pruned, model, layer: str, kept: list[int], workload) -> None:
+    """The pruned model computes what the unpruned one does with `layer`'s other output channels zeroed."""
+    mask = torch.zeros(getattr(model, layer).weight.shape[0])
+    mask[kept] = 1.0
+    masked = factory_copy(model)
+    getattr(masked, layer).register_forward_hook(lambda _m, _i, out: out * mask.view(1, -1, 1, 1))
+    x = torch.stack(workload.samples)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(x), masked(x), rtol=1e-5, atol=1e-5)
+
+
 def _kept_rows(pruned: torch.Tensor, original: torch.Tensor) -> list[int]:
     """Indices of `original`'s rows that `pruned`'s rows are (pruning keeps rows unchanged)."""
     flat_p, flat_o = pruned.flatten(1), original.flatten(1)
@@ -289,13 +300,7 @@ def test_linear_reshaped_into_conv_channels_stays_whole_and_the_conv_agrees_with
     assert pruned.fc.out_features == 32 * 16 and pruned.conv.in_channels == 32
     kept = _kept_rows(pruned.conv.weight, model.conv.weight)
     assert len(kept) == 16
-    mask = torch.zeros(32)
-    mask[kept] = 1.0
-    masked = factory_copy(model)
-    masked.conv.register_forward_hook(lambda _m, _i, out: out * mask.view(1, -1, 1, 1))
-    x = torch.stack(workload.samples)
-    with torch.no_grad():
-        torch.testing.assert_close(pruned(x), masked(x), rtol=1e-5, atol=1e-5)
+    _assert_equals_masking(pruned, model, "conv", kept, workload)
 
 
 class GroupNormNet(nn.Module):
@@ -351,13 +356,7 @@ def test_group_norm_pruning_agrees_with_masking_the_removed_groups():
     kept = _kept_rows(pruned.conv1.weight, model.conv1.weight)
     assert len(kept) == 16 and pruned.gn1.num_groups == 4
     assert all(sum(1 for k in kept if k // 4 == g) in (0, 4) for g in range(8))  # whole groups of 4
-    mask = torch.zeros(32)
-    mask[kept] = 1.0
-    masked = factory_copy(model)
-    masked.gn1.register_forward_hook(lambda _m, _i, out: out * mask.view(1, -1, 1, 1))
-    x = torch.stack(workload.samples)
-    with torch.no_grad():
-        torch.testing.assert_close(pruned(x), masked(x), rtol=1e-5, atol=1e-5)
+    _assert_equals_masking(pruned, model, "gn1", kept, workload)
 
 
 def test_group_norm_pruned_weights_reload_into_a_fresh_model(tmp_path):
