@@ -89,8 +89,8 @@ def test_a_technique_whose_rows_depend_on_their_batch_mates_is_rejected_for_serv
     model, example = guard_models.plain()
     result = overdrive.optimize(model, example, techniques=["int8-dynamic"], **QUICK)
     row = next(r for r in result.rows if r.label == "int8-dynamic")
-    assert row.invariance.alone >= 0.99  # faithful for rows alone ...
-    assert row.invariance.mixed < 0.9  # ... and not next to an outlier row
+    assert row.invariance.alone["min_cosine"] >= 0.99  # faithful for rows alone ...
+    assert row.invariance.mixed["min_cosine"] < 0.9  # ... and not next to an outlier row
     assert not row.kept and row.reason.startswith("batch-dependent") and "one scale for the whole batch" in row.reason
 
 
@@ -99,8 +99,33 @@ def test_a_lossless_technique_is_not_probed_and_a_faithful_lossy_one_passes(conv
                    guard=Guard(min_gain=0), min_rounds=2, max_rounds=2).run()
     bf16 = next(r for r in result.rows if r.label == "bf16")
     channels_last = next(r for r in result.rows if r.label == "channels-last")
-    assert bf16.invariance is not None and bf16.invariance.mixed >= 0.99 and bf16.kept
+    assert bf16.invariance is not None and bf16.invariance.mixed["min_cosine"] >= 0.99 and bf16.kept
     assert channels_last.invariance is None
+
+
+@pytest.mark.parametrize("factory", ["scalar_regressor", "offset_classifier"])
+def test_errors_hidden_by_an_offset_all_rows_share_are_seen(factory):
+    """bf16 turns every row of a 1000 + small-score regressor into 1000.0, and flips the argmax of logits on an
+    offset of 500; cosine per row stays 1.0 in both. R² (against the rows' spread) sees it."""
+    model, example = getattr(guard_models, factory)()
+    result = overdrive.optimize(model, example, techniques=["bf16"], min_gain=0, **QUICK)
+    row = _row(result.table, "bf16")
+    assert row["fidelity"]["min_cosine"] > 0.9999 and row["fidelity"]["r2"] < 0.5
+    assert not row["kept"] and row["reason"].startswith("r2 ") and "floor" in row["reason"]
+
+
+def test_a_spike_row_finds_batch_dependence_that_a_leading_layer_norm_hides_from_a_scaled_row():
+    model, example = guard_models.layer_norm_first()
+    result = overdrive.optimize(model, example, techniques=["int8-dynamic"], min_gain=0, **QUICK)
+    row = next(r for r in result.rows if r.label == "int8-dynamic")
+    assert row.invariance.outlier == "a one-spike row" and row.invariance.alone["min_cosine"] >= 0.99
+    assert not row.kept and row.reason.startswith("batch-dependent")
+
+
+def test_a_model_whose_own_rows_depend_on_the_batch_is_named():
+    model, example = guard_models.batch_standardised()
+    result = overdrive.optimize(model, example, techniques=["inference-mode"], min_gain=0, **QUICK)
+    assert any("the eager fp32 model's own rows depend on their batch-mates" in w for w in result.warnings)
 
 
 # -- 4. a baseline that moves is refused or fixed, never blamed on lossless techniques ------------
@@ -137,7 +162,7 @@ def test_a_model_that_draws_random_numbers_is_refused_with_the_cause():
 
 def test_a_fidelity_metric_that_fails_against_itself_is_reported_as_broken(conv_workload):
     broken = dataclasses.replace(conv_workload, fidelity=lambda out, ref: {"min_cosine": 0.0})
-    with pytest.raises(WorkloadError, match="broken fidelity metric.*min_cosine 0.0000"):
+    with pytest.raises(WorkloadError, match="broken fidelity metric.*min_cosine 0, below the 0.99 floor"):
         Tuner(workload=broken, device=CPU, batch_size=8, techniques=["channels-last"]).run()
 
 

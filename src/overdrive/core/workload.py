@@ -151,6 +151,26 @@ def eval_mode(model: nn.Module) -> nn.Module:
         return model
 
 
+def explained_variance(output: torch.Tensor, reference: torch.Tensor) -> float | None:
+    """R², the coefficient of determination of `output` against `reference` (both [N, ...]):
+    1 − Σ(output − reference)² / Σ(reference − its per-column mean over rows)².
+
+    Cosine per row cannot see an error that is small next to what all rows share: logits on a
+    common offset of 500 whose bf16 rounding flips a third of the argmaxes, or a one-column
+    regression output whose rows all become the same number, keep a cosine of 1. R² measures the
+    error against how much the outputs vary from row to row, so it sees both. 1.0: identical.
+
+    Returns:
+        R², or None when the reference does not vary over rows (one row, or every row the same).
+    """
+    out = output.double().reshape(output.shape[0], -1)
+    ref = reference.double().reshape(reference.shape[0], -1)
+    spread = (ref - ref.mean(dim=0, keepdim=True)).pow(2).sum()
+    if ref.shape[0] < 2 or not spread > 0:
+        return None
+    return float(1.0 - (out - ref).pow(2).sum() / spread)
+
+
 def embedding_fidelity(output: torch.Tensor, reference: torch.Tensor, *, k: int = 10) -> dict[str, float]:
     """Agreement of sentence embeddings with the fp32 reference.
 
@@ -162,7 +182,8 @@ def embedding_fidelity(output: torch.Tensor, reference: torch.Tensor, *, k: int 
     Returns:
         min_cosine, mean_cosine: cosine similarity of each row to its reference row;
         top10_agreement: mean overlap fraction of each row's k nearest neighbours by cosine
-        (self excluded) between candidate and reference (1.0 = identical retrieval).
+        (self excluded) between candidate and reference (1.0 = identical retrieval);
+        r2: `explained_variance` (absent when the reference rows do not vary).
     """
     out = nn.functional.normalize(output.float(), dim=-1)
     ref = nn.functional.normalize(reference.float(), dim=-1)
@@ -176,7 +197,12 @@ def embedding_fidelity(output: torch.Tensor, reference: torch.Tensor, *, k: int 
         nn_ref = (ref @ ref.T).masked_fill(eye, -2).topk(k, dim=-1).indices
         overlap = (nn_out.unsqueeze(-1) == nn_ref.unsqueeze(-2)).any(-1).float().sum(-1) / k
         result[f"top{k}_agreement"] = overlap.mean().item()
-    return result
+    return _with_r2(result, output, reference)
+
+
+def _with_r2(result: dict[str, float], output: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    r2 = explained_variance(output, reference)
+    return result if r2 is None else {**result, "r2": r2}
 
 
 def logits_fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
@@ -189,7 +215,8 @@ def logits_fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, 
     Returns:
         top1_agreement: fraction of rows whose argmax matches the reference (for [N, C]);
         max_rel_error: max |output − reference| / max |reference|;
-        min_cosine: the smallest per-row cosine similarity.
+        min_cosine: the smallest per-row cosine similarity;
+        r2: `explained_variance` (absent when the reference rows do not vary).
     """
     out = output.float().reshape(output.shape[0], -1)
     ref = reference.float().reshape(reference.shape[0], -1)
@@ -198,4 +225,4 @@ def logits_fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, 
         "max_rel_error": ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item(),
         "min_cosine": nn.functional.cosine_similarity(out, ref, dim=-1).min().item(),
     }
-    return result
+    return _with_r2(result, output, reference)

@@ -8,8 +8,9 @@ model in the same context:
 
 - *alone*: a batch of copies of the row (the same shape as the batches the plan runs, so a
   compiled model sees no new batch size), which has the statistics of the row alone;
-- *mixed*: the row in a batch with other real rows and one outlier row (the real row with the
-  largest input values, scaled by `OUTLIER_SCALE`; for token inputs, the longest real sample).
+- *mixed*: the row in a batch with other real rows and one outlier row (`outlier_samples`: the
+  real row with the largest input values scaled by `OUTLIER_SCALE`, and a one-spike row; for
+  token inputs, the longest real sample).
 
 The outlier row itself is not judged: an outlier may lose precision; its batch-mates must not.
 """
@@ -30,10 +31,20 @@ MAX_ROWS = 8
 
 @dataclass(kw_only=True)
 class Verdict:
-    """Per-context figure of the worst judged row (the workload's fidelity key, or max_abs_error)."""
+    """The worst judged row's figures in each context, against the eager fp32 model in the same context.
 
-    alone: float
-    mixed: float
+    Attributes:
+        alone: the figures (the workload's fidelity figures, or max_abs_error for a degenerate
+            reference) of the rows run alone.
+        mixed: the figures of the rows batched with other rows and an outlier row, for the outlier
+            whose batch-mates fared worst.
+        outlier: that outlier ("the largest row × 100", ...).
+        rows: rows judged.
+    """
+
+    alone: dict[str, float]
+    mixed: dict[str, float]
+    outlier: str
     rows: int
 
 
@@ -41,9 +52,8 @@ def _columns(sample):
     return sample if isinstance(sample, tuple) else (sample,)
 
 
-def _scaled(sample, scale: float):
-    cols = tuple(c * scale if isinstance(c, torch.Tensor) and c.is_floating_point() else c for c in _columns(sample))
-    return cols if isinstance(sample, tuple) else cols[0]
+def _rebuilt(sample, columns):
+    return tuple(columns) if isinstance(sample, tuple) else columns[0]
 
 
 def _magnitude(sample) -> float:
@@ -51,15 +61,29 @@ def _magnitude(sample) -> float:
     return max((float(c.abs().max()) for c in floats), default=0.0)
 
 
-def outlier_sample(workload: Workload, indices: list[int]):
-    """The outlier row: the sample with the largest float input scaled by OUTLIER_SCALE, or for
-    models without float inputs (token ids, strings) the longest sample."""
+def outlier_samples(workload: Workload, indices: list[int]) -> list[tuple[str, object]]:
+    """The outlier rows, each with what it is. For models with float inputs: the real row with the
+    largest value scaled by OUTLIER_SCALE, and a spike (that row's float inputs zeroed but for one
+    value, OUTLIER_SCALE × its largest: a row whose shape of values differs, which survives a leading
+    normalisation that a scaled row does not); otherwise the longest real sample."""
     samples = [workload.samples[i] for i in indices]
-    if any(_magnitude(s) > 0 for s in samples):
-        return _scaled(max(samples, key=_magnitude), OUTLIER_SCALE)
+    largest = max(samples, key=_magnitude)
+    peak = _magnitude(largest)
+    if peak > 0:
+        scaled = [c * OUTLIER_SCALE if isinstance(c, torch.Tensor) and c.is_floating_point() else c
+                  for c in _columns(largest)]
+        spike = []
+        for c in _columns(largest):
+            if isinstance(c, torch.Tensor) and c.is_floating_point() and c.numel():
+                c = torch.zeros_like(c)
+                c.view(-1)[0] = OUTLIER_SCALE * peak
+            spike.append(c)
+        return [(f"the largest row × {OUTLIER_SCALE:g}", _rebuilt(largest, scaled)),
+                ("a one-spike row", _rebuilt(largest, spike))]
     if workload.sample_length is not None:
-        return max(samples, key=workload.sample_length)
-    return max(samples, key=lambda s: sum(c.numel() for c in _columns(s) if isinstance(c, torch.Tensor)))
+        return [("the longest row", max(samples, key=workload.sample_length))]
+    return [("the largest row", max(samples, key=lambda s: sum(c.numel() for c in _columns(s)
+                                                               if isinstance(c, torch.Tensor))))]
 
 
 class InvarianceProbe:
@@ -81,46 +105,70 @@ class InvarianceProbe:
         step = max(1, len(distinct) // MAX_ROWS)
         self.rows = distinct[::step][:MAX_ROWS]
         self.workload, self.device = workload, device
-        outlier = outlier_sample(workload, distinct)
         samples = workload.samples
-        self.batches: list[tuple[str, list[int], tuple[torch.Tensor, ...]]] = []
-        self.judged: list[tuple[str, int, int]] = []  # (context, batch number, position in the batch)
+        # (context, [(position in the batch, row)], inputs); context "alone" or the outlier's description
+        self.batches: list[tuple[str, list[tuple[int, int]], tuple[torch.Tensor, ...]]] = []
         if size >= 2:
             mates = size - 1
-            for start in range(0, len(self.rows), mates):
-                chunk = [self.rows[(start + j) % len(self.rows)] for j in range(mates)]
-                judged = list(dict.fromkeys(chunk))
-                batch = [samples[i] for i in chunk] + [outlier]
-                self._add("mixed", [chunk.index(i) for i in judged], batch)
+            for name, outlier in outlier_samples(workload, distinct):
+                for start in range(0, len(self.rows), mates):
+                    chunk = [self.rows[(start + j) % len(self.rows)] for j in range(mates)]
+                    judged = [(chunk.index(i), i) for i in dict.fromkeys(chunk)]
+                    self._add(name, judged, [samples[i] for i in chunk] + [outlier])
         for i in self.rows:
-            self._add("alone", [0], [samples[i]] * size)
+            self._add("alone", [(0, i)], [samples[i]] * size)
         self.reference = self._outputs(reference_model)
 
-    def _add(self, context: str, positions: list[int], batch: list) -> None:
-        number = len(self.batches)
-        self.batches.append((context, positions, to_device(self.workload.collate(batch), self.device)))
-        self.judged += [(context, number, p) for p in positions]
+    def _add(self, context: str, judged: list[tuple[int, int]], batch: list) -> None:
+        self.batches.append((context, judged, to_device(self.workload.collate(batch), self.device)))
 
     @torch.no_grad()
-    def _outputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """{context: float32 [judged rows, ...]} in `judged` order."""
-        rows: dict[str, list[torch.Tensor]] = {"alone": [], "mixed": []}
-        for context, positions, inputs in self.batches:
+    def _outputs(self, model: nn.Module) -> dict[str, dict[int, torch.Tensor]]:
+        """{context: {row: float32 output [...]}}."""
+        rows: dict[str, dict[int, torch.Tensor]] = {}
+        for context, judged, inputs in self.batches:
             out = owned_host_float32(model(*inputs))  # a copy: the model may reuse its output buffer
-            rows[context] += [out[p] for p in positions]
-        return {c: torch.stack(r) for c, r in rows.items() if r}
+            for position, row in judged:
+                rows.setdefault(context, {})[row] = out[position]
+        return rows
 
-    def check(self, model: nn.Module, *, key: str, degenerate: bool) -> Verdict:
-        """The worst judged row's figure alone and mixed, against the fp32 model in the same context:
-        the workload's fidelity figure `key` (higher is better), or the max absolute error when the
-        reference is degenerate (`degenerate`: lower is better)."""
+    def _figures(self, outputs: dict[int, torch.Tensor], reference: dict[int, torch.Tensor], degenerate: bool) -> dict:
+        rows = sorted(reference)
+        out, ref = torch.stack([outputs[r] for r in rows]), torch.stack([reference[r] for r in rows])
+        figures = {} if degenerate else dict(self.workload.fidelity(out, ref))
+        figures["max_abs_error"] = float((out - ref).abs().max())
+        return figures
+
+    def check(self, model: nn.Module, *, rule) -> Verdict:
+        """The candidate's figures alone and mixed, each against the fp32 model in the same context;
+        `rule` (a `tuner.FidelityRule`) picks the worst outlier."""
         outputs = self._outputs(model)
-        figures = {}
-        for context, reference in self.reference.items():
-            out = outputs[context]
-            if degenerate:
-                figures[context] = float((out - reference).abs().max())
-            else:
-                figures[context] = float(self.workload.fidelity(out, reference)[key])
-        alone = figures["alone"]
-        return Verdict(alone=alone, mixed=figures.get("mixed", alone), rows=len(self.rows))  # a batch of one has no mates
+        degenerate = bool(rule.degenerate)
+        alone = self._figures(outputs["alone"], self.reference["alone"], degenerate)
+        mixed = [(context, self._figures(outputs[context], self.reference[context], degenerate))
+                 for context in self.reference if context != "alone"]
+        if not mixed:  # a model that takes one row per batch has no batch-mates
+            return Verdict(alone=alone, mixed=alone, outlier="", rows=len(self.rows))
+        outlier, figures = max(mixed, key=lambda cf: (rule.violation(cf[1]) is not None, _badness(cf[1], rule)))
+        return Verdict(alone=alone, mixed=figures, outlier=outlier, rows=len(self.rows))
+
+    def model_dependence(self, *, rule) -> tuple[str, dict[str, float]] | None:
+        """Whether the eager fp32 model's own rows depend on their batch-mates: (the outlier, the
+        figures of its rows in that batch against the same rows alone) when they break `rule`, else None."""
+        degenerate = bool(rule.degenerate)
+        for context, outputs in self.reference.items():
+            if context == "alone":
+                continue
+            alone = {r: self.reference["alone"][r] for r in outputs}
+            figures = self._figures(outputs, alone, degenerate)
+            if rule.violation(figures):
+                return context, figures
+        return None
+
+
+def _badness(figures: dict[str, float], rule) -> float:
+    """How far `figures` are from passing `rule`'s main figure: larger is worse, NaN worst."""
+    value = figures.get(rule.key, float("nan"))
+    if value != value:
+        return float("inf")
+    return value if rule.degenerate else -value

@@ -55,6 +55,7 @@ DEGENERATE_ATOL = 1e-5
 DEGENERATE_RTOL = 1e-3
 # Two runs of the eager fp32 model on the same rows may differ by float noise (atomics on a GPU), no more.
 REPEAT_RTOL = 1e-4
+SAME_ROWS_RTOL = 1e-6  # rows whose outputs differ by no more than this × the largest output are "the same"
 # Under a zero budget, a lossless technique's fidelity figure must be within float tolerance of 1.
 LOSSLESS_TOLERANCE = 1e-5
 # A gain whose 95% interval spans more than this ratio (high / low) is flagged as noisy timing.
@@ -96,8 +97,8 @@ class Guard:
             return "lossless techniques only were asked for"
         if self.max_accuracy_drop == 0:
             return "the accuracy budget is 0"
-        if self.min_fidelity >= 1.0:
-            return "the fidelity floor is 1"
+        if self.min_fidelity >= 1.0 - LOSSLESS_TOLERANCE:
+            return f"the fidelity floor is {self.min_fidelity:g}, within float noise of 1"
         return None
 
     def violation(self, m: Measurement, baseline_task_metric: dict[str, float] | None, rule: FidelityRule) -> str | None:
@@ -117,27 +118,34 @@ class Guard:
 
 @dataclass(frozen=True, kw_only=True)
 class FidelityRule:
-    """How candidates' outputs are judged against the reference: the fidelity figure `key` ≥ `floor`,
-    or, for a degenerate reference (`degenerate` says why), `max_abs_error` ≤ `floor`."""
+    """How candidates' outputs are judged against the reference: the fidelity figure `key` and each
+    figure in `also` ≥ `floor` (`also` is R², `workload.explained_variance`, where the workload's
+    fidelity gives it: cosine alone cannot see errors hidden by an offset all rows share), or, for a
+    degenerate reference (`degenerate` says why), `max_abs_error` ≤ `floor`."""
 
     key: str
     floor: float
+    also: tuple[str, ...] = ()
     degenerate: str = ""
 
     def passes(self, value: float) -> bool:
         return value <= self.floor if self.degenerate else value >= self.floor  # NaN fails both
 
     def violation(self, figures: dict[str, float]) -> str | None:
-        value = figures.get(self.key)
-        if value is None or self.passes(value):
-            return None
-        return f"{self.key} {value:.3g} > {self.floor:.3g} tolerance" if self.degenerate else \
-            f"{self.key} {value:.4f} < {self.floor:.6g} floor"
+        for key in (self.key, *self.also):
+            value = figures.get(key)
+            if value is None or self.passes(value):  # an absent figure (R² of rows that do not vary) judges nothing
+                continue
+            if self.degenerate:
+                return f"{key} {value:.3g} > {self.floor:.3g} tolerance"
+            why = " (the error is large next to how much the outputs vary from row to row)" if key == "r2" else ""
+            return f"{key} {value:.4f} < {self.floor:.6g} floor{why}"
+        return None
 
     def describe(self) -> str:
         if self.degenerate:
             return f"degenerate reference ({self.degenerate}): judged by max_abs_error ≤ {self.floor:.3g}, not cosine"
-        return f"{self.key} ≥ {self.floor:.6g}"
+        return " and ".join(f"{k} ≥ {self.floor:.6g}" for k in (self.key, *self.also))
 
 
 @dataclass(kw_only=True)
@@ -295,20 +303,21 @@ class Tuner:
         degenerate = ""
         if scale < DEGENERATE_OUTPUT:
             degenerate = f"every output is within {DEGENERATE_OUTPUT:g} of zero, the largest {scale:.2g}"
-        elif len(rows) > 1 and float((rows - rows[:1]).abs().max()) <= REPEAT_RTOL * scale:
+        elif len(rows) > 1 and float((rows - rows[:1]).abs().max()) <= SAME_ROWS_RTOL * scale:
             degenerate = "every row's output is the same, whatever its input"
         if degenerate:
             return FidelityRule(key="max_abs_error", floor=DEGENERATE_ATOL + DEGENERATE_RTOL * scale, degenerate=degenerate)
         floor = 1.0 - LOSSLESS_TOLERANCE if self.guard.lossless_only else self.guard.min_fidelity
-        own = self.workload.fidelity(second, first).get(key)
+        figures = self.workload.fidelity(second, first)
+        own = figures.get(key)
         if own is None:
-            raise WorkloadError(f"{name}: its fidelity function gives no {key!r} figure (it gives "
-                                f"{sorted(self.workload.fidelity(second, first))})")
-        if not own >= floor:
+            raise WorkloadError(f"{name}: its fidelity function gives no {key!r} figure (it gives {sorted(figures)})")
+        if not own >= min(floor, 1.0 - LOSSLESS_TOLERANCE):  # identical outputs give float noise below 1 (0.99999988)
             raise WorkloadError(f"{name}: broken fidelity metric: the eager fp32 model's outputs against themselves give "
-                                f"{key} {own:.4f}, below the {floor:.6g} floor, so every technique would fail it (a fidelity "
+                                f"{key} {own:.6g}, below the {floor:.6g} floor, so every technique would fail it (a fidelity "
                                 "function that does not give its best figure for identical outputs?)")
-        return FidelityRule(key=key, floor=floor)
+        also = ("r2",) if "r2" in figures and key != "r2" and floor > 0 else ()  # a floor of 0 asks for no fidelity check
+        return FidelityRule(key=key, floor=floor, also=also)
 
     def _moving_cause(self) -> str:
         ops = training_mode_ops(self.workload.model)
@@ -335,7 +344,7 @@ class Tuner:
             m = judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference)
             verdict = None
             if self.probe is not None and any(not technique_for(s).lossless for s in steps):
-                verdict = self.probe.check(runner.model, key=self.rule.key, degenerate=bool(self.rule.degenerate))
+                verdict = self.probe.check(runner.model, rule=self.rule)
             breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps)
             gain = self._compare(reference, runner, decide=breaks is None)
             m = judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference)
@@ -350,13 +359,19 @@ class Tuner:
         return row, runner
 
     def _batch_dependence(self, verdict: Verdict | None, steps: list[TechniqueConfig]) -> str | None:
-        """The reason a candidate's rows depend on their batch-mates beyond the floor, or None."""
-        if verdict is None or self.rule.passes(verdict.mixed):
+        """The reason a candidate's rows break the budget inside a batch with other rows and an
+        outlier row (batch-dependent when they pass alone), or None."""
+        mixed = self.rule.violation(verdict.mixed) if verdict is not None else None
+        if mixed is None:
             return None
+        where = f"for rows batched with other rows and {verdict.outlier}"
+        alone = self.rule.violation(verdict.alone)
+        if alone:
+            return f"{mixed} {where} (alone: {alone})"
         hints = [technique_for(s).batch_dependence for s in steps if technique_for(s).batch_dependence]
-        why = f" ({hints[0]})" if hints else ""
-        return (f"batch-dependent: {self.rule.key} {verdict.mixed:.4g} for rows batched with other rows and an outlier "
-                f"row, {verdict.alone:.4g} alone{why}; unfit for serve and run")
+        why = f"; {hints[0]}" if hints else ""
+        figure = verdict.alone.get(self.rule.key, math.nan)
+        return f"batch-dependent: {mixed} {where}, {self.rule.key} {figure:.4g} alone{why}; unfit for serve and run"
 
     def _judge(self, row: Row, breaks: str | None) -> Row:
         """Set kept and the reason: over budget (with the figure), or not clearly faster."""
@@ -390,10 +405,15 @@ class Tuner:
         base, self.reference, flops = self._baseline()
         self.baseline_task_metric = self.workload.task_metric(self.reference, self.indices) if self.workload.has_task_metric \
             else None
-        lossy = [n for n in self.techniques if not get_technique(n).lossless and not self._skip_reason(n)]
-        if lossy:
-            self.probe = InvarianceProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
-                                         indices=self.indices)
+        # The probe judges lossy candidates; the model's own batch dependence is worth knowing whatever is tried.
+        self.probe = InvarianceProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
+                                     indices=self.indices)
+        own = self.probe.model_dependence(rule=self.rule)
+        if own is not None:
+            self.warnings.append(
+                f"the eager fp32 model's own rows depend on their batch-mates ({self.rule.violation(own[1])} between rows "
+                f"alone and batched with other rows and {own[0]}): serve and run give a row different answers "
+                "depending on what it is batched with, whatever the plan")
 
         # 1. Each technique alone against the baseline, interleaved: the attribution table.
         alone: dict[str, Row] = {}
