@@ -262,3 +262,34 @@ def test_every_row_of_a_pass_is_timed_the_partial_batch_too(sleep_workload):
                    min_rounds=2, max_rounds=2).run()
     baseline = result.rows[0].measurement
     assert baseline.num_timed_calls == 3 * baseline.num_passes  # 20 rows at batch 8: 8 + 8 + 4
+
+
+class _Fades(torch.nn.Module):
+    """Twice as fast as the baseline until `slow` is set (by the test, once the plan is timed), then half as fast."""
+
+    slow = False
+
+    def forward(self, x):
+        guard_models.time.sleep(0.008 if _Fades.slow else 0.002)
+        return x[:, :4] * 2
+
+
+def test_a_plan_that_is_not_faster_than_the_baseline_is_backed_off(sleep_workload):
+    config = dataclass(frozen=True, kw_only=True)(type("t-fades-config", (_SpeedConfig,), {"name": "t-fades"}))
+    register(type("t-fades", (Technique,), {"config_cls": config, "stage": Stage.GRAPH, "lossless": True,
+                                             "description": "", "apply": lambda self, model, config, **_: _Fades()}))
+
+    def progress(label: str) -> None:
+        _Fades.slow = label.startswith("plan:")
+
+    try:
+        result = Tuner(workload=sleep_workload, device=CPU, batch_size=8, techniques=["t-fades"], max_compare_s=5,
+                       progress=progress).run()
+    finally:
+        unregister("t-fades")
+        _Fades.slow = False
+    rows = {r.label: r for r in result.rows}
+    assert rows["t-fades"].kept  # alone, it was faster
+    backed = rows["plan: t-fades"]
+    assert not backed.kept and "not faster than the baseline beyond the noise" in backed.reason
+    assert result.plan.names == [] and result.rows[-1].label == "plan: baseline"

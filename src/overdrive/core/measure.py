@@ -258,26 +258,28 @@ class Runner:
             outputs[batch.positions] = out[: batch.num_rows]
         return total, outputs
 
-    def measurement(self) -> Measurement:
-        """The Measurement of the passes timed so far (at least one).
+    def measurement(self, since: tuple[int, int] = (0, 0)) -> Measurement:
+        """The Measurement of the passes timed so far (at least one), or of those timed after
+        `since` = (passes, calls) counted earlier (the passes of one comparison).
 
         Throughput is rows per timed pass over the median pass time; compile time is the warm-up's
         excess over the time the median pass would take for every row. `pass_spread` is p90 / p50 of the pass times: passes are the same work,
         so a spread well above 1 means the machine was busy while measuring.
         """
-        if not self.pass_s:
+        pass_s, latencies_s = self.pass_s[since[0]:], self.latencies_s[since[1]:]
+        if not pass_s:
             raise ValueError("no timed pass yet")
-        median_pass_s = percentile(self.pass_s, 50)
+        median_pass_s = percentile(pass_s, 50)
         padded = [b.inputs[0].shape[1] for b in self.batches if self.workload.is_text and b.inputs[0].dim() >= 2]
         return Measurement(
             batch_size=self.batch_size,
             num_samples=len(self.indices),
-            num_timed_calls=len(self.latencies_s),
+            num_timed_calls=len(latencies_s),
             latency_ms={
-                "p50": 1e3 * percentile(self.latencies_s, 50),
-                "p90": 1e3 * percentile(self.latencies_s, 90),
-                "p99": 1e3 * percentile(self.latencies_s, 99),
-                "mean": 1e3 * sum(self.latencies_s) / len(self.latencies_s),
+                "p50": 1e3 * percentile(latencies_s, 50),
+                "p90": 1e3 * percentile(latencies_s, 90),
+                "p99": 1e3 * percentile(latencies_s, 99),
+                "mean": 1e3 * sum(latencies_s) / len(latencies_s),
             },
             samples_per_s=self.rows_per_pass / median_pass_s,
             peak_memory_bytes=self.peak[0],
@@ -285,8 +287,8 @@ class Runner:
             warmup_s=self.warmup_s,
             compile_s=max(0.0, self.warmup_s - median_pass_s * len(self.indices) / self.rows_per_pass),
             mean_padded_length=sum(padded) / len(padded) if padded else None,
-            num_passes=len(self.pass_s),
-            pass_spread=percentile(self.pass_s, 90) / median_pass_s if median_pass_s > 0 else math.nan,
+            num_passes=len(pass_s),
+            pass_spread=percentile(pass_s, 90) / median_pass_s if median_pass_s > 0 else math.nan,
         )
 
 

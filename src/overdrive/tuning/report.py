@@ -38,7 +38,9 @@ def _speedup(row: Row) -> str:
 def caption(result: TuneResult, rows_description: str) -> str:
     """What the fidelity column is judged on and by: the rows, and the rule."""
     rule = f"; {result.rule.describe()}" if result.rule is not None else ""
-    return f"fidelity against eager fp32 outputs, {rows_description}{rule}; speedup [95% interval] from interleaved passes"
+    return (f"fidelity against eager fp32 outputs, {rows_description}{rule}; speedup [95% interval] from passes interleaved "
+            "with the baseline's (a step's own gain over the steps before it is in its row); samples/s: each row's median "
+            "pass, timed at different moments")
 
 
 def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_description: str = "") -> Table:

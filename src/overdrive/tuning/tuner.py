@@ -460,8 +460,7 @@ class Tuner:
                 self.progress(f"+ {winner.label}")
                 step_row, runner = self._try("compose", f"+ {winner.label}", candidate, current_runner,
                                              "the steps before it")
-                if step_row.gain is not None:
-                    step_row.speedup = current_row.speedup * step_row.gain.ratio
+
             rows.append(step_row)
             if step_row.kept:
                 if current_runner is not base:
@@ -473,6 +472,20 @@ class Tuner:
                 self._release(runner)
 
         plan_row = self._plan_row(current, current_runner, base, baseline)
+        while current and plan_row.gain.low < self.guard.min_gain:  # back off: the last step added goes first
+            plan_row.phase, plan_row.kept = "compose", False
+            plan_row.reason = (f"the plan is not faster than the baseline beyond the noise: {plan_row.gain.describe()} "
+                               f"(needs its low end ≥ {self.guard.min_gain:.2f}×); backing off {current[-1].name}")
+            rows.append(plan_row)
+            self._release(current_runner)
+            current, current_runner = current[:-1], base
+            if current:
+                try:
+                    current_runner = self._runner(current)
+                    current_runner.warm_up()
+                except Exception:  # noqa: BLE001 - it ran before; if it fails now, fall back to the baseline
+                    current_runner, current = base, []
+            plan_row = self._plan_row(current, current_runner, base, baseline)
         rows.append(plan_row)
         rows += self._leave_one_out(current, current_runner)
         self._release(current_runner if current_runner is not base else None, base)
@@ -502,8 +515,9 @@ class Tuner:
         if not current:
             return Row(phase="plan", label=label, steps=[], kept=True, measurement=baseline, speedup=1.0)
         self.progress(label + " vs baseline")
+        since = len(runner.pass_s), len(runner.latencies_s)
         gain = self._compare(base, runner, decide=True)
-        m = judge_outputs(runner.measurement(), self.workload, runner.outputs(), self.indices, self.reference)
+        m = judge_outputs(runner.measurement(since=since), self.workload, runner.outputs(), self.indices, self.reference)
         return Row(phase="plan", label=label, steps=names, kept=True, measurement=m, speedup=gain.ratio, gain=gain,
                    versus="the baseline")
 
