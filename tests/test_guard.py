@@ -46,6 +46,14 @@ def test_a_factory_is_judged_on_its_example_rows_not_on_random_rows():
     assert "rows of your example input" in result.rows_description
 
 
+def test_a_result_without_a_sweep_saves_everything_but_the_plot(tmp_path):
+    model, example = guard_models.plain()
+    result = overdrive.optimize(model, example, techniques=["inference-mode"], **QUICK)
+    result.save(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} >= {"plan.json", "results.json", "report.md"}
+    assert not (tmp_path / "latency_vs_batch_size.png").exists()
+
+
 def test_random_rows_are_used_only_for_a_placeholder_example_and_say_so():
     workload = workload_from_model("zeros", guard_models.mlp(), torch.zeros(4, 16))
     assert workload.rows_source == "random"
@@ -293,3 +301,29 @@ def test_a_plan_that_is_not_faster_than_the_baseline_is_backed_off(sleep_workloa
     backed = rows["plan: t-fades"]
     assert not backed.kept and "not faster than the baseline beyond the noise" in backed.reason
     assert result.plan.names == [] and result.rows[-1].label == "plan: baseline"
+
+
+@pytest.mark.parametrize("factory", ["images_0_255", "images_uint8"])
+def test_a_folder_of_images_is_read_in_the_range_and_dtype_of_the_models_rows(tmp_path, factory):
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    pixels = np.full((16, 16, 3), 200, dtype=np.uint8)
+    Image.fromarray(pixels).save(folder / "a.png")
+    out = tmp_path / "stats.npy"
+    result = run_cli("run", f"tests.fixtures.guard_models:{factory}", "--input", str(folder), "--output", str(out),
+                     "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert np.load(out)[0].tolist() == [200.0, 200.0]  # not 0.78: the model's rows are 0..255
+
+
+def test_a_folder_of_images_for_a_model_of_normalised_rows_is_refused(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(folder / "a.png")
+    result = run_cli("run", "tests.fixtures.guard_models:images_normalised", "--input", str(folder), "--output",
+                     str(tmp_path / "o.npy"), "--device", "cpu")
+    assert result.returncode == 2 and "normalised images" in result.stderr, result.stderr

@@ -365,19 +365,25 @@ def hash_strings(items: Iterable[str]) -> str:
 
 
 class ResizeToTensor:
-    """PIL image -> float32 [C, H, W] in [0, 1], resized to (H, W) (bilinear, antialiased), then
-    optionally normalised per channel: (x - mean) / std. Picklable, for DataLoader workers."""
+    """PIL image -> [C, H, W] resized to (H, W) (bilinear, antialiased): float32 in [0, 1] (`scale`
+    1/255, the default), float32 in [0, 255] (`scale` 1), or uint8 (`dtype` uint8); then optionally
+    normalised per channel: (x - mean) / std. Picklable, for DataLoader workers."""
 
-    def __init__(self, size: tuple[int, int], mean: Sequence[float] | None = None, std: Sequence[float] | None = None):
+    def __init__(self, size: tuple[int, int], mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                 *, scale: float = 1 / 255, dtype: torch.dtype = torch.float32):
         self.size = tuple(size)
         self.mean, self.std = mean, std
+        self.scale, self.dtype = scale, dtype
 
     def __call__(self, image) -> torch.Tensor:
         from PIL import Image
 
         if image.size != (self.size[1], self.size[0]):
             image = image.resize((self.size[1], self.size[0]), Image.Resampling.BILINEAR)
-        array = np.asarray(image, dtype=np.float32) / 255.0
+        if self.dtype == torch.uint8:
+            array = np.asarray(image, dtype=np.uint8)
+        else:
+            array = np.asarray(image, dtype=np.float32) * np.float32(self.scale)
         tensor = torch.from_numpy(array.reshape(array.shape[0], array.shape[1], -1)).permute(2, 0, 1).contiguous()
         if self.mean is not None:
             tensor = (tensor - torch.tensor(self.mean).view(-1, 1, 1)) / torch.tensor(self.std).view(-1, 1, 1)
@@ -398,10 +404,13 @@ def image_transform(workload) -> tuple[Callable[[Any], torch.Tensor], str]:
 
     The workload's own `extra["image_transform"]` when it has one (torchvision workloads carry
     their architecture's ImageNet preset: resize, centre crop, normalise); otherwise the image is
-    resized to the sample shape [C, H, W] (C = 1: greyscale "L", C = 3: "RGB") and scaled to [0, 1].
+    resized to the sample shape [C, H, W] (C = 1: greyscale "L", C = 3: "RGB") and given the range
+    and dtype of the workload's real rows: uint8 0..255, float 0..255, or float 0..1 (also for
+    random rows, whose range says nothing).
 
     Raises:
-        DataError: the workload's samples are not single images [1 or 3, H, W].
+        ConfigError: the workload's samples are not single images [1 or 3, H, W], or its real rows
+            hold negative values (normalised images, whose mean and std cannot be known).
     """
     sample = single_input_sample(workload)
     if not isinstance(sample, torch.Tensor) or sample.dim() != 3 or sample.shape[0] not in (1, 3):
@@ -410,7 +419,22 @@ def image_transform(workload) -> tuple[Callable[[Any], torch.Tensor], str]:
                         "give it a .npy array instead")
     mode = "L" if sample.shape[0] == 1 else "RGB"
     transform = workload.extra.get("image_transform")
-    return (transform or ResizeToTensor(tuple(sample.shape[1:]))), mode
+    if transform is not None:
+        return transform, mode
+    size = tuple(sample.shape[1:])
+    if sample.dtype == torch.uint8:
+        return ResizeToTensor(size, dtype=torch.uint8), mode
+    if not sample.dtype.is_floating_point:
+        raise ConfigError(f"workload {workload.name!r} takes {sample.dtype} images; give it a .npy array of its rows")
+    if getattr(workload, "rows_source", "random") == "random":
+        return ResizeToTensor(size), mode
+    rows = [s[0] if isinstance(s, tuple) else s for s in workload.samples[:64]]
+    low, high = min(float(r.min()) for r in rows), max(float(r.max()) for r in rows)
+    if low < 0:
+        raise ConfigError(f"workload {workload.name!r}'s rows hold values in [{low:.3g}, {high:.3g}]: normalised images, "
+                          "whose mean and std overdrive cannot know; give it a .npy array of prepared rows, or a factory "
+                          "Workload with extra['image_transform']")
+    return ResizeToTensor(size, scale=1.0 if high > 1.0 + 1e-6 else 1 / 255), mode
 
 
 # -- opening -------------------------------------------------------------------------------------

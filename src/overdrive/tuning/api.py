@@ -186,10 +186,12 @@ class OptimizeResult:
         folder = Path(folder)
         plan_path = self.save_plan(folder)
         workload, device_name = self.session.workload, devices.describe(self.session.device)
-        plot_latency_vs_batch(folder / PLOT_NAME, self.sweep, title=f"{workload.name} on {device_name}")
+        plot = PLOT_NAME if any(self.sweep.values()) else None  # no sweep (sweep_batch_sizes=[]): no plot
+        if plot:
+            plot_latency_vs_batch(folder / plot, self.sweep, title=f"{workload.name} on {device_name}")
         write_results(folder / "results.json", self.to_dict())
         write_report_md(folder / "report.md", result=self, workload_name=workload.name, device_name=device_name,
-                        fidelity_key=workload.fidelity_key, sweep=self.sweep, plot_name=PLOT_NAME, command=self.command,
+                        fidelity_key=workload.fidelity_key, sweep=self.sweep, plot_name=plot, command=self.command,
                         real_weights=workload.real_weights,
                         rows_description=workload.describe_rows(self.session.num_distinct_samples), notes=workload.notes)
         return plan_path
