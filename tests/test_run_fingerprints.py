@@ -14,11 +14,11 @@ from torch import nn
 from overdrive import cli
 from overdrive.core.errors import DataError
 from overdrive.run.job import RunConfig, run_offline
-from overdrive.run.resume import Parts, check_manifest, checkpoint_fingerprints, weights_fingerprint
+from overdrive.run.resume import MANIFEST_VERSION, Parts, check_manifest, checkpoint_fingerprints, weights_fingerprint
 from overdrive.run.threads import _SimulatedCrash, crash_after
 from overdrive.techniques.pruning.unstructured import PruneUnstructuredConfig
 from tests.fixtures.run_io import mixed_input, npy_rows
-from tests.fixtures.run_models import WEIGHTS_ENV, expected_row
+from tests.fixtures.run_models import SCALE_ENV, WEIGHTS_ENV, expected_row
 
 FROM_WEIGHTS = "tests.fixtures.run_models:char_text_from_weights"
 
@@ -43,6 +43,21 @@ def test_resume_after_the_weights_changed_is_refused_naming_them(tmp_path, monke
     np.testing.assert_allclose(npy_rows(out)[good], 2.0 * np.array([expected_row(texts[i]) for i in good]), rtol=1e-6)
 
 
+def test_resume_after_a_change_the_weights_do_not_hold_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(SCALE_ENV, "1")
+    inp, _, _ = mixed_input(tmp_path, n=60)
+    out = tmp_path / "out.npy"
+    with pytest.raises(_SimulatedCrash), crash_after(3):
+        run_offline(RunConfig(workload="tests.fixtures.run_models:char_text_scaled_by_env", input=inp, output=out,
+                              device="cpu", batch_size=4, chunk_size=8))
+    monkeypatch.setenv(SCALE_ENV, "-3")  # the same weights, another answer
+    args = ["run", "tests.fixtures.run_models:char_text_scaled_by_env", "--input", str(inp), "--output", str(out),
+            "--device", "cpu", "--resume"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "the model answers differently than in the interrupted run" in err and not out.exists()
+
+
 def test_resume_with_the_same_weights_goes_on(tmp_path, monkeypatch):
     weights = tmp_path / "weights.pt"
     torch.save({"scale": torch.tensor(1.0)}, weights)
@@ -63,7 +78,7 @@ def test_a_changed_plan_checkpoint_is_named(tmp_path):
     steps = [PruneUnstructuredConfig(checkpoint=str(checkpoint))]
     parts = Parts(tmp_path / "out.npy")
     parts.dir.mkdir()
-    before = {"version": 2, "weights": "ab" * 32, "checkpoints": checkpoint_fingerprints(steps)}
+    before = {"version": MANIFEST_VERSION, "weights": "ab" * 32, "checkpoints": checkpoint_fingerprints(steps)}
     (parts.dir / "manifest.json").write_text(__import__("json").dumps(before))
     assert check_manifest(parts, dict(before), tmp_path / "out.npy") == before
     checkpoint.write_bytes(b"pruned weights, second version")

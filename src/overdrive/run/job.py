@@ -64,6 +64,7 @@ from overdrive.run.resume import (
     Parts,
     atomic_write,
     check_manifest,
+    check_probe,
     checkpoint_fingerprints,
     claim_output,
     errors_file,
@@ -221,6 +222,11 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
                             f"this model takes (the first: {collate(([(0, values[0], False, 0.0)])).errors[0][1]})")
         values = taken
         row_shape = tuple(replicas[0].in_own_thread(replicas[0].warm_up, batch_from(values, 1, collate)))
+        # What the model answers for one record: a change the weights' fingerprint cannot see (code, a plain
+        # attribute) shows here, before a resume mixes two models in one output.
+        manifest["probe"] = probe_answer(replicas[0], values, collate)
+        if mode == "resume":
+            check_probe(stored, manifest["probe"], config.output)
         for r in replicas[1:]:
             r.in_own_thread(r.warm_up, batch_from(values, 1, collate))
         auto: list[dict[str, float]] = []
@@ -285,6 +291,15 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         auto_batch=auto, device=str(devices[0]) if len(set(devices)) == 1 else f"{len(set(devices))} × {devices[0].type}",
         replicas=len(replicas), num_workers=num_workers, device_busy_fraction=busy, phases_s=dict(run.clock.phases),
         setup_s=setup_s)
+
+
+def probe_answer(replica: Replica, values: list, collate: Collate) -> dict[str, Any]:
+    """The model's outputs for 4 records from the middle of `values` (the first readable records,
+    text sorted by length), in one batch: {"values": their first 64 numbers, "norm": their L2 norm}."""
+    n = min(4, len(values), replica.fixed_batch_size or 4)
+    rows = replica.in_own_thread(replica.outputs, batch_from(values, n, collate))
+    flat = rows.reshape(-1).double()
+    return {"values": [float(v) for v in flat[:64]], "norm": float(flat.norm())}
 
 
 def _choose_batch_size(config, workload, plan, replica, values, collate, records, say, auto) -> tuple[int, str]:

@@ -274,13 +274,17 @@ class Replica:
         return Result(batch, host, done, (*staged.events, begin, end, done))
 
     @torch.inference_mode()
-    def warm_up(self, inputs: tuple[torch.Tensor, ...]) -> torch.Size:
-        """One call (lazy initialisation, kernel selection); returns the output's row shape."""
+    def outputs(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One call on a host batch: its float32 outputs [rows, ...] on the host, once they are there."""
         staged = self.upload(HostBatch(0, list(range(inputs[0].shape[0])), inputs, [], 0.0))
         result = self.compute(staged)
         if result.done is not None:
             result.done.synchronize()
-        return result.output.shape[1:]
+        return result.output
+
+    def warm_up(self, inputs: tuple[torch.Tensor, ...]) -> torch.Size:
+        """One call (lazy initialisation, kernel selection); returns the output's row shape."""
+        return self.outputs(inputs).shape[1:]
 
 
 def _check_output(output, rows: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ import numpy as np
 from overdrive.core.errors import ConfigError, DataError, arg
 from overdrive.run.outputs import OUTPUT_FORMATS, OutputChunk, output_format
 
-MANIFEST_VERSION = 2  # 2: the weights' and plan checkpoints' fingerprints
+MANIFEST_VERSION = 3  # 2: the fingerprints of the weights and plan checkpoints; 3: the probe record's answer
 
 
 class Parts:
@@ -223,6 +223,29 @@ def check_manifest(parts: Parts, manifest: dict[str, Any], output: Path) -> dict
         raise DataError(f"cannot resume into {output}: {details}; its finished chunks would not match the rest, "
                         f"{arg('overwrite', True)} starts over")
     return stored
+
+
+PROBE_RTOL = 1e-3
+
+
+def check_probe(stored: dict[str, Any], probe: dict[str, Any], output: Path) -> None:
+    """The model answers the manifest's probe record as it did in the interrupted run (within float
+    noise: `PROBE_RTOL` of the answer's norm), so its code and settings, not only its weights, are the same.
+
+    Raises:
+        DataError: the answer changed (a changed forward or a plain attribute the weights do not hold).
+    """
+    was = stored.get("probe")
+    if not was:
+        return
+    a, b = np.asarray(was["values"]), np.asarray(probe["values"])
+    scale = max(float(was["norm"]), float(probe["norm"]), 1e-12)
+    if a.shape != b.shape or abs(was["norm"] - probe["norm"]) > PROBE_RTOL * scale or \
+            (a.size and float(np.abs(a - b).max()) > PROBE_RTOL * scale):
+        raise DataError(f"cannot resume into {output}: the model answers differently than in the interrupted run (the "
+                        f"output for the same record has norm {probe['norm']:.6g}, was {was['norm']:.6g}; its code or "
+                        f"settings changed, not only weights); its finished chunks would not match the rest, "
+                        f"{arg('overwrite', True)} starts over")
 
 
 def _difference(key: str, was: Any, now: Any) -> str:
