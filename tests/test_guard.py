@@ -60,6 +60,21 @@ def test_random_rows_are_used_only_for_a_placeholder_example_and_say_so():
     assert "random inputs: shape only" in workload.describe_rows()
 
 
+def test_random_rows_of_token_ids_cover_the_vocabulary_the_model_takes():
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(12, 8), torch.nn.Linear(8, 4)
+
+        def forward(self, ids):
+            return self.head(self.embed(ids).mean(1))
+
+    workload = workload_from_model("tokens", Tokens().eval(), torch.zeros(8, 10, dtype=torch.int64))  # a shape only
+    ids = torch.stack([row[0] for row in workload.samples])
+    assert workload.rows_source == "random" and ids.min() == 0 and ids.max() == 11  # not 64 rows of zeros
+    assert len({tuple(r) for r in ids.tolist()}) == len(ids)
+
+
 def test_data_file_on_the_command_line_is_what_is_judged(tmp_path):
     rows = tmp_path / "rows.npy"
     np.save(rows, guard_models.raw_feature_rows(40, seed=3).numpy())
@@ -327,3 +342,16 @@ def test_a_folder_of_images_for_a_model_of_normalised_rows_is_refused(tmp_path):
     result = run_cli("run", "tests.fixtures.guard_models:images_normalised", "--input", str(folder), "--output",
                      str(tmp_path / "o.npy"), "--device", "cpu")
     assert result.returncode == 2 and "normalised images" in result.stderr, result.stderr
+
+
+def test_figures_count_each_sample_once_when_samples_repeat_to_fill_a_batch():
+    from overdrive.core.measure import measure
+
+    workload = Workload(name="three", model=torch.nn.Identity(), samples=[torch.eye(3)[i] for i in range(3)],
+                        collate=lambda s: (torch.stack(s),), fidelity=logits_fidelity, fidelity_key="min_cosine",
+                        default_batch_size=8)
+    indices = [i % 3 for i in range(8)]  # samples 0, 1 repeat three times, sample 2 twice
+    reference = torch.stack([torch.eye(3)[i] for i in [0, 1, 0, 0, 1, 0, 0, 1]])  # sample 2's argmax disagrees
+    m, _ = measure(workload.model, workload, device=CPU, batch_size=8, indices=indices, reference=reference,
+                   min_timed_calls=1, min_timed_s=0)
+    assert m.fidelity["top1_agreement"] == pytest.approx(2 / 3)  # not 6/8

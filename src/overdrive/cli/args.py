@@ -106,6 +106,10 @@ def batch_size_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
+def positive_float(text: str) -> float:
+    return _number(text, lambda v: 0.0 < v < math.inf, "a finite number > 0 (e.g. 1e-4)")
+
+
 def ratio(text: str) -> float:
     return _number(text, lambda v: 0.0 < v < math.inf, "a finite ratio > 0 (e.g. 1.02)")
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from overdrive.cli.args import int_list, nonnegative_int, positive_int, ratio
+from overdrive.cli.args import int_list, nonnegative_int, positive_float, positive_int
 from overdrive.core.errors import ConfigError, OverdriveError, arg, one_line
 
 if TYPE_CHECKING:
@@ -30,9 +30,9 @@ def add_parser(sub) -> None:
     train.add_argument("--batch-size", type=positive_int, help="rows per forward pass on each process (default: the "
                                                                 "workload's, at most 32)")
     train.add_argument("--steps", type=positive_int, help="optimizer steps (default: from --epochs)")
-    train.add_argument("--epochs", type=ratio, help="passes over the training samples (default 1; ignored with --steps)")
+    train.add_argument("--epochs", type=positive_float, help="passes over the training samples (default 1; ignored with --steps)")
     train.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step (default 1)")
-    train.add_argument("--lr", type=ratio, default=1e-4, help="peak AdamW learning rate (default 1e-4)")
+    train.add_argument("--lr", type=positive_float, default=1e-4, help="peak AdamW learning rate (default 1e-4)")
     train.add_argument("--precision", choices=("fp32", "bf16", "fp16", "auto"), default="fp32",
                        help="autocast precision (default fp32; fp16 needs CUDA and uses a gradient scaler, not with "
                             "fsdp or pipeline)")
@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
                        help="ddp / fsdp: reduce a zero gradient for parameters a rank's forward did not reach, every "
                             "step, and freeze none (default: on when a probe of the first batches sees use vary)")
     train.add_argument("--seed", type=nonnegative_int, default=0, help="data order and initial RNG state (default 0)")
-    train.add_argument("--collective-timeout-s", type=ratio, default=600.0,
+    train.add_argument("--collective-timeout-s", type=positive_float, default=600.0,
                        help="a collective waiting longer than this fails with an error naming the rank (default 600)")
     train.add_argument("--save", help="checkpoint folder, written at the end (torch.distributed.checkpoint; loads at "
                                       "any world size)")

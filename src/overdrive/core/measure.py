@@ -295,8 +295,14 @@ class Runner:
 def judge_outputs(measurement: Measurement, workload: Workload, outputs: torch.Tensor, indices: list[int],
                   reference: torch.Tensor | None) -> Measurement:
     """Fill in the figures of `outputs` (float32 [N, ...] in the order of `indices`): non-finite
-    values, fidelity against `reference` (with `max_abs_error`), and the task metric."""
+    values, fidelity against `reference` (with `max_abs_error`), and the task metric, over the
+    distinct samples (a sample repeated to fill a batch counts once)."""
     measurement.nonfinite_outputs = int((~torch.isfinite(outputs)).sum())
+    seen: set[int] = set()
+    first = [p for p, index in enumerate(indices) if not (index in seen or seen.add(index))]
+    if len(first) < len(indices):  # samples repeated to fill a batch count once: figures are over distinct rows
+        outputs, indices = outputs[first], [indices[p] for p in first]
+        reference = reference[first] if reference is not None else None
     if reference is not None:
         measurement.fidelity = workload.fidelity(outputs, reference)
         measurement.fidelity["max_abs_error"] = float((outputs - reference).abs().max()) if outputs.numel() else 0.0

@@ -259,7 +259,7 @@ class OptimizeJob:
                                batch_size=batch_size, num_samples=num_samples, out=out, input_shape=input_shape,
                                input_dtype=input_dtype, data=_data_left(model, data), text_field=text_field)
         workload = session.workload
-        if max_accuracy_drop is not None and not workload.has_task_metric:
+        if max_accuracy_drop and not workload.has_task_metric:  # 0 is a lossless budget, which needs no metric
             raise ConfigError(f"{arg('max_accuracy_drop')}: workload {workload.name!r} has no task metric; "
                               f"use {arg('min_fidelity')}")
         if workload.metric is not None and session.num_distinct_samples < len(workload.samples):

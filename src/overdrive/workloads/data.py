@@ -45,6 +45,8 @@ def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: st
     notes: list[str] = []
     if isinstance(data, (str, Path)):
         rows, skipped = _rows_from_file(Path(data), workload, text_field=text_field, limit=limit)
+        if not rows and skipped:
+            raise DataError(f"{arg('data', data)}: none of its {len(skipped)} record(s) can be read (the first: {skipped[0]})")
         if skipped:
             notes.append(f"{len(skipped)} record(s) of {data} could not be read and were left out (the first: "
                          f"{skipped[0]})")

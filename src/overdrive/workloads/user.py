@@ -31,17 +31,26 @@ from overdrive.core.workload import Workload, eval_mode, logits_fidelity
 NUM_SAMPLES = 64
 
 
-def _random_like_rows(example: tuple[torch.Tensor, ...], num_rows: int) -> list[tuple[torch.Tensor, ...]]:
+def _random_like_rows(example: tuple[torch.Tensor, ...], num_rows: int,
+                      ranges: dict[int, tuple[int, int]] | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Seeded rows of the example's per-row shapes and dtypes: N(0, 1) floats, 0/1 booleans, and
+    integers in `ranges[i]` = [low, high) for input i when known (the ids an embedding takes), else
+    uint8 over 0..255 and other integers over the example's own values."""
     generator = torch.Generator().manual_seed(0)
     columns = []
-    for tensor in example:
+    for i, tensor in enumerate(example):
         shape = (num_rows, *tensor.shape[1:])
         if tensor.dtype.is_floating_point:
             columns.append(torch.randn(shape, generator=generator).to(tensor.dtype))
         elif tensor.dtype == torch.bool:
             columns.append(torch.randint(0, 2, shape, generator=generator).bool())
         else:
-            low, high = int(tensor.min()), int(tensor.max()) + 1
+            if ranges and i in ranges:
+                low, high = ranges[i]
+            elif tensor.dtype == torch.uint8:
+                low, high = 0, 256
+            else:
+                low, high = int(tensor.min()), int(tensor.max()) + 1
             columns.append(torch.randint(low, max(high, low + 1), shape, generator=generator, dtype=tensor.dtype))
     return [tuple(col[i] for col in columns) for i in range(num_rows)]
 
@@ -145,15 +154,22 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             raise WorkloadError(f"{name}: the model must return a tensor [B, ...] with B = {batch} rows; it returned "
                                 f"shape {tuple(out.shape)}")
         fixed = None if _accepts_other_batch_sizes(model, example) else batch
-        limits = derive_input_limits(model, example) if data is not None else None
+        placeholder = data is None and _is_placeholder(example)
+        limits = derive_input_limits(model, example) if data is not None or placeholder else None
     if metric is not None and data is None:
         raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
     if data is not None:
         samples, source = _rows_of(name, data, example, limits), "data"
-    elif not _is_placeholder(example):
+    elif not placeholder:
         samples, source = [tuple(t[r].detach().cpu() for t in example) for r in range(batch)], "example"
     else:
-        samples, source = _random_like_rows(example, NUM_SAMPLES), "random"
+        ranges = {r.input: (r.low, r.high) for r in limits.ranges} if limits else {}
+        samples, source = _random_like_rows(example, NUM_SAMPLES, ranges), "random"
+        unknown = [i for i, t in enumerate(example) if not t.dtype.is_floating_point and t.dtype not in (torch.bool, torch.uint8)
+                   and i not in ranges]
+        if unknown:
+            notes.append(f"integer input(s) {unknown} of the placeholder example hold one value and index no embedding "
+                         "overdrive could see, so their random rows hold that value only; pass data for real rows")
     return Workload(
         name=name,
         model=model,
@@ -291,7 +307,8 @@ def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dt
         raise WorkloadError(f"{path} is a torch.save checkpoint (weights or a pickled module), which carries no graph; "
                         "save the model with torch.export.save (.pt2) or torch.jit.save, or give a factory")
     if kind == "unknown":
-        raise WorkloadError(f"{path} is not a model file; expected a torch.export (.pt2) or TorchScript (.pt) archive")
+        raise WorkloadError(f"{path} is not a model file (not a zip archive, or its zip directory is damaged); expected a "
+                            "torch.export (.pt2) or TorchScript (.pt) archive")
     check_archive(path)
     if kind == "export":
         try:
