@@ -21,7 +21,7 @@ import torch
 
 from overdrive.serve.app import _timeout_s
 from tests.fixtures.live_server import LiveServer, wait_ready
-from tests.fixtures.serve_models import BLOCK, NEVER, RAISE, toy_text_workload, toy_workload
+from tests.fixtures.serve_models import BLOCK, NAN_OUT, NEVER, RAISE, toy_text_workload, toy_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
@@ -207,6 +207,18 @@ def test_a_request_that_makes_the_model_raise_gets_the_error_alone():
         after = requests.post(live.infer_url, json=tensor_body(rows(3, 9)))
         assert after.status_code == 200  # the batcher keeps serving
         assert live.metric("overdrive_rejections_total", reason="model_error") == 1
+
+
+def test_non_finite_outputs_are_an_error_not_invalid_json():
+    workload = toy_workload()
+    with LiveServer(workload, max_batch_size=16, max_queue_delay_ms=300) as live:
+        xs = [rows(1, i) for i in range(4)]
+        xs[1] = rows(1, 1, marker=NAN_OUT)
+        results = asyncio.run(gather_posts(live.infer_url, [tensor_body(x) for x in xs]))
+        assert [r[0] for r in results] == [200, 500, 200, 200]
+        assert "non-finite output value(s)" in results[1][1]["error"]
+        for i in (0, 2, 3):
+            np.testing.assert_allclose(output_of(results[i][1]), reference(workload, xs[i]), rtol=1e-6, atol=1e-6)
 
 
 def test_large_small_large_requests_match_the_single_request_reference():

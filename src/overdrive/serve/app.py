@@ -23,6 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -246,6 +247,11 @@ class InferenceServer:
         except BatcherError as exc:
             return _error(_STATUS.get(exc.reason, 500), str(exc), retry_after=isinstance(exc, (QueueFull, ShuttingDown)))
         binary = {OUTPUT} if parsed.binary_outputs or parsed.outputs.get(OUTPUT) else set()
+        if not binary and not np.isfinite(output).all():  # JSON has no NaN or infinity; never send invalid JSON
+            bad = int((~np.isfinite(output)).sum())
+            self.metrics.rejected("nonfinite_output")
+            return _error(500, f"the model gave {bad} non-finite output value(s) (NaN/inf) for this request, which JSON "
+                               "cannot carry; ask for the output as binary data to receive them")
         body, headers = encode_response(self.served.name, parsed.id, [(OUTPUT, output)], binary)
         return Response(body, headers=headers,
                         media_type="application/octet-stream" if binary else "application/json")
