@@ -396,7 +396,7 @@ def gain_from_ratios(log_ratios: list[float]) -> Gain:
 
 
 def compare(reference: Runner, candidate: Runner, *, min_gain: float, min_rounds: int = 4, max_rounds: int = 12,
-            max_s: float = 20.0, min_unit_s: float = 0.02) -> Gain:
+            max_s: float = 20.0, min_unit_s: float = 0.05) -> Gain:
     """Time `candidate` against `reference` in interleaved rounds until the 95% interval of the
     gain decides against `min_gain` (its low end above it: faster; its high end below: not),
     or `max_rounds` rounds or `max_s` seconds have passed (at least `min_rounds` rounds).
