@@ -119,8 +119,9 @@ class Guard:
 @dataclass(frozen=True, kw_only=True)
 class FidelityRule:
     """How candidates' outputs are judged against the reference: the fidelity figure `key` and each
-    figure in `also` ≥ `floor` (`also` is R², `workload.explained_variance`, where the workload's
-    fidelity gives it: cosine alone cannot see errors hidden by an offset all rows share), or, for a
+    figure in `also` ≥ `floor` (`also` is R², `workload.explained_variance`, beside a cosine figure
+    where the workload's fidelity gives it: cosine alone cannot see errors hidden by an offset all
+    rows share), or, for a
     degenerate reference (`degenerate` says why), `max_abs_error` ≤ `floor`."""
 
     key: str
@@ -316,7 +317,9 @@ class Tuner:
             raise WorkloadError(f"{name}: broken fidelity metric: the eager fp32 model's outputs against themselves give "
                                 f"{key} {own:.6g}, below the {floor:.6g} floor, so every technique would fail it (a fidelity "
                                 "function that does not give its best figure for identical outputs?)")
-        also = ("r2",) if "r2" in figures and key != "r2" and floor > 0 else ()  # a floor of 0 asks for no fidelity check
+        # R² beside a cosine figure, which an offset all rows share blinds; not beside an agreement figure (top-1), which
+        # a workload names when only the argmax matters; a floor of 0 asks for no fidelity check
+        also = ("r2",) if "r2" in figures and key.endswith("cosine") and floor > 0 else ()
         return FidelityRule(key=key, floor=floor, also=also)
 
     def _moving_cause(self) -> str:
