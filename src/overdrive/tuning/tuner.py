@@ -121,8 +121,7 @@ class FidelityRule:
     """How candidates' outputs are judged against the reference: the fidelity figure `key` and each
     figure in `also` ≥ `floor` (`also` is R², `workload.explained_variance`, beside a cosine figure
     where the workload's fidelity gives it: cosine alone cannot see errors hidden by an offset all
-    rows share), or, for a
-    degenerate reference (`degenerate` says why), `max_abs_error` ≤ `floor`."""
+    rows share), or, for a degenerate reference (`degenerate` says why), `max_abs_error` ≤ `floor`."""
 
     key: str
     floor: float
