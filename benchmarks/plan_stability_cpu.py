@@ -1,7 +1,7 @@
 """Does `overdrive optimize` choose the same plan every time? Runs the optimize flow on `minilm` and
 `digits-cnn` several times each, alternating, each run in a fresh process (no warm compile caches
 or allocator state carried over), and prints the plan each run chose, the plan's speedup over the
-baseline with its 95% interval, and the spread of each kept step's gain across runs.
+baseline with its 99% interval, and the spread of each kept step's gain across runs.
 
 Usage: .venv/bin/python benchmarks/plan_stability_cpu.py [--runs 5] [--workloads minilm,digits-cnn]
 
@@ -64,7 +64,7 @@ def main() -> None:
         print(f"\n## {w}: {plans.most_common(1)[0][1]} of {len(runs)} runs chose {plans.most_common(1)[0][0]}")
         for plan, n in plans.most_common()[1:]:
             print(f"   {n} chose {plan}")
-        print("| step | kept in | gain over what it was added to: min – max of the runs (its 95% intervals' span) |")
+        print("| step | kept in | gain over what it was added to: min – max of the runs (its 99% intervals' span) |")
         print("|---|---:|---|")
         labels = [row["label"] for row in runs[0]["rows"] if row["phase"] in ("alone", "compose", "plan")]
         for label in dict.fromkeys(labels):

@@ -46,7 +46,7 @@ def main(args, argv: list[str]) -> int:
                                                  progress=lambda d: status.update(f"measuring {d}"))
 
     table = Table(title=f"overdrive bench {session.workload.name} — {device_name}")
-    for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup [95% interval]", "peak memory",
+    for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup [99% interval]", "peak memory",
                 "fidelity"):
         table.add_column(col, justify="left" if col in ("configuration", "fidelity") else "right")
     first = next(iter(curves))

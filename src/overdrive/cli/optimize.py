@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     opt.add_argument("--max-accuracy-drop", type=nonnegative, help="task-metric points a technique may lose (workloads with labels)")
     opt.add_argument("--min-fidelity", type=fraction, default=0.99, help="floor on cosine / agreement with fp32 (default 0.99)")
     opt.add_argument("--min-gain", type=ratio, default=1.02,
-                     help="throughput ratio a step needs over what it is added to, at the low end of its 95%% confidence "
+                     help="throughput ratio a step needs over what it is added to, at the low end of its 99%% confidence "
                           "interval (default 1.02)")
     opt.add_argument("--lossless", action="store_true", help="keep lossless techniques only (as --max-accuracy-drop 0)")
     opt.add_argument("--prune-ratio", type=open_fraction,
@@ -92,7 +92,7 @@ def main(args, argv: list[str]) -> int:
         console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
     out = session.out_dir
     low, high = result.plan.measured.get("speedup_ci95", [None, None])
-    interval = f", 95% interval [{low:.2f}, {high:.2f}]" if result.plan.names and low is not None else ""
+    interval = f", 99% interval [{low:.2f}, {high:.2f}]" if result.plan.names and low is not None else ""
     console.print(f"plan: [bold]{' + '.join(result.plan.names) or 'baseline'}[/] "
                   f"({result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s{interval})")
     console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}, {out / 'report.md'}")

@@ -11,7 +11,7 @@ Protocol (after gpt-fast and torch.utils.benchmark habits):
    finished, perf_counter on CPU. Throughput = rows per pass / the median pass time, so batches
    of different lengths weigh as they do in real use and one slow pass does not skew it.
 4. Comparisons (`compare`): the candidate's and the reference's passes interleaved (ABBA), so
-   both see the same machine; the gain has a 95% confidence interval, and a decision is taken
+   both see the same machine; the gain has a 99% confidence interval, and a decision is taken
    only once that interval clears the bar or falls below it (or the time is up).
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` after a reset; on CPU the process's
 resident-set high-water mark (VmHWM), reset through /proc/self/clear_refs where Linux allows.
@@ -351,9 +351,12 @@ def measure(
     return judge_outputs(runner.measurement(), workload, outputs, indices, reference), outputs
 
 
-# Two-sided 97.5% quantiles of Student's t for 1..30 degrees of freedom (the 95% interval).
-_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+# Two-sided 99.5% quantiles of Student's t for 1..30 degrees of freedom (the 99% interval). 99%, not 95%: a
+# comparison looks at its interval after every round and stops once it decides, and each of those looks is a
+# chance to decide wrongly on noise; a plan made of ten such decisions must come out the same run after run.
+_T995 = [63.657, 9.925, 5.841, 4.604, 4.032, 3.707, 3.499, 3.355, 3.250, 3.169, 3.106, 3.055, 3.012, 2.977, 2.947,
+         2.921, 2.898, 2.878, 2.861, 2.845, 2.831, 2.819, 2.807, 2.797, 2.787, 2.779, 2.771, 2.763, 2.756, 2.750]
+_Z995 = 2.576  # beyond 30 degrees of freedom
 
 
 @dataclass(kw_only=True)
@@ -362,11 +365,11 @@ class Gain:
 
     Each round times one pass of each (in alternating order, ABBA, so a linear drift in the
     machine's speed cancels); the gain is the geometric mean over rounds of the reference's pass
-    time over the candidate's, with a 95% confidence interval from Student's t on the log ratios.
+    time over the candidate's, with a 99% confidence interval from Student's t on the log ratios.
 
     Attributes:
         ratio: candidate throughput ÷ reference throughput (>1: faster).
-        low, high: the 95% confidence interval of `ratio`.
+        low, high: the 99% confidence interval of `ratio`.
         rounds: rounds timed (pairs of passes).
         passes_per_round: passes each side ran per round (more for models whose pass is very short).
     """
@@ -391,13 +394,13 @@ def gain_from_ratios(log_ratios: list[float]) -> Gain:
     if n < 2:
         return Gain(ratio=math.exp(mean), low=0.0, high=math.inf, rounds=n)
     sd = math.sqrt(sum((x - mean) ** 2 for x in log_ratios) / (n - 1))
-    half = _T975[min(n - 1, len(_T975)) - 1] * sd / math.sqrt(n)
+    half = (_T995[n - 2] if n - 1 <= len(_T995) else _Z995) * sd / math.sqrt(n)
     return Gain(ratio=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), rounds=n)
 
 
 def compare(reference: Runner, candidate: Runner, *, min_gain: float, min_rounds: int = 4, max_rounds: int = 12,
             max_s: float = 20.0, min_unit_s: float = 0.05) -> Gain:
-    """Time `candidate` against `reference` in interleaved rounds until the 95% interval of the
+    """Time `candidate` against `reference` in interleaved rounds until the 99% interval of the
     gain decides against `min_gain` (its low end above it: faster; its high end below: not),
     or `max_rounds` rounds or `max_s` seconds have passed (at least `min_rounds` rounds).
 

@@ -27,7 +27,7 @@ def _kept(row: Row) -> str:
 
 
 def _speedup(row: Row) -> str:
-    """The speedup vs the baseline, with its 95% interval where it was measured against the baseline directly."""
+    """The speedup vs the baseline, with its 99% interval where it was measured against the baseline directly."""
     if row.speedup is None:
         return ""
     if row.gain is not None and row.versus == "the baseline":
@@ -38,7 +38,7 @@ def _speedup(row: Row) -> str:
 def caption(result: TuneResult, rows_description: str) -> str:
     """What the fidelity column is judged on and by: the rows, and the rule."""
     rule = f"; {result.rule.describe()}" if result.rule is not None else ""
-    return (f"fidelity against eager fp32 outputs, {rows_description}{rule}; speedup [95% interval] from passes interleaved "
+    return (f"fidelity against eager fp32 outputs, {rows_description}{rule}; speedup [99% interval] from passes interleaved "
             "with the baseline's (a step's own gain over the steps before it is in its row); samples/s: each row's median "
             "pass, timed at different moments")
 

@@ -123,7 +123,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
     """Measure each configuration at each batch size, on the same rows `optimize` judged (cycled up
     to one full batch when there are fewer; passes timed over the first `TIMING_ROWS`, as there). When the first configuration is the eager baseline
     (no steps), every other one is timed against it in `rounds` interleaved rounds
-    (`measure.compare`), so its `gain` (speedup with a 95% interval) is the one `optimize` reports,
+    (`measure.compare`), so its `gain` (speedup with a 99% interval) is the one `optimize` reports,
     and its fidelity is against the baseline at the same batch size.
 
     Args:
@@ -186,7 +186,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
 def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda _: None,
                  ) -> tuple[dict[str, list[tuple[int, Measurement]]], list[str], dict[str, list[dict]]]:
     """The eager fp32 baseline and `plan` (a Plan, or None for the baseline alone) measured at each
-    batch size, interleaved (`sweep`): the plan's gain over the baseline with its 95% interval, and
+    batch size, interleaved (`sweep`): the plan's gain over the baseline with its 99% interval, and
     its fidelity against the baseline at the same size; `progress` is called with a description
     before each measurement.
 

@@ -15,7 +15,7 @@ The guard (`Guard`, and DESIGN.md's "what every kept technique must pass"):
   are random rows of the right shape only); a lossy technique must also keep each row's answer
   independent of its batch-mates (`invariance.InvarianceProbe`).
 - Speed: a candidate and what it is compared with run interleaved (`measure.compare`) until the
-  95% confidence interval of the gain decides; a step is kept only when the interval's low end
+  99% confidence interval of the gain decides; a step is kept only when the interval's low end
   clears `Guard.min_gain`. The table shows the interval; noisy timing is named in `warnings`.
 - A zero accuracy budget (or `lossless`) keeps lossless techniques only.
 """
@@ -58,8 +58,8 @@ REPEAT_RTOL = 1e-4
 SAME_ROWS_RTOL = 1e-6  # rows whose outputs differ by no more than this × the largest output are "the same"
 # Under a zero budget, a lossless technique's fidelity figure must be within float tolerance of 1.
 LOSSLESS_TOLERANCE = 1e-5
-# A gain whose 95% interval spans more than this ratio (high / low) is flagged as noisy timing.
-NOISY_INTERVAL = 1.3
+# A gain whose 99% interval spans more than this ratio (high / low) is flagged as noisy timing.
+NOISY_INTERVAL = 1.4
 NOISY_PASSES = 1.25  # p90 / p50 of the baseline's pass times
 
 
@@ -71,7 +71,7 @@ class Guard:
         min_fidelity: floor on the workload's fidelity figure (cosine or agreement), in [0, 1].
         max_accuracy_drop: most task-metric points a candidate may lose (workloads with a task metric);
             None: no task-metric budget beyond the fidelity floor; 0: lossless techniques only.
-        min_gain: the low end of a step's 95% gain interval must reach this to be kept (0: keep every
+        min_gain: the low end of a step's 99% gain interval must reach this to be kept (0: keep every
             step within the budget, whatever its speed).
         lossless: keep lossless techniques only (also implied by `max_accuracy_drop` 0 and
             `min_fidelity` 1).
@@ -204,7 +204,7 @@ class Tuner:
         num_samples: evaluation samples (the first N of the workload's samples; cycled up to
             one full batch when the workload has fewer).
         min_rounds, max_rounds, max_compare_s: each comparison times at least `min_rounds`
-            interleaved rounds and stops once its 95% interval decides, or at `max_rounds`
+            interleaved rounds and stops once its 99% interval decides, or at `max_rounds`
             rounds or `max_compare_s` seconds (see `measure.compare`); a candidate whose outputs
             already break the budget gets `min(2, min_rounds)` rounds, for the table's figures.
         timing_rows: rows per timed pass (see `measure.Runner`); None: every evaluation row.
@@ -220,8 +220,8 @@ class Tuner:
     guard: Guard = field(default_factory=Guard)
     num_samples: int | None = None
     min_rounds: int = 4
-    max_rounds: int = 12
-    max_compare_s: float = 20.0
+    max_rounds: int = 24
+    max_compare_s: float = 40.0
     timing_rows: int | None = TIMING_ROWS
     progress: Progress = lambda _: None
     workload_spec: str | None = None
@@ -382,7 +382,7 @@ class Tuner:
             row.reason = breaks
         elif gain.low < self.guard.min_gain:
             row.reason = (f"not faster beyond the noise: {gain.describe()} over {row.versus} "
-                          f"(95% interval, {gain.rounds} rounds; needs its low end ≥ {self.guard.min_gain:.2f}×)")
+                          f"(99% interval, {gain.rounds} rounds; needs its low end ≥ {self.guard.min_gain:.2f}×)")
         else:
             row.kept = True
         if gain.high / max(gain.low, 1e-12) > NOISY_INTERVAL:
