@@ -29,7 +29,7 @@ r = overdrive.optimize(sys.argv[1], device="cpu", sweep_batch_sizes=[])
 rows = [{"label": row.label, "phase": row.phase, "kept": row.kept, "reason": row.reason,
          "gain": row.gain.to_dict() if row.gain else None} for row in r.rows]
 print("RESULT " + json.dumps({"plan": r.plan.names, "speedup": r.plan.measured["speedup_vs_baseline"],
-                              "ci": r.plan.measured.get("speedup_ci95"), "rows": rows, "warnings": r.warnings}))
+                              "ci": r.plan.measured.get("speedup_ci99"), "rows": rows, "warnings": r.warnings}))
 """
 
 

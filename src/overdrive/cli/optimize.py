@@ -91,7 +91,7 @@ def main(args, argv: list[str]) -> int:
     for warning in result.warnings:
         console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
     out = session.out_dir
-    low, high = result.plan.measured.get("speedup_ci95", [None, None])
+    low, high = result.plan.measured.get("speedup_ci99", [None, None])
     interval = f", 99% interval [{low:.2f}, {high:.2f}]" if result.plan.names and low is not None else ""
     console.print(f"plan: [bold]{' + '.join(result.plan.names) or 'baseline'}[/] "
                   f"({result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s{interval})")

@@ -501,7 +501,7 @@ class Tuner:
                 "samples_per_s": plan_m.samples_per_s,
                 "latency_ms": plan_m.latency_ms,
                 "speedup_vs_baseline": plan_row.speedup,
-                "speedup_ci95": [plan_row.gain.low, plan_row.gain.high] if plan_row.gain else [1.0, 1.0],
+                "speedup_ci99": [plan_row.gain.low, plan_row.gain.high] if plan_row.gain else [1.0, 1.0],
                 "fidelity": plan_m.fidelity,
                 "task_metric": plan_m.task_metric,
             },
