@@ -18,6 +18,7 @@ from overdrive.core.errors import WorkloadError
 from overdrive.core.workload import Workload, logits_fidelity
 from overdrive.techniques import Stage, Technique, TechniqueConfig
 from overdrive.techniques.registry import ForwardWrapper, register, unregister
+from overdrive.tuning.sweep import open_session
 from overdrive.tuning.tuner import Guard, Tuner
 from overdrive.workloads import create_workload
 from overdrive.workloads.user import workload_from_model
@@ -100,9 +101,17 @@ def test_data_file_of_the_wrong_shape_is_one_line_exit_2(tmp_path):
 def test_a_built_in_workload_can_be_judged_on_your_rows():
     digits = create_workload("digits-cnn")
     images = torch.stack(list(digits.samples[:20]))
-    workload = overdrive.tuning.sweep.open_session("digits-cnn", device="cpu", data=[images]).workload
+    workload = open_session("digits-cnn", device="cpu", data=[images]).workload
     assert workload.rows_source == "data" and len(workload.samples) == 20 and workload.labels is None
     assert any("labels" in note for note in workload.notes)
+
+
+def test_asking_for_more_rows_than_there_are_says_how_many_were_used():
+    digits = create_workload("digits-cnn")
+    images = torch.stack(list(digits.samples[:20]))
+    session = open_session("digits-cnn", device="cpu", data=[images], num_samples=50)
+    assert session.num_distinct_samples == 20
+    assert any("50 evaluation rows asked for, the workload holds 20" in note for note in session.workload.notes)
 
 
 # -- 2. a row's answer does not depend on its batch-mates -----------------------------------------

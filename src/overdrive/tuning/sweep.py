@@ -106,6 +106,10 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
                           "it with a dynamic batch (torch.export.Dim)")
     default_n = DEFAULT_TEXT_SAMPLES if workload.is_text else len(workload.samples)
     distinct = min(num_samples or default_n, len(workload.samples))
+    if num_samples is not None and num_samples > len(workload.samples):
+        note = f"{num_samples} evaluation rows asked for, the workload holds {len(workload.samples)}: all are used"
+        if note not in workload.notes:
+            workload.notes.append(note)
     return Session(
         workload=workload,
         spec=spec,
