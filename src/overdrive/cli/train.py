@@ -187,13 +187,13 @@ def _train_here(config: TrainConfig, env: DistEnv, args) -> TrainSummary:
     from overdrive.core.report import format_bytes
     from overdrive.train.loop import run_training
 
-    columns = (TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+    columns = (TextColumn("train"), BarColumn(), TextColumn("{task.fields[count]}"),
                TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
     with Progress(*columns, disable=not env.is_main, transient=False) as bar:
-        task = bar.add_task("train", total=None, stats="")
+        task = bar.add_task("train", total=None, count="building the model", stats="")
 
         def progress(step, total, loss, rate, peak):
-            bar.update(task, completed=step, total=total,
+            bar.update(task, completed=step, total=total, count=f"{step}/{total} steps",
                        stats=f"loss {loss:.4g} · {rate:,.0f} samples/s · peak {format_bytes(peak)}")
 
         summary = run_training(config, env, progress=progress)
