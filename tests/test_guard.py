@@ -19,7 +19,8 @@ from overdrive.core.workload import Workload, logits_fidelity
 from overdrive.techniques import Stage, Technique, TechniqueConfig
 from overdrive.techniques.registry import ForwardWrapper, register, unregister
 from overdrive.tuning.sweep import open_session
-from overdrive.tuning.tuner import Guard, Tuner
+from overdrive.tuning.guard import Guard
+from overdrive.tuning.tuner import Tuner
 from overdrive.workloads import create_workload
 from overdrive.workloads.user import workload_from_model
 from tests.fixtures import guard_models

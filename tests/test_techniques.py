@@ -154,7 +154,8 @@ def test_module_rewrites_refuse_torchscript(conv_workload):
 @requires_cuda
 @pytest.mark.cuda
 def test_tuner_on_cuda_times_with_events_and_reads_the_allocator():
-    from overdrive.tuning.tuner import Guard, Tuner
+    from overdrive.tuning.guard import Guard
+    from overdrive.tuning.tuner import Tuner
 
     workload = make_conv_workload()
     result = Tuner(workload=workload, device=torch.device("cuda"), batch_size=8, guard=Guard(min_gain=0),

@@ -12,7 +12,8 @@ import torch
 from overdrive.techniques import Stage, Technique, TechniqueConfig, config_from_dict, config_to_dict, default_config
 from overdrive.techniques.registry import ForwardWrapper, get_technique, register, unregister
 from overdrive.tuning.plan import Plan
-from overdrive.tuning.tuner import FidelityRule, Guard, Tuner
+from overdrive.tuning.guard import FidelityRule, Guard
+from overdrive.tuning.tuner import Tuner
 
 CPU = torch.device("cpu")
 

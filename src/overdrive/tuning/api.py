@@ -25,7 +25,8 @@ from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
 from overdrive.tuning.plan import Plan, build, load_plan, save_checkpoints
 from overdrive.tuning.report import rows_markdown, write_report_md
 from overdrive.tuning.sweep import Session, compare_plan, open_session, sweep
-from overdrive.tuning.tuner import FidelityRule, Guard, Row, Tuner
+from overdrive.tuning.guard import FidelityRule, Guard
+from overdrive.tuning.tuner import Row, Tuner
 
 Progress = Callable[[str, int, int], None]  # (what is measured next, measurements done, expected in all)
 PLOT_NAME = "latency_vs_batch_size.png"

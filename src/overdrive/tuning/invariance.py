@@ -141,7 +141,7 @@ class InvarianceProbe:
 
     def check(self, model: nn.Module, *, rule) -> Verdict:
         """The candidate's figures alone and mixed, each against the fp32 model in the same context;
-        `rule` (a `tuner.FidelityRule`) picks the worst outlier."""
+        `rule` (a `guard.FidelityRule`) picks the worst outlier."""
         outputs = self._outputs(model)
         degenerate = bool(rule.degenerate)
         alone = self._figures(outputs["alone"], self.reference["alone"], degenerate)
