@@ -28,6 +28,12 @@ def flag(name: str, value: str | None, overrides: dict[str, str | None] | None =
 
 
 class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations: `--technique` is a typo to refuse, not `--techniques`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too by default)
         sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
         sys.exit(2)

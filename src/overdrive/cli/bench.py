@@ -36,14 +36,18 @@ def main(args, argv: list[str]) -> int:
     plan, device = None, args.device
     if args.plan:
         plan, device, _ = load_plan(args.plan, device=args.device, workload=args.workload)
-    session = open_session(args.workload, device=device, batch_size=args.batch_size or (plan.batch_size if plan else None),
+    # The plan knows its model file (wherever it was made from) and a TorchScript file's input shape.
+    workload = plan.create_workload() if plan and args.input_shape is None else args.workload
+    session = open_session(workload, device=device, batch_size=args.batch_size or (plan.batch_size if plan else None),
                            num_samples=args.num_samples, out=args.out, input_shape=args.input_shape,
                            input_dtype=args.input_dtype, data=args.data, text_field=args.text_field)
     batch_sizes = session.sweep_sizes(args.batch_sizes or [session.batch_size])
+    refused = session.refused_sizes(args.batch_sizes or [])
     device_name = devices.describe(session.device)
     with console.status("measuring") as status:
         curves, failures, reports = compare_plan(session, plan, batch_sizes,
                                                  progress=lambda d: status.update(f"measuring {d}"))
+    failures = [*refused, *failures]
 
     table = Table(title=f"overdrive bench {session.workload.name} — {device_name}")
     for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup [99% interval]", "peak memory",

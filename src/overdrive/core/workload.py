@@ -43,6 +43,10 @@ class Workload:
         train_labels: int64 [M] labels of `train_samples` (classification); None means the
             objective is distillation toward the unmodified model's outputs.
         sample_length: token count of a sample, for length bucketing (text workloads only).
+        input_names: the keyword of each of the model's positional inputs (a Hugging Face model's
+            `input_ids`, `attention_mask`), as the user's model takes them; None: unnamed.
+        output_names: the paths of the user's model outputs the model returns (`logits`, or several
+            flattened per row and concatenated; `overdrive.workloads.signature`); None: its one tensor.
         fixed_batch_size: the only batch size the model accepts (e.g. a torch.export program
             exported without a dynamic batch dimension); None when any batch size works.
         real_weights: False for random weights: speed figures only, no accuracy claims.
@@ -71,6 +75,8 @@ class Workload:
     train_samples: Sequence[Any] | None = None
     train_labels: torch.Tensor | None = None
     sample_length: Callable[[Any], int] | None = None
+    input_names: list[str] | None = None
+    output_names: list[str] | None = None
     fixed_batch_size: int | None = None
     real_weights: bool = True
     rows_source: str = "samples"

@@ -155,7 +155,7 @@ def _build(config: RunConfig, workload: Workload | None):
     else:
         resolved = resolve_device(device_name)
     if workload is None:
-        workload = create_workload(plan.workload if plan else config.workload)
+        workload = plan.create_workload() if plan else create_workload(config.workload)
     devices = replica_devices(resolved, device_name)
     count = config.replicas or len(devices)
     devices = [devices[i % len(devices)] for i in range(count)]

@@ -41,7 +41,7 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
         plan, resolved, device = load_plan(spec, device=device, argument="model")
     else:
         resolved = resolve_device(device)
-    workload = create_workload(plan.workload if plan else spec)
+    workload = plan.create_workload() if plan else create_workload(spec)
     devices = replica_devices(resolved, device)
     instances = instances or len(devices)
     devices = devices[:instances]

@@ -396,7 +396,7 @@ def load(plan: str | Path, model: nn.Module | Workload | None = None, *, example
     if model is None:
         if loaded.workload.startswith(PYTHON_MODEL_PREFIX):
             raise ConfigError(f"{plan} was made from a Python module ({loaded.workload}); pass it as {arg('model')}")
-        workload = open_session(loaded.workload, device=resolved, batch_size=loaded.batch_size).workload
+        workload = open_session(loaded.create_workload(), device=resolved, batch_size=loaded.batch_size).workload
     elif isinstance(model, Workload):
         workload = model
     else:
@@ -451,6 +451,8 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
         session = open_session(workload, device=device, num_samples=num_samples, data=_data_left(model, data),
                                text_field=text_field)
         workload = session.workload
+        if session.refused_sizes(batch_sizes or []):
+            raise ConfigError(f"{arg('batch_sizes', batch_sizes)}: {session.refused_sizes(batch_sizes)[0]}")
         sizes = session.sweep_sizes(batch_sizes or [session.batch_size])
         out = {}
         for b in sizes:
@@ -463,6 +465,8 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
         loaded, device, _ = load_plan(plan, device=device or "auto", workload=model)
     session = open_session(model, device=device or "auto", batch_size=loaded.batch_size if loaded else None,
                            num_samples=num_samples, data=data, text_field=text_field)
+    if session.refused_sizes(batch_sizes or []):
+        raise ConfigError(f"{arg('batch_sizes', batch_sizes)}: {session.refused_sizes(batch_sizes)[0]}")
     curves, failures, _ = compare_plan(session, loaded, session.sweep_sizes(batch_sizes or [session.batch_size]))
     if failures:
         raise WorkloadError("; ".join(failures))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,10 @@ class Plan:
             return str(p.resolve().relative_to(folder)) if p.resolve().is_relative_to(folder) else str(p)
 
         data = dataclasses.replace(self, steps=_map_checkpoints(self.steps, relative)).to_dict()
+        model_file = Path(self.workload)
+        if model_file.is_file():  # a model file: found from wherever the plan is used, not only where it was made
+            data["workload_file"] = {"relative": os.path.relpath(model_file.resolve(), folder),
+                                     "absolute": str(model_file.resolve())}
         path.write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
@@ -158,8 +163,10 @@ class Plan:
             PlanError: the file is missing, not JSON, or not a plan.
         """
         try:
-            plan = cls.from_dict(json.loads(Path(path).read_text()))
+            data = json.loads(Path(path).read_text())
+            plan = cls.from_dict(data)
             plan.steps = _map_checkpoints(plan.steps, lambda p: str(Path(path).parent / p))  # relative to the plan
+            plan.workload = _model_file(plan.workload, data.get("workload_file"), Path(path).parent)
             return plan
         except FileNotFoundError:
             raise PlanError(f"{arg(argument, path)}: no such file; expected a plan.json written by `overdrive optimize`") from None
@@ -191,6 +198,22 @@ class Plan:
     def names(self) -> list[str]:
         return [s.name for s in self.steps]
 
+    def create_workload(self) -> Workload:
+        """The workload the plan was made for, rebuilt from its spec; a TorchScript file, which
+        stores no input shape, gets the row shape and dtype the plan was measured with.
+
+        Raises:
+            WorkloadError: as `overdrive.workloads.create_workload`.
+        """
+        from overdrive.workloads import create_workload
+        from overdrive.workloads.user import archive_kind
+
+        path = Path(self.workload)
+        if path.is_file() and archive_kind(path) == "torchscript" and self.inputs and len(self.inputs) == 1:
+            return create_workload(self.workload, input_shape=(self.batch_size, *self.inputs[0]["shape"]),
+                                   input_dtype=getattr(torch, self.inputs[0]["dtype"]))
+        return create_workload(self.workload)
+
 
 def load_plan(path: str | Path, *, device: str | None = "auto", workload: str | None = None,
               argument: str = "plan") -> tuple[Plan, torch.device, str]:
@@ -217,7 +240,7 @@ def load_plan(path: str | Path, *, device: str | None = "auto", workload: str | 
     from overdrive.core.devices import resolve_device
 
     plan = Plan.load(Path(path), argument)
-    if workload and workload not in (plan.workload, Path(plan.workload).name):
+    if workload and workload not in (plan.workload, Path(plan.workload).name) and not _same_file(workload, plan.workload):
         raise PlanError(f"{arg(argument, path)} was made for workload {plan.workload!r}, not {workload!r}; "
                         f"use it with {plan.workload!r}")
     plan.check_checkpoints()
@@ -238,3 +261,22 @@ def _map_checkpoints(steps: list[TechniqueConfig], fn) -> list[TechniqueConfig]:
     """The steps, with `fn(Path)` applied to the `checkpoint` file of those that name one."""
     return [dataclasses.replace(s, checkpoint=fn(Path(s.checkpoint))) if getattr(s, "checkpoint", None) else s
             for s in steps]
+
+
+def _model_file(spec: str, recorded: dict[str, str] | None, folder: Path) -> str:
+    """The plan's model file as a path that exists from here: relative to the plan's folder first,
+    then the absolute path it was made with; the spec as written when neither exists."""
+    if not isinstance(recorded, dict):
+        return spec
+    relative, absolute = recorded.get("relative"), recorded.get("absolute")
+    for candidate in ([folder / relative] if relative else []) + ([Path(absolute)] if absolute else []):
+        if candidate.is_file():
+            return str(candidate)
+    return spec
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return Path(a).is_file() and Path(b).is_file() and Path(a).samefile(b)
+    except OSError:
+        return False

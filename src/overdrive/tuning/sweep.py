@@ -40,6 +40,13 @@ class Session:
         fixed = self.workload.fixed_batch_size
         return [fixed] if fixed else requested
 
+    def refused_sizes(self, requested: list[int]) -> list[str]:
+        """Why each of `requested` that the model cannot take is not measured (a static-batch model
+        takes one size): failures to report, not sizes to drop without a word."""
+        fixed = self.workload.fixed_batch_size
+        return [f"batch size {b}: {self.spec} takes only batch size {fixed} (exported with a static batch dimension)"
+                for b in requested if fixed and b != fixed]
+
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):

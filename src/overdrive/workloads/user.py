@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import os
+import sys
 import warnings
 import zipfile
 import zlib
@@ -27,6 +29,15 @@ from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.core.graph_ops import is_graph_program, to_eval_ops, training_mode_modules, training_mode_ops
 from overdrive.core.input_limits import InputLimits, derive_input_limits
 from overdrive.core.workload import Workload, eval_mode, logits_fidelity
+from overdrive.workloads.signature import (
+    SignatureModel,
+    choose_outputs,
+    is_tokenizer,
+    outputs_fidelity,
+    pick_output,
+    split_example,
+    text_workload,
+)
 
 NUM_SAMPLES = 64
 
@@ -105,7 +116,7 @@ def _eval_graph(name: str, model: nn.Module, *, owned: bool) -> tuple[nn.Module,
 
 def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...], *,
                         data: Iterable | None = None, metric: Callable[[torch.Tensor], float] | None = None,
-                        owned: bool = False) -> Workload:
+                        owned: bool = False, output: str | list[str] | None = None) -> Workload:
     """Wrap a model and one example batch into a Workload judged on real rows: those of `data` when
     given, else the example's own rows; seeded random rows of the example's shape and dtype only
     when the example is a placeholder (one value throughout), which the workload then says.
@@ -132,27 +143,33 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             mode with ops that cannot be switched to eval mode.
         ConfigError: a `metric` without `data`.
     """
-    example = (example,) if isinstance(example, torch.Tensor) else tuple(example)
-    if not example or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in example):
-        raise WorkloadError(f"{name}: the example input must be a tensor or tuple of tensors with a batch dimension")
+    example, input_names = split_example(name, example)
     model, notes = _eval_graph(name, model, owned=owned)
     if not is_graph_program(model) and training_mode_modules(model):
         notes.append(f"the model is in training mode ({len(training_mode_modules(model))} dropout / batch-norm layers, "
                      "e.g. " + ", ".join(training_mode_modules(model)[:3]) + "): overdrive measures copies in eval mode; "
                      "your module is not changed")
     batch = int(example[0].shape[0])
-    with _eval_for_probes(model):
+    user_model, output_names = model, None
+    with _eval_for_probes(user_model):
         try:
             with torch.no_grad():
-                out = model(*example)
+                out = model(**dict(zip(input_names, example))) if input_names else model(*example)
         except Exception as exc:  # noqa: BLE001 - any failure here is the user's model
-            raise WorkloadError(f"{name}: the model failed on its example input of shape {tuple(example[0].shape)}: "
-                                f"{one_line(exc)}") from None
-        if not isinstance(out, torch.Tensor):
-            raise WorkloadError(f"{name}: the model must return one tensor [B, ...]; it returned {type(out).__name__}")
-        if out.dim() == 0 or out.shape[0] != batch:
+            shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in zip(input_names or [""] * len(example), example))
+            raise WorkloadError(f"{name}: the model failed on its example input ({shapes.strip()}): {one_line(exc)}") from None
+        if isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0] == batch and out.dtype.is_floating_point \
+                and input_names is None and output is None:
+            pass  # the model already has overdrive's form: positional inputs, one tensor [B, ...]
+        elif isinstance(out, torch.Tensor) and (out.dim() == 0 or out.shape[0] != batch):
             raise WorkloadError(f"{name}: the model must return a tensor [B, ...] with B = {batch} rows; it returned "
                                 f"shape {tuple(out.shape)}")
+        else:
+            output_names, output_notes = choose_outputs(name, out, batch, output)
+            notes += output_notes
+            widths = [pick_output(out, p)[0].numel() for p in output_names]
+            fidelity = outputs_fidelity(widths, output_names) if len(output_names) > 1 else logits_fidelity
+            model = SignatureModel(model, input_names, output_names)
         fixed = None if _accepts_other_batch_sizes(model, example) else batch
         placeholder = data is None and _is_placeholder(example)
         limits = derive_input_limits(model, example) if data is not None or placeholder else None
@@ -175,7 +192,9 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         model=model,
         samples=samples,
         collate=stack_rows,
-        fidelity=logits_fidelity,
+        fidelity=fidelity if output_names else logits_fidelity,
+        input_names=input_names,
+        output_names=output_names,
         fidelity_key="min_cosine",
         default_batch_size=batch,
         fixed_batch_size=fixed,
@@ -232,6 +251,8 @@ def build_from_import_path(spec: str) -> Workload:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise WorkloadError(f"{spec!r} is not an import path; expected 'package.module:factory'")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` and uvicorn: the current folder imports
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - report whatever the import raised, sys.exit too
@@ -246,9 +267,15 @@ def build_from_import_path(spec: str) -> Workload:
     name = attr if attr != "build" else module_name.rsplit(".", 1)[-1]
     if isinstance(made, Workload):
         return made
-    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
-        return workload_from_model(name, *made)
-    raise WorkloadError(f"{spec}() returned {type(made).__name__}; expected an overdrive Workload or a (model, example_input) pair")
+    if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):
+        if len(made) == 2 and is_tokenizer(made[1]) and not isinstance(made[1], (dict, tuple, list)):
+            return text_workload(name, made[0], made[1])
+        if len(made) == 3 and is_tokenizer(made[2]):  # (model, example, tokenizer): the tokenizer makes the rows
+            return text_workload(name, made[0], made[2])
+        if len(made) == 2:
+            return workload_from_model(name, *made)
+    raise WorkloadError(f"{spec}() returned {type(made).__name__}; expected an overdrive Workload, a (model, "
+                        "example_input) pair, or (model, tokenizer) / (model, example_input, tokenizer)")
 
 
 def check_archive(path: Path) -> None:
@@ -275,11 +302,14 @@ def archive_kind(path: Path) -> str:
             names = archive.namelist()
     except (zipfile.BadZipFile, OSError):
         return "unknown"
-    if any(n.endswith("/archive_format") or "/models/" in n for n in names):
-        return "export"
-    if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
+    # By the layout under the archive's top folder, not by substrings: a TorchScript torchvision
+    # model holds `code/__torch__/torchvision/models/...`, which is not torch.export's `models/`.
+    top = [n.split("/")[1:] for n in names if n.count("/") >= 1]
+    if any(p[0] == "constants.pkl" for p in top if len(p) == 1) and any(p[0] == "code" for p in top if len(p) > 1):
         return "torchscript"
-    if any(n.endswith("/data.pkl") for n in names):
+    if any(p == ["archive_format"] or (len(p) == 2 and p[0] == "models" and p[1].endswith(".json")) for p in top):
+        return "export"
+    if any(p == ["data.pkl"] for p in top):
         return "pickle"
     return "unknown"
 

@@ -1,0 +1,296 @@
+"""Models as users have them: keyword inputs, structured outputs, a tokenizer.
+
+Inside overdrive a workload's model takes its inputs positionally and returns one floating tensor
+[B, ...] (every technique, the guard, `run` and `serve` rely on that). `SignatureModel` puts a
+user's model behind that form without changing it:
+
+- inputs: a dict example `{"input_ids": ..., "attention_mask": ...}` fixes the input names, in the
+  dict's order; the model is called with them as keywords (a Hugging Face model's `forward`);
+- outputs: a tensor, a tuple or list, a dict, a dataclass or a `transformers.utils.ModelOutput`
+  (both dict and dataclass), nested. Each floating tensor in it whose first dimension is the
+  batch is a candidate, named by its path ("logits", "0", "hidden_states.2"). The user may name
+  the ones to judge (`output=`); by default every candidate is kept, except outputs that carry a
+  dimension of a variable input length (a token-level output of a text model depends on how its
+  batch was padded, so a row's answer would depend on its batch-mates). Several outputs are
+  flattened per row and concatenated, [B, Σ numel per row], and `outputs_fidelity` judges each
+  one apart and reports the worst, so a small output's error is not averaged away by a large one.
+
+A factory may also return a tokenizer (`(model, tokenizer)` or `(model, example, tokenizer)`): any
+`transformers.PreTrainedTokenizerBase`, or a callable `list[str] -> dict of tensors`. The model
+then becomes a text workload like `minilm`: evaluated on real English sentences (CPython's
+reference documentation, or the user's `data`), length-bucketed, compiled with dynamic shapes,
+and `run` / `serve` take text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from overdrive.core.errors import WorkloadError, one_line
+from overdrive.core.workload import Workload, logits_fidelity
+
+MAX_TEXT_LENGTH = 512  # tokens, when neither the tokenizer nor the model's config says
+
+
+# -- outputs ---------------------------------------------------------------------------------------
+
+def output_tensors(out: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a model output with its path: "" for a lone tensor, "0" for a tuple's first
+    element, "logits" for a dict key or dataclass field; nested paths joined by ".". None entries
+    (a ModelOutput's absent loss) are skipped."""
+    join = (lambda key: f"{prefix}.{key}" if prefix else str(key))
+    if isinstance(out, torch.Tensor):
+        return [(prefix, out)]
+    if isinstance(out, Mapping):  # dict and transformers' ModelOutput (an OrderedDict of its non-None fields)
+        return [item for key, value in out.items() for item in output_tensors(value, join(key))]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [item for f in dataclasses.fields(out) for item in output_tensors(getattr(out, f.name), join(f.name))]
+    if isinstance(out, (tuple, list)):
+        return [item for i, value in enumerate(out) for item in output_tensors(value, join(i))]
+    return []
+
+
+def pick_output(out: Any, path: str) -> torch.Tensor:
+    """The tensor at `path` (as `output_tensors` names it) in a model output."""
+    for key in path.split(".") if path else []:
+        if isinstance(out, Mapping):
+            out = out[key]
+        elif isinstance(out, (tuple, list)):
+            out = out[int(key)]
+        else:
+            out = getattr(out, key)
+    return out
+
+
+class SignatureModel(nn.Module):
+    """The user's model as overdrive calls it: inputs by position, one floating tensor out.
+
+    forward(*inputs) -> model(**{name: input}) (or model(*inputs) without names); the selected
+    output, or several flattened per row and concatenated: [B, Σ numel per row]. Keyword calls
+    `forward(input_ids=..., attention_mask=...)` work too, so `result.model` takes what the
+    original took.
+
+    Args:
+        model: the user's module (kept as the submodule `model`; techniques rewrite inside it).
+        input_names: the keyword of each positional input, in order; None: positional.
+        output_paths: the outputs returned, as `output_tensors` names them ("" for a lone tensor).
+    """
+
+    def __init__(self, model: nn.Module, input_names: Sequence[str] | None, output_paths: Sequence[str]):
+        super().__init__()
+        self.model = model
+        self.input_names = tuple(input_names) if input_names else None
+        self.output_paths = tuple(output_paths)
+
+    def forward(self, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor:
+        if named:
+            if self.input_names is None:
+                raise TypeError("this model takes its inputs by position")
+            inputs = (*inputs, *(named[n] for n in self.input_names[len(inputs):] if n in named))
+        out = self.model(**dict(zip(self.input_names, inputs))) if self.input_names else self.model(*inputs)
+        parts = [pick_output(out, p) for p in self.output_paths]
+        return parts[0] if len(parts) == 1 else torch.cat([p.flatten(1) for p in parts], dim=1)
+
+
+def outputs_fidelity(widths: Sequence[int], names: Sequence[str],
+                     base: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] = logits_fidelity):
+    """A fidelity over several outputs concatenated per row ([N, Σ widths]): `base` on each output
+    apart, and for each figure the worst over outputs (the largest `max_rel_error`, the smallest
+    of the others), with "worst_output" naming the output of the smallest min_cosine."""
+    bounds = [0]
+    for w in widths:
+        bounds.append(bounds[-1] + w)
+
+    def fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+        per = [base(output[:, a:b], reference[:, a:b]) for a, b in zip(bounds, bounds[1:])]
+        result = {}
+        for key in per[0]:
+            values = [p[key] for p in per if key in p]
+            if len(values) == len(per):
+                result[key] = max(values) if key == "max_rel_error" else min(values)
+        return result
+
+    fidelity.outputs = list(names)
+    return fidelity
+
+
+def _candidates(out: Any, batch: int) -> list[tuple[str, torch.Tensor]]:
+    return [(p, t) for p, t in output_tensors(out) if t.dtype.is_floating_point and t.dim() >= 1 and t.shape[0] == batch]
+
+
+def choose_outputs(name: str, out: Any, batch: int, output: str | Sequence[str] | None,
+                   varying: set[str] = frozenset()) -> tuple[list[str], list[str]]:
+    """The output paths a workload judges, and notes on what was left out.
+
+    Args:
+        out: the model's output on a batch of `batch` rows.
+        output: the path(s) the user named; None: every candidate not in `varying`.
+        varying: paths of outputs whose shape follows a variable input length.
+
+    Raises:
+        WorkloadError: a named output that is not a floating [B, ...] tensor, or none to judge.
+    """
+    candidates = dict(_candidates(out, batch))
+    found = ", ".join(f"{p or '(the output)'} {list(t.shape)}" for p, t in output_tensors(out)) or type(out).__name__
+    if output is not None:
+        paths = [output] if isinstance(output, str) else list(output)
+        missing = [p for p in paths if p not in candidates]
+        if missing:
+            raise WorkloadError(f"{name}: output {missing[0]!r} is not a floating tensor [B, ...] of the model's output; "
+                                f"it returned {found}")
+        return paths, []
+    paths = [p for p in candidates if p not in varying]
+    notes = []
+    if varying & set(candidates):
+        left = sorted(varying & set(candidates))
+        notes.append(f"output(s) {', '.join(left)} follow the input length (token-level), so a row's values would depend "
+                     "on its batch-mates' padding: they are not judged or served; the other outputs are")
+    if not paths:
+        raise WorkloadError(f"{name}: the model returned no floating tensor [B, ...] with B = {batch} rows that overdrive "
+                            f"can judge (it returned {found}); return or name (output=) one with a batch dimension")
+    return paths, notes
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+
+def split_example(name: str, example: Any) -> tuple[tuple[torch.Tensor, ...], list[str] | None]:
+    """A tensor, tuple/list of tensors, or dict of keyword tensors -> (positional tensors, their
+    keywords or None).
+
+    Raises:
+        WorkloadError: anything else, or a tensor without a batch dimension.
+    """
+    if isinstance(example, Mapping):
+        names = [str(k) for k in example]
+        tensors = tuple(example[k] for k in example)
+    else:
+        names = None
+        tensors = (example,) if isinstance(example, torch.Tensor) else tuple(example) if isinstance(example, (tuple, list)) else ()
+    if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
+        raise WorkloadError(f"{name}: the example input must be a tensor, a tuple of tensors or a dict of keyword tensors, "
+                            "each with a batch dimension")
+    if len({t.shape[0] for t in tensors}) != 1:
+        raise WorkloadError(f"{name}: the example's tensors have different first (batch) dimensions "
+                            f"{[list(t.shape) for t in tensors]}")
+    return tensors, names
+
+
+# -- a tokenizer -----------------------------------------------------------------------------------
+
+def is_tokenizer(obj: Any) -> bool:
+    """A transformers tokenizer, or a plain callable (not a module or tensor) taken as `list[str] -> dict`."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+        if isinstance(obj, PreTrainedTokenizerBase):
+            return True
+    except ImportError:
+        pass
+    return callable(obj) and not isinstance(obj, (nn.Module, torch.Tensor, type))
+
+
+def _max_length(tokenizer: Any, model: nn.Module) -> int:
+    limits = [getattr(tokenizer, "model_max_length", None),
+              getattr(getattr(model, "config", None), "max_position_embeddings", None)]
+    limits = [int(x) for x in limits if isinstance(x, int) and 0 < x < 100_000]
+    return min(limits) if limits else MAX_TEXT_LENGTH
+
+
+def _tokenize(tokenizer: Any, names: list[str], max_length: int, hf: bool, texts: list[str]) -> tuple[torch.Tensor, ...]:
+    if hf:
+        encoded = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    else:
+        encoded = tokenizer(list(texts))
+    return tuple(torch.as_tensor(encoded[n]) for n in names)
+
+
+def _forward_parameters(model: nn.Module) -> set[str] | None:
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters}
+
+
+def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | Sequence[str] | None = None) -> Workload:
+    """A model with its tokenizer as a text workload, evaluated on CPython's reference sentences
+    (real English; `data` replaces them), with distillation sentences from standard-library
+    docstrings for pruning's recovery.
+
+    Args:
+        model: takes the tokenizer's outputs as keywords (those its forward names; all of them when
+            it takes **kwargs).
+        tokenizer: a `transformers.PreTrainedTokenizerBase` (padded to the batch's longest, truncated
+            at the smaller of its `model_max_length` and the model config's `max_position_embeddings`)
+            or a callable `list[str] -> {name: int tensor [B, S]}` that pads itself.
+
+    Raises:
+        WorkloadError: the tokenizer fails on a sentence, or the model on its output.
+    """
+    from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
+
+    try:
+        from transformers import PreTrainedTokenizerBase
+        hf = isinstance(tokenizer, PreTrainedTokenizerBase)
+    except ImportError:
+        hf = False
+    sentences = list(python_doc_sentences()[:2048])
+    max_length = _max_length(tokenizer, model)
+    try:
+        encoded = tokenizer(sentences[:2], **({"padding": True, "return_tensors": "pt"} if hf else {}))
+        keys = list(encoded.keys())
+    except Exception as exc:  # noqa: BLE001 - the user's tokenizer
+        raise WorkloadError(f"{name}: the tokenizer failed on two sentences, or returned no dict of tensors: "
+                            f"{one_line(exc)}") from None
+    accepted = _forward_parameters(model)
+    names = [k for k in keys if accepted is None or k in accepted]
+    if not names:
+        raise WorkloadError(f"{name}: the model's forward takes none of the tokenizer's outputs {keys}")
+    collate = partial(_tokenize, tokenizer, names, max_length, hf)
+    model = model.eval()
+    short, long_ = collate(sentences[:2]), collate([sentences[0], sentences[0] + " " + sentences[1]])
+    outputs = []
+    for inputs in (short, long_):
+        try:
+            with torch.no_grad():
+                outputs.append(model(**dict(zip(names, inputs))))
+        except Exception as exc:  # noqa: BLE001
+            raise WorkloadError(f"{name}: the model failed on its tokenizer's output "
+                                f"({', '.join(f'{n} {list(t.shape)}' for n, t in zip(names, inputs))}): {one_line(exc)}") from None
+    shapes = [dict(output_tensors(o)) for o in outputs]
+    varying = {p for p, t in shapes[0].items() if p in shapes[1] and t.shape != shapes[1][p].shape}
+    paths, notes = choose_outputs(name, outputs[0], 2, output, varying)
+    widths = [shapes[0][p][0].numel() for p in paths]
+    lengths: dict[str, int] = {}
+    if hf:  # one call for the evaluation sentences: length bucketing asks for each
+        lengths.update(zip(sentences, (min(len(ids), max_length) for ids in tokenizer(sentences, truncation=True, max_length=max_length)["input_ids"])))
+
+    def sample_length(text: str) -> int:
+        if text not in lengths:
+            lengths[text] = int(collate([text])[0].shape[-1])
+        return lengths[text]
+
+    return Workload(
+        name=name,
+        model=SignatureModel(model, names, paths).eval(),
+        samples=sentences,
+        collate=collate,
+        fidelity=logits_fidelity if len(paths) == 1 else outputs_fidelity(widths, paths),
+        fidelity_key="min_cosine",
+        default_batch_size=32,
+        train_samples=python_docstring_sentences(),
+        sample_length=sample_length,
+        notes=notes,
+        input_names=names,
+        output_names=paths,
+        description="your model with its tokenizer, on Python reference sentences",
+        extra={"tokenizer": tokenizer if hf else None, "max_seq_length": max_length},
+    )
