@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements-pins.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/overdrive optimize minilm
+	HF_HUB_OFFLINE=1 $(VENV)/bin/overdrive optimize minilm --overwrite
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q

@@ -32,12 +32,12 @@ want optimize && for spec in "resnet50 --batch-size 64" "bert-base-random --batc
   name=${spec%% *}
   echo "== optimize $spec --device cuda"
   # shellcheck disable=SC2086
-  timeout 150 $PY -m overdrive optimize $spec --device cuda --out "$OUT_DIR/runs" 2>&1 | tail -n 60 | tee "$OUT_DIR/optimize_${name}.txt" || status=1
+  timeout 150 $PY -m overdrive optimize $spec --device cuda --overwrite --out "$OUT_DIR/runs" 2>&1 | tail -n 60 | tee "$OUT_DIR/optimize_${name}.txt" || status=1
   cp "$OUT_DIR/runs/$name/results.json" "$OUT_DIR/${name}_results.json" 2>/dev/null || status=1
 done
 if want sparsity; then
 echo "== optimize bert-base-random --techniques sparsity-2:4,bf16 --device cuda"
-timeout 90 $PY -m overdrive optimize bert-base-random --techniques sparsity-2:4,bf16 --batch-size 32 --num-samples 256 \
+timeout 90 $PY -m overdrive optimize bert-base-random --overwrite --techniques sparsity-2:4,bf16 --batch-size 32 --num-samples 256 \
   --device cuda --out "$OUT_DIR/runs24" 2>&1 | tail -n 40 | tee "$OUT_DIR/optimize_sparsity24.txt" || status=1
 cp "$OUT_DIR/runs24/bert-base-random/results.json" "$OUT_DIR/sparsity24_results.json" 2>/dev/null || status=1
 fi

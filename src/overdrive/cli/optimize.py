@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shlex
 
+from overdrive.core.errors import ConfigError, arg
+
 from overdrive.cli.args import (
     add_workload_args,
     fraction,
@@ -32,6 +34,7 @@ def add_parser(sub) -> None:
                           "0.5 for prune-channels, 1/3 for prune-heads and prune-ffn)")
     opt.add_argument("--finetune-steps", type=nonnegative_int,
                      help="recovery fine-tune steps after pruning (default 300; 0: none)")
+    opt.add_argument("--overwrite", action="store_true", help="replace the plan already in OUT/<workload>/")
     opt.add_argument("--sweep-batch-sizes", type=int_list, help="batch sizes for the report's plot (default: 1, B/4, B, 2B)")
 
 
@@ -51,6 +54,10 @@ def main(args, argv: list[str]) -> int:
         sweep_batch_sizes=args.sweep_batch_sizes, out=args.out, input_shape=args.input_shape, input_dtype=args.input_dtype,
         data=args.data, text_field=args.text_field, command="overdrive " + shlex.join(argv))
     session, workload = job.session, job.session.workload
+    existing = session.out_dir / "plan.json"
+    if existing.exists() and not args.overwrite:
+        raise ConfigError(f"{existing} exists (a plan optimize wrote before); pass {arg('overwrite')} to replace it, or "
+                          f"{arg('out')} for another folder")
     device_name = devices.describe(session.device)
     console.print(f"[bold]overdrive optimize {workload.name}[/] on {device_name}, batch size {session.batch_size}, "
                   f"{session.describe_samples()}")

@@ -14,8 +14,8 @@ from overdrive.core.errors import ConfigError, arg
 def add_parser(sub) -> None:
     run = sub.add_parser("run", help="offline batch inference over a dataset: every record through the model (or a "
                                      "plan) into one output file, resumable")
-    run.add_argument("workload", nargs="?", help="minilm, digits-cnn, a torchvision name (resnet50), package.module:factory "
-                                                  "(optional with --plan)")
+    run.add_argument("workload", nargs="?", help="minilm, digits-cnn, a torchvision name (resnet50), package.module:factory, "
+                                                  "or a plan.json (optional with --plan)")
     run.add_argument("--input", required=True, help="a .txt file (one sentence per line), .jsonl, .csv, a folder of "
                                                     "images, or a .npy array [N, *row]")
     run.add_argument("--output", required=True, help="a .npy, .parquet, .csv or .jsonl file (rows in input order, keyed "
@@ -45,6 +45,8 @@ def main(args, argv: list[str]) -> int:
     from overdrive.run.job import RunConfig, run_offline
     from overdrive.run.resume import Parts
 
+    if args.workload and args.workload.endswith(".json") and not args.plan:  # `run PLAN.json`, as `serve PLAN.json`
+        args.plan, args.workload = args.workload, None
     config = RunConfig(workload=args.workload, input=Path(args.input), output=Path(args.output),
                        plan=Path(args.plan) if args.plan else None, device=args.device, batch_size=args.batch_size,
                        text_field=args.text_field, num_workers=args.num_workers, chunk_size=args.chunk_size,

@@ -9,6 +9,9 @@ A *record source* is a random-access view of the user's input, one record per ou
 | `.csv` (with a header row)     | the column `text_field`       | "row 12" (from 1)     |
 | a folder of images             | the decoded image tensor      | path under the folder |
 | `.npy` array [N, *row]         | row i as a tensor             | "name.npy[11]"        |
+| `.npz`, an array per input     | row i of each (a tuple)       | "name.npz[11]"        |
+| `.jsonl`, a field per input    | (tensor models) each field's  | "line 12" (from 1)    |
+|                                | nested list, as a tensor      |                       |
 
 Records are located once at open time (byte offsets of lines / CSV rows, a sorted file list,
 a memory map), so any worker process can read any record by index without reading the others.
@@ -35,6 +38,7 @@ import torch
 from overdrive.core.errors import ConfigError, DataError, arg
 
 TEXT_FORMATS = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
+TENSOR_FORMATS = (".npy", ".npz")  # and .jsonl with a field per input, for tensor models
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
@@ -335,14 +339,7 @@ class NpySource(RecordSource):
         return f"{self.path.name}[{i}]"
 
     def read(self, i: int) -> torch.Tensor:
-        row = torch.from_numpy(np.array(self.array[i]))
-        if not torch.isfinite(row.float()).all():
-            raise RecordError("row holds NaN or infinite values")
-        cast = row.to(self.dtype)
-        if not self.dtype.is_floating_point and not torch.equal(cast.to(row.dtype), row):  # 3.5 -> 3, 2**40 -> int32
-            bad = row.reshape(-1)[(cast.to(row.dtype) != row).reshape(-1)][0].item()
-            raise RecordError(f"row holds {bad}, which the model's {str(self.dtype).removeprefix('torch.')} input cannot hold exactly")
-        return cast
+        return _cast_row(torch.from_numpy(np.array(self.array[i])), self.dtype)
 
     def __getstate__(self):  # workers re-open the memory map rather than pickling the data
         return {k: v for k, v in self.__dict__.items() if k != "array"} | {"array": None}
@@ -350,6 +347,128 @@ class NpySource(RecordSource):
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.array = np.load(self.path, mmap_mode="r", allow_pickle=False)
+
+
+def _cast_row(row: torch.Tensor, dtype: torch.dtype, name: str = "row") -> torch.Tensor:
+    """`row` as the model input's dtype; RecordError for NaN/inf or a value the dtype cannot hold exactly."""
+    if not torch.isfinite(row.float()).all():
+        raise RecordError(f"{name} holds NaN or infinite values")
+    cast = row.to(dtype)
+    if not dtype.is_floating_point and not torch.equal(cast.to(row.dtype), row):  # 3.5 -> 3, 2**40 -> int32
+        bad = row.reshape(-1)[(cast.to(row.dtype) != row).reshape(-1)][0].item()
+        raise RecordError(f"{name} holds {bad}, which the model's {str(dtype).removeprefix('torch.')} input cannot hold exactly")
+    return cast
+
+
+def input_names(workload) -> list[str]:
+    """The names of a tensor workload's inputs, as `serve` and `run` spell them: the model's keywords
+    (`input_ids`, `attention_mask`) when it has them, else `input`, or `input__0`, `input__1`, ..."""
+    sample = workload.samples[0]
+    count = len(sample) if isinstance(sample, tuple) else 1
+    return list(workload.input_names or (["input"] if count == 1 else [f"input__{i}" for i in range(count)]))
+
+
+def _row_specs(workload) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    sample = workload.samples[0]
+    return [(tuple(c.shape), c.dtype) for c in (sample if isinstance(sample, tuple) else (sample,))]
+
+
+class NpzSource(RecordSource):
+    """A .npz archive with one array [N, *row] per model input, named as the inputs are (see
+    `input_names`); record i is the tuple of row i of each (a lone tensor for one input).
+
+    Raises:
+        DataError: not a readable .npz, an input's array missing, rows of another shape, or arrays
+            of different lengths.
+    """
+
+    format = "npz"
+    kind = "tensor"
+
+    def __init__(self, path: Path, names: list[str], specs: list[tuple[tuple[int, ...], torch.dtype]]):
+        self.path, self.names, self.specs = path, names, specs
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise DataError(f"{path}: not a readable .npz archive ({exc})") from None
+        if len(names) == 1 and names[0] not in archive.files and len(archive.files) == 1:
+            names = self.names = [archive.files[0]]  # one input, one array: its name does not matter
+        missing = [n for n in names if n not in archive.files]
+        if missing:
+            raise DataError(f"{path}: no array {missing[0]!r}; this model takes arrays {names} (one per input, named as "
+                            f"its inputs), the archive holds {archive.files}")
+        self.arrays = [archive[n] for n in names]
+        for n, a, (shape, _) in zip(names, self.arrays, specs):
+            if a.ndim < 1 or tuple(a.shape[1:]) != shape:
+                raise DataError(f"{path}: array {n!r} of shape {list(a.shape)}; this model takes rows of shape {list(shape)}, "
+                                f"i.e. an array [N, {', '.join(map(str, shape))}]")
+            if a.dtype.kind not in "biuf":
+                raise DataError(f"{path}: array {n!r} of dtype {a.dtype}; expected a numeric array")
+        if len({len(a) for a in self.arrays}) != 1:
+            raise DataError(f"{path}: the arrays hold different numbers of rows "
+                            f"({', '.join(f'{n}: {len(a)}' for n, a in zip(names, self.arrays))}); one row per record each")
+
+    def __len__(self) -> int:
+        return int(len(self.arrays[0]))
+
+    def source_key(self, i: int) -> str:
+        return f"{self.path.name}[{i}]"
+
+    def read(self, i: int):
+        row = tuple(_cast_row(torch.from_numpy(np.array(a[i])), dtype, f"{n!r}")
+                    for a, n, (_, dtype) in zip(self.arrays, self.names, self.specs))
+        return row[0] if len(row) == 1 else row
+
+
+class JsonlTensorSource(RecordSource):
+    """One JSON object per line with a field per model input (see `input_names`) holding its row as
+    nested lists of numbers; record i is the tuple of those rows (a lone tensor for one input).
+
+    Raises:
+        DataError: the first object lacks an input's field.
+    """
+
+    format = "jsonl"
+    kind = "tensor"
+
+    def __init__(self, path: Path, names: list[str], specs: list[tuple[tuple[int, ...], torch.dtype]]):
+        self.path, self.names, self.specs = path, names, specs
+        self.records = _ByteRecords(path, line_offsets(path))
+        for i in range(min(len(self), 100)):
+            try:
+                obj = json.loads(self.records.raw(i))
+            except (ValueError, UnicodeDecodeError):
+                continue
+            missing = [n for n in names if isinstance(obj, dict) and n not in obj]
+            if missing:
+                raise DataError(f"{path}: the first JSON record has no field {missing[0]!r}; this model takes fields "
+                                f"{names} (one per input), the record has {sorted(obj)[:20]}")
+            break
+
+    def __len__(self) -> int:
+        return len(self.records.offsets) - 1
+
+    def read(self, i: int):
+        raw = self.records.raw(i)
+        _decode_utf8(raw)
+        try:
+            obj = json.loads(raw)
+        except ValueError as exc:
+            raise RecordError(f"not a JSON object ({str(exc).split(':')[0]})") from None
+        if not isinstance(obj, dict):
+            raise RecordError(f"not a JSON object (a {type(obj).__name__})")
+        row = []
+        for n, (shape, dtype) in zip(self.names, self.specs):
+            if n not in obj:
+                raise RecordError(f"no field {n!r}")
+            try:
+                value = torch.tensor(obj[n], dtype=torch.float64 if dtype.is_floating_point else torch.int64)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+                raise RecordError(f"field {n!r} is not an array of numbers ({exc})") from None
+            if tuple(value.shape) != shape:
+                raise RecordError(f"field {n!r} has shape {list(value.shape)}; the model takes {list(shape)}")
+            row.append(_cast_row(value, dtype, f"field {n!r}"))
+        return row[0] if len(row) == 1 else tuple(row)
 
 
 def hash_strings(items: Iterable[str]) -> str:
@@ -457,6 +576,12 @@ def open_source(path: Path, workload, *, text_field: str | None = None, argument
         transform, mode = image_transform(workload)
         return ImageFolderSource(path, transform, mode)
     suffix = path.suffix.lower()
+    if suffix == ".npz" or (suffix in (".jsonl", ".ndjson") and not workload.is_text):
+        if workload.is_text:
+            raise DataError(f"{arg(argument, path)}: {workload.name!r} is a text model; give a .txt, .jsonl or .csv file")
+        if text_field is not None:
+            raise ConfigError(f"{arg('text_field')} names the text field of a text model's input; this model takes tensors")
+        return (NpzSource if suffix == ".npz" else JsonlTensorSource)(path, input_names(workload), _row_specs(workload))
     if suffix in TEXT_FORMATS:
         if not workload.is_text:
             raise DataError(f"{arg(argument, path)}: {workload.name!r} takes tensors, not text; give a folder of images or a .npy array")
@@ -471,7 +596,8 @@ def open_source(path: Path, workload, *, text_field: str | None = None, argument
             raise DataError(f"{arg(argument, path)}: {workload.name!r} is a text model; give a .txt, .jsonl or .csv file")
         sample = single_input_sample(workload)
         if not isinstance(sample, torch.Tensor):
-            raise ConfigError(f"workload {workload.name!r} takes several inputs per row; .npy input holds one")
+            raise ConfigError(f"workload {workload.name!r} takes several inputs per row ({', '.join(input_names(workload))}); "
+                              ".npy input holds one: give a .npz with an array per input, or .jsonl with a field per input")
         return NpySource(path, tuple(sample.shape), sample.dtype)
-    known = sorted(TEXT_FORMATS) + [".npy", "a folder of images"]
+    known = sorted(TEXT_FORMATS) + [*TENSOR_FORMATS, "a folder of images"]
     raise DataError(f"{arg(argument, path)}: unknown format {suffix or '(no suffix)'!r}; expected one of {', '.join(known)}")

@@ -90,6 +90,8 @@ class Collate:
     def _collate(self, values: list) -> tuple[torch.Tensor, ...]:
         if self.collate_text is not None:
             return tuple(self.collate_text(values))
+        if isinstance(values[0], tuple):  # a model with several inputs: a tensor per input, stacked
+            return tuple(torch.stack(column) for column in zip(*values))
         return (torch.stack(values),)
 
     def __call__(self, items) -> HostBatch:

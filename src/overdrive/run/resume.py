@@ -162,13 +162,13 @@ def claim_output(config) -> tuple[str, str, Parts]:
             `overwrite`, another process writing the same output, an unwritable output.
         ConfigError: both `resume` and `overwrite`, or a `text_field` for input that has no fields.
     """
-    from overdrive.run.inputs import TEXT_FORMATS
+    from overdrive.run.inputs import TENSOR_FORMATS, TEXT_FORMATS
 
     output, parts = config.output, Parts(config.output)
     if not config.input.exists():
         raise DataError(f"{arg('input', config.input)}: no such file or folder")
-    if config.input.is_file() and config.input.suffix.lower() not in {*TEXT_FORMATS, ".npy"}:
-        known = sorted(TEXT_FORMATS) + [".npy", "a folder of images"]
+    if config.input.is_file() and config.input.suffix.lower() not in {*TEXT_FORMATS, *TENSOR_FORMATS}:
+        known = sorted(TEXT_FORMATS) + [*TENSOR_FORMATS, "a folder of images"]
         raise DataError(f"{arg('input', config.input)}: unknown format {config.input.suffix or '(no suffix)'!r}; expected one of "
                         f"{', '.join(known)}")
     if config.input.is_file() and config.input.stat().st_size == 0:

@@ -3,7 +3,8 @@ run, and split back per request. Implements the batcher's `BatchModel`.
 
 Inputs: text workloads take one BYTES tensor `text` of shape [N] (or [N, 1]) of UTF-8
 sentences, tokenized on the server and padded per batch with an attention mask. Tensor
-workloads take `input` (or `input__0`, `input__1`, ... for several) of shape [N, *row shape]
+workloads take their inputs by the model's keyword names (`input_ids`, `attention_mask`) when it has them,
+else `input` (or `input__0`, `input__1`, ... for several), of shape [N, *row shape]
 in the workload's dtype. Output: `output`, FP32 [N, *output row shape].
 
 Validation (HTTP 400, before a request joins a batch): names, datatypes and shapes, then the
@@ -96,7 +97,7 @@ class ServedModel:
             columns = _columns(sample)
             if not columns or not all(isinstance(c, torch.Tensor) for c in columns):
                 raise ValueError(f"workload {workload.name!r}: serve needs samples that are strings or tensors")
-            names = ["input"] if len(columns) == 1 else [f"input__{i}" for i in range(len(columns))]
+            names = workload.input_names or (["input"] if len(columns) == 1 else [f"input__{i}" for i in range(len(columns))])
             self.inputs = [TensorSpec(n, datatype_of(np.dtype(str(c.dtype).removeprefix("torch."))), [-1, *c.shape])
                            for n, c in zip(names, columns)]
         # What the inputs may hold (ids within the embeddings' rows, finite floats), from the fp32

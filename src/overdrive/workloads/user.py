@@ -202,6 +202,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         real_weights=True,
         rows_source=source,
         notes=notes,
+        extra={"classifier": output_names == ["logits"]},  # a Hugging Face classifier's ModelOutput: `run` adds predictions
         description={"data": "user model on its own evaluation data", "example": "user model on its example's rows",
                      "random": "user model with seeded inputs of its example's shape (speed only)"}[source],
     )
