@@ -132,3 +132,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="your evaluation rows, judged instead of the workload's own: .npy [N, *row], a folder of "
                                   "images, or .txt / .jsonl / .csv text for text models")
     p.add_argument("--text-field", help="the JSONL field / CSV column of --data holding the text (default: text)")
+    add_weights_arg(p)
+
+
+def add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", help="trained weights for the model: a checkpoint folder `overdrive train --save` wrote "
+                                     "(step-N, or the --save folder: its newest), or a torch.save state dict")

@@ -40,7 +40,8 @@ def main(args, argv: list[str]) -> int:
     workload = plan.create_workload() if plan and args.input_shape is None else args.workload
     session = open_session(workload, device=device, batch_size=args.batch_size or (plan.batch_size if plan else None),
                            num_samples=args.num_samples, out=args.out, input_shape=args.input_shape,
-                           input_dtype=args.input_dtype, data=args.data, text_field=args.text_field)
+                           input_dtype=args.input_dtype, data=args.data, text_field=args.text_field,
+                           weights=args.weights)
     batch_sizes = session.sweep_sizes(args.batch_sizes or [session.batch_size])
     refused = session.refused_sizes(args.batch_sizes or [])
     device_name = devices.describe(session.device)

@@ -52,7 +52,7 @@ def main(args, argv: list[str]) -> int:
         min_gain=args.min_gain, lossless=args.lossless, techniques=args.techniques, batch_size=args.batch_size,
         num_samples=args.num_samples, prune_ratio=args.prune_ratio, finetune_steps=args.finetune_steps,
         sweep_batch_sizes=args.sweep_batch_sizes, out=args.out, input_shape=args.input_shape, input_dtype=args.input_dtype,
-        data=args.data, text_field=args.text_field, command="overdrive " + shlex.join(argv))
+        data=args.data, text_field=args.text_field, weights=args.weights, command="overdrive " + shlex.join(argv))
     session, workload = job.session, job.session.workload
     existing = session.out_dir / "plan.json"
     if existing.exists() and not args.overwrite:
@@ -103,4 +103,8 @@ def main(args, argv: list[str]) -> int:
     console.print(f"plan: [bold]{' + '.join(result.plan.names) or 'baseline'}[/] "
                   f"({result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s{interval})")
     console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}, {out / 'report.md'}")
+    plan = shlex.quote(str(out / "plan.json"))
+    console.print(f"next: overdrive bench {shlex.quote(args.workload)} --plan {plan} --batch-sizes 1,{session.batch_size}  ·  "
+                  f"overdrive serve {plan}  ·  overdrive run {plan} --input FILE --output OUT.parquet",
+                  highlight=False, soft_wrap=True)
     return 0

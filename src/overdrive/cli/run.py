@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from overdrive.cli.args import batch_size_arg, nonnegative_int, positive_int
+from overdrive.cli.args import add_weights_arg, batch_size_arg, nonnegative_int, positive_int
 from overdrive.core.errors import ConfigError, arg
 
 
@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
     run.add_argument("--resume", action="store_true", help="continue an interrupted run where it stopped (same output bytes "
                                                            "as an uninterrupted run)")
     run.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    add_weights_arg(run)
     run.add_argument("--max-errors", type=nonnegative_int, help="stop once more records than this fail to read or decode "
                                                                 "(default: no limit; they go to OUTPUT.errors.jsonl)")
 
@@ -50,7 +51,8 @@ def main(args, argv: list[str]) -> int:
     config = RunConfig(workload=args.workload, input=Path(args.input), output=Path(args.output),
                        plan=Path(args.plan) if args.plan else None, device=args.device, batch_size=args.batch_size,
                        text_field=args.text_field, num_workers=args.num_workers, chunk_size=args.chunk_size,
-                       resume=args.resume, overwrite=args.overwrite, max_errors=args.max_errors)
+                       resume=args.resume, overwrite=args.overwrite, max_errors=args.max_errors,
+                       weights=Path(args.weights) if args.weights else None)
     if config.workload is None and config.plan is None:
         raise ConfigError(f"name a workload (e.g. minilm) or give {arg('plan')}")
     console = make_console()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from overdrive.cli.args import nonnegative, port, positive_int
+from overdrive.cli.args import add_weights_arg, nonnegative, port, positive_int
 
 FLAGS = {"model": "the plan"}  # the MODEL argument is named in errors only when it is a plan.json
 
@@ -35,6 +35,7 @@ def add_parser(sub) -> None:
     serve.add_argument("--warmup-s", type=nonnegative, default=30.0,
                        help="seconds to spend at start running each batch size once, so no request pays for a "
                             "kernel's first run at a new shape (default 30; 0: none)")
+    add_weights_arg(serve)
     serve.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs throughput)")
 
 
@@ -45,4 +46,5 @@ def main(args, argv: list[str]) -> int:
     return serve(args.model, host=args.host, port=args.port, device=args.device, model_name=args.model_name,
                  max_batch_size=args.max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms,
                  max_queue_size=args.max_queue_size, instances=args.instances, request_timeout_ms=args.request_timeout_ms,
-                 drain_timeout_s=args.drain_timeout_s, warmup_s=args.warmup_s, access_log=args.access_log)
+                 drain_timeout_s=args.drain_timeout_s, warmup_s=args.warmup_s, access_log=args.access_log,
+                 weights=args.weights)

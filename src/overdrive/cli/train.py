@@ -256,4 +256,9 @@ def _finish(args, config: TrainConfig, summary: TrainSummary) -> None:
     for note in summary.notes:
         console.print(note, highlight=False)
     if config.save_dir:
+        import shlex
+
         console.print(f"checkpoints: {config.save_dir}/step-N", highlight=False)
+        spec, weights = shlex.quote(config.workload), shlex.quote(str(config.save_dir))
+        console.print(f"next: overdrive optimize {spec} --weights {weights}   (then serve or run the plan it writes; "
+                      f"or directly: overdrive serve {spec} --weights {weights})", highlight=False, soft_wrap=True)

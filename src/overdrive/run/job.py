@@ -94,6 +94,7 @@ class RunConfig:
         resume, overwrite: what to do with an existing output (see `claim_output`).
         max_errors: stop once more records than this have failed (None: no limit).
         bucket: sort text by length within each chunk (length bucketing).
+        weights: a checkpoint loaded into the model (`overdrive.workloads.weights`); a plan loads its own.
         replicas: model replicas; None: one per GPU on `cuda`, 1 otherwise (tests set 2 on CPU).
     """
 
@@ -111,6 +112,7 @@ class RunConfig:
     max_errors: int | None = None
     bucket: bool = True
     replicas: int | None = None
+    weights: Path | None = None
 
 
 @dataclass
@@ -156,6 +158,10 @@ def _build(config: RunConfig, workload: Workload | None):
         resolved = resolve_device(device_name)
     if workload is None:
         workload = plan.create_workload() if plan else create_workload(config.workload)
+        if config.weights is not None:
+            from overdrive.workloads.weights import load_weights
+
+            load_weights(workload, config.weights)
     devices = replica_devices(resolved, device_name)
     count = config.replicas or len(devices)
     devices = [devices[i % len(devices)] for i in range(count)]

@@ -25,7 +25,7 @@ log = logging.getLogger("overdrive.serve")
 
 
 def load_served_model(spec: str, *, device: str, instances: int | None, name: str | None = None,
-                      ) -> tuple[ServedModel, Plan | None, int]:
+                      weights: str | None = None) -> tuple[ServedModel, Plan | None, int]:
     """Build the model to serve from a workload spec or a plan.json.
 
     Returns:
@@ -42,6 +42,10 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
     else:
         resolved = resolve_device(device)
     workload = plan.create_workload() if plan else create_workload(spec)
+    if weights is not None:  # a plan's own weights are loaded by create_workload; these replace them
+        from overdrive.workloads.weights import load_weights
+
+        load_weights(workload, weights)
     devices = replica_devices(resolved, device)
     instances = instances or len(devices)
     devices = devices[:instances]
@@ -56,7 +60,7 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
 def serve(spec: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto", model_name: str | None = None,
           max_batch_size: int | None = None, max_queue_delay_ms: float = 2.0, max_queue_size: int | None = None,
           instances: int | None = None, request_timeout_ms: float = 30_000.0, drain_timeout_s: float = 30.0,
-          warmup_s: float = 30.0, access_log: bool = False) -> int:
+          warmup_s: float = 30.0, access_log: bool = False, weights: str | None = None) -> int:
     """Serve a workload, or the plan `optimize` wrote, until SIGTERM/SIGINT, then drain and return 0.
 
     Args:
@@ -73,6 +77,7 @@ def serve(spec: str, *, host: str = "127.0.0.1", port: int = 8000, device: str =
         drain_timeout_s: how long admitted requests may take to finish on SIGTERM/SIGINT.
         warmup_s: seconds at start spent running each batch size once (0: none).
         access_log: log every request.
+        weights: a checkpoint loaded into the model (`overdrive.workloads.weights`); a plan loads its own.
 
     Raises:
         ConfigError: a model name, batch size or queue size that cannot work, or a port in use.
@@ -83,7 +88,7 @@ def serve(spec: str, *, host: str = "127.0.0.1", port: int = 8000, device: str =
                           "and '-' (e.g. minilm-v2)")
     cores = serial_main_thread()  # the model runs in the instance threads (devices.serial_main_thread)
     served, plan, instances = load_served_model(spec, device=device, instances=instances,
-                                                name=model_name)
+                                                name=model_name, weights=weights)
     # Instances on one CPU split its cores, or each batch's threads fight the others' (two
     # single-threaded instances served more than one two-threaded one on 2 cores: benchmarks/RESULTS.md,
     # serve_cpu 2026-12-01, "the same with two instances").

@@ -71,7 +71,8 @@ def pruning_configs(techniques: list[str] | None, *, prune_ratio: float | None =
 
 
 def as_workload(model: str | nn.Module | Workload, example_inputs=None, *, data: Iterable | str | Path | None = None,
-                metric: Callable[[torch.Tensor], float] | None = None) -> str | Workload:
+                metric: Callable[[torch.Tensor], float] | None = None, output: str | list[str] | None = None
+                ) -> str | Workload:
     """What `open_session` takes: a workload spec as it is, a Workload, or a module made into one
     (judged on the batches of `data`, else on its example's rows). A data file (a path) is read by
     `open_session`, for modules and workloads alike.
@@ -84,10 +85,10 @@ def as_workload(model: str | nn.Module | Workload, example_inputs=None, *, data:
         from overdrive.workloads.user import workload_from_model
 
         if example_inputs is None:
-            raise ConfigError(f"{arg('example_inputs')} is needed with a module: a tensor or tuple of tensors [B, ...] "
-                              "it runs on")
+            raise ConfigError(f"{arg('example_inputs')} is needed with a module: a tensor, a tuple of tensors or a dict "
+                              "of keyword tensors [B, ...] it runs on")
         batches = None if isinstance(data, (str, Path)) else data
-        return workload_from_model(type(model).__name__, model, example_inputs, data=batches, metric=metric)
+        return workload_from_model(type(model).__name__, model, example_inputs, data=batches, metric=metric, output=output)
     if metric is not None:
         raise ConfigError(f"{arg('metric')} goes with a module, its {arg('example_inputs')} and the {arg('data')} it scores; "
                           f"workload {getattr(model, 'name', model)!r} brings its own")
@@ -247,7 +248,8 @@ class OptimizeJob:
                 num_samples: int | None = None, prune_ratio: float | None = None, finetune_steps: int | None = None,
                 sweep_batch_sizes: list[int] | None = None, out: str | Path | None = None,
                 input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
-                text_field: str | None = None, command: str | None = None) -> OptimizeJob:
+                text_field: str | None = None, weights: str | Path | None = None,
+                output: str | list[str] | None = None, command: str | None = None) -> OptimizeJob:
         """Check the arguments and build the workload (see `optimize` for them)."""
         if techniques is not None and not techniques:
             raise ConfigError(f"{arg('techniques')} is empty; name techniques (see `overdrive list`) or pass None for all")
@@ -256,9 +258,10 @@ class OptimizeJob:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{arg(name, value)}: expected a positive integer")
         guard = Guard(min_fidelity=min_fidelity, max_accuracy_drop=max_accuracy_drop, min_gain=min_gain, lossless=lossless)
-        session = open_session(as_workload(model, example_inputs, data=data, metric=metric), device=device,
+        session = open_session(as_workload(model, example_inputs, data=data, metric=metric, output=output), device=device,
                                batch_size=batch_size, num_samples=num_samples, out=out, input_shape=input_shape,
-                               input_dtype=input_dtype, data=_data_left(model, data), text_field=text_field)
+                               input_dtype=input_dtype, data=_data_left(model, data), text_field=text_field,
+                               weights=weights)
         workload = session.workload
         if max_accuracy_drop and not workload.has_task_metric:  # 0 is a lossless budget, which needs no metric
             raise ConfigError(f"{arg('max_accuracy_drop')}: workload {workload.name!r} has no task metric; "
@@ -293,6 +296,7 @@ class OptimizeJob:
         tuner.progress = step
         tune = tuner.run()
         tune.plan.inputs = input_signature(s.workload)
+        tune.plan.weights = s.workload.extra.get("weights")
         warnings: list[str] = []
         result = OptimizeResult(rows=tune.rows, plan=tune.plan, baseline=tune.baseline, sweep={}, sweep_warnings=warnings,
                                 session=s, guard=self.guard, flops_per_sample=tune.flops_per_sample, command=self.command,
@@ -314,7 +318,8 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
              num_samples: int | None = None, prune_ratio: float | None = None, finetune_steps: int | None = None,
              sweep_batch_sizes: list[int] | None = None, out: str | Path | None = None,
              input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
-             text_field: str | None = None, progress: Progress | None = None) -> OptimizeResult:
+             text_field: str | None = None, weights: str | Path | None = None, output: str | list[str] | None = None,
+             progress: Progress | None = None) -> OptimizeResult:
     """Measure `model` eager in fp32, then with each technique alone, compose the winners in
     canonical order (batching → prune → precision → graph → compile → runtime), roll back any
     step that is not faster or breaks the accuracy budget, and return the plan with the table.
@@ -324,8 +329,10 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             `"digits-cnn"`, a torchvision name such as `"resnet50"`), `"package.module:factory"`,
             a `.pt2` / TorchScript file path, or a `Workload`. A module is measured in eval mode (on
             copies: your module is not changed).
-        example_inputs: for a module: a tensor or tuple of tensors [B, ...] it runs on; B is the
-            default batch size.
+        example_inputs: for a module: a tensor, a tuple of tensors, or a dict of keyword tensors
+            (a Hugging Face model's `input_ids`, `attention_mask`), each [B, ...]; B is the default
+            batch size. The module may return a tensor, tuple, dict, dataclass or `ModelOutput`
+            (`overdrive.workloads.signature`).
         device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N" or a torch.device.
         data: your evaluation rows, on which candidates are judged: for a module, batches shaped
             like `example_inputs`; for any model, a file (`.npy` [N, *row], a folder of images,
@@ -350,6 +357,10 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             None: nothing is written until `result.save(folder)`.
         input_shape, input_dtype: for a TorchScript file, which stores no input shape.
         text_field: the JSONL field / CSV column of a text `data` file (default "text").
+        weights: a checkpoint loaded into the model first: a DCP folder `overdrive train --save`
+            wrote, or a torch.save state dict; the plan records it, so `serve` and `run` load it too.
+        output: for a module: the output(s) judged, by path ("logits", "0"); None: every floating
+            [B, ...] output, each judged apart (the worst counts).
         progress: called before each measurement as progress(description, done, expected).
 
     Returns:
@@ -368,7 +379,7 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
         min_fidelity=min_fidelity, min_gain=min_gain, lossless=lossless, techniques=techniques, batch_size=batch_size,
         num_samples=num_samples, prune_ratio=prune_ratio, finetune_steps=finetune_steps,
         sweep_batch_sizes=sweep_batch_sizes, out=out, input_shape=input_shape, input_dtype=input_dtype,
-        text_field=text_field,
+        text_field=text_field, weights=weights, output=output,
     ).run(progress)
 
 

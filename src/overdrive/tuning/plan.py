@@ -105,6 +105,7 @@ class Plan:
     measured: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     inputs: list[dict[str, Any]] | None = None
+    weights: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -116,6 +117,7 @@ class Plan:
             "measured": self.measured,
             "environment": self.environment,
             **({"inputs": self.inputs} if self.inputs else {}),
+            **({"weights": self.weights} if self.weights else {}),
         }
 
     @classmethod
@@ -137,6 +139,7 @@ class Plan:
             measured=data.get("measured", {}),
             environment=data.get("environment", {}),
             inputs=data.get("inputs"),
+            weights=data.get("weights"),
         )
 
     def save(self, path: Path) -> None:
@@ -149,10 +152,10 @@ class Plan:
             return str(p.resolve().relative_to(folder)) if p.resolve().is_relative_to(folder) else str(p)
 
         data = dataclasses.replace(self, steps=_map_checkpoints(self.steps, relative)).to_dict()
-        model_file = Path(self.workload)
-        if model_file.is_file():  # a model file: found from wherever the plan is used, not only where it was made
-            data["workload_file"] = {"relative": os.path.relpath(model_file.resolve(), folder),
-                                     "absolute": str(model_file.resolve())}
+        for key, value in (("workload", self.workload), ("weights", self.weights)):
+            if value and Path(value).exists():  # found from wherever the plan is used, not only where it was made
+                data[f"{key}_file"] = {"relative": os.path.relpath(Path(value).resolve(), folder),
+                                       "absolute": str(Path(value).resolve())}
         path.write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
@@ -167,6 +170,8 @@ class Plan:
             plan = cls.from_dict(data)
             plan.steps = _map_checkpoints(plan.steps, lambda p: str(Path(path).parent / p))  # relative to the plan
             plan.workload = _model_file(plan.workload, data.get("workload_file"), Path(path).parent)
+            if plan.weights:
+                plan.weights = _model_file(plan.weights, data.get("weights_file"), Path(path).parent)
             return plan
         except FileNotFoundError:
             raise PlanError(f"{arg(argument, path)}: no such file; expected a plan.json written by `overdrive optimize`") from None
@@ -199,20 +204,25 @@ class Plan:
         return [s.name for s in self.steps]
 
     def create_workload(self) -> Workload:
-        """The workload the plan was made for, rebuilt from its spec; a TorchScript file, which
-        stores no input shape, gets the row shape and dtype the plan was measured with.
+        """The workload the plan was made for, rebuilt from its spec, with the weights it was made
+        with (`--weights`); a TorchScript file, which stores no input shape, gets the row shape and
+        dtype the plan was measured with.
 
         Raises:
             WorkloadError: as `overdrive.workloads.create_workload`.
+            ConfigError: the plan's weights are gone or no longer fit.
         """
         from overdrive.workloads import create_workload
         from overdrive.workloads.user import archive_kind
+        from overdrive.workloads.weights import load_weights
 
         path = Path(self.workload)
         if path.is_file() and archive_kind(path) == "torchscript" and self.inputs and len(self.inputs) == 1:
-            return create_workload(self.workload, input_shape=(self.batch_size, *self.inputs[0]["shape"]),
-                                   input_dtype=getattr(torch, self.inputs[0]["dtype"]))
-        return create_workload(self.workload)
+            workload = create_workload(self.workload, input_shape=(self.batch_size, *self.inputs[0]["shape"]),
+                                       input_dtype=getattr(torch, self.inputs[0]["dtype"]))
+        else:
+            workload = create_workload(self.workload)
+        return load_weights(workload, self.weights) if self.weights else workload
 
 
 def load_plan(path: str | Path, *, device: str | None = "auto", workload: str | None = None,
@@ -270,7 +280,7 @@ def _model_file(spec: str, recorded: dict[str, str] | None, folder: Path) -> str
         return spec
     relative, absolute = recorded.get("relative"), recorded.get("absolute")
     for candidate in ([folder / relative] if relative else []) + ([Path(absolute)] if absolute else []):
-        if candidate.is_file():
+        if candidate.exists():
             return str(candidate)
     return spec
 

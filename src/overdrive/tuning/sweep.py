@@ -78,7 +78,8 @@ def writable_folder(root: str | Path, name: str) -> Path:
 def open_session(workload: str | Workload, *, device: str | torch.device | None = "auto", batch_size: int | None = None,
                  num_samples: int | None = None, out: str | Path | None = None,
                  input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
-                 data: str | Path | Iterable | None = None, text_field: str | None = None) -> Session:
+                 data: str | Path | Iterable | None = None, text_field: str | None = None,
+                 weights: str | Path | None = None) -> Session:
     """Resolve the device, workload, batch size, sample count and output folder.
 
     Args:
@@ -90,6 +91,8 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
         num_samples: distinct evaluation samples; None: 512 for text, all otherwise.
         out: results go to OUT/<workload name>/ (checked writable now); None: nowhere.
         input_shape, input_dtype: for model files that store no input shape (TorchScript).
+        weights: a checkpoint loaded into the model (`overdrive.workloads.weights`): a DCP folder
+            `train` wrote, or a torch.save state dict.
 
     Raises:
         ConfigError: a device, batch size, dtype or folder that cannot work (the message names it).
@@ -100,6 +103,10 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
     spec = workload if isinstance(workload, str) else workload.name
     if isinstance(workload, str):
         workload = create_workload(workload, input_shape=input_shape, input_dtype=parse_dtype(input_dtype))
+    if weights is not None:
+        from overdrive.workloads.weights import load_weights
+
+        load_weights(workload, weights)
     if data is not None:
         from overdrive.workloads.data import with_data
 
