@@ -9,6 +9,7 @@ from overdrive.core.errors import ConfigError, arg
 
 from overdrive.cli.args import (
     add_workload_args,
+    dynamic_dims,
     fraction,
     int_list,
     name_list,
@@ -44,7 +45,7 @@ def main(args, argv: list[str]) -> int:
     from overdrive.core import devices
     from overdrive.core.report import make_console
     from overdrive.tuning.api import OptimizeJob
-    from overdrive.tuning.report import compile_times, detail_lines, rows_table
+    from overdrive.tuning.report import compile_times, detail_lines, reasons_in_full, rows_table, table_note
 
     console = make_console()
     job = OptimizeJob.prepare(
@@ -52,7 +53,8 @@ def main(args, argv: list[str]) -> int:
         min_gain=args.min_gain, lossless=args.lossless, techniques=args.techniques, batch_size=args.batch_size,
         num_samples=args.num_samples, prune_ratio=args.prune_ratio, finetune_steps=args.finetune_steps,
         sweep_batch_sizes=args.sweep_batch_sizes, out=args.out, input_shape=args.input_shape, input_dtype=args.input_dtype,
-        data=args.data, text_field=args.text_field, weights=args.weights, command="overdrive " + shlex.join(argv))
+        data=args.data, text_field=args.text_field, weights=args.weights, dynamic_dims=dynamic_dims(args.dynamic_dim),
+        command="overdrive " + shlex.join(argv))
     session, workload = job.session, job.session.workload
     existing = session.out_dir / "plan.json"
     if existing.exists() and not args.overwrite:
@@ -85,6 +87,9 @@ def main(args, argv: list[str]) -> int:
     key = workload.fidelity_key
     console.print(rows_table(result, fidelity_key=key, rows_description=result.rows_description,
                              title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}"))
+    console.print(table_note(result, result.rows_description), style="dim", highlight=False, soft_wrap=True)
+    for line in reasons_in_full(result):
+        console.print(f"  why not, {line}", highlight=False, soft_wrap=True)
     for line in detail_lines(result, fidelity_key=key):
         console.print(line, highlight=False, soft_wrap=True)  # one line per report, for logs and grep
     compiled = compile_times(result)

@@ -25,7 +25,7 @@ from overdrive.core.errors import one_line
 from overdrive.core.input_limits import InputLimits
 from overdrive.core.measure import owned_host_float32
 from overdrive.core.timer import Timer
-from overdrive.core.workload import Workload
+from overdrive.core.workload import Workload, pad_stack
 from overdrive.run.inputs import RecordError, RecordSource
 
 AUTO_GAIN = 1.05  # batch_size "auto" doubles while items/s rises by at least 5%
@@ -69,9 +69,15 @@ class RecordDataset(torch.utils.data.Dataset):
         return i, value, failed, time.perf_counter() - start
 
 
+def pad_records(dims: dict[int, tuple[int, ...]], values: list) -> tuple[torch.Tensor, ...]:
+    """Tensor records (a tensor, or a tuple per input) whose sizes vary at `dims`
+    (`Workload.dynamic_dims`) -> the model's inputs, zero-padded per batch (`pad_stack`)."""
+    return pad_stack(dims, [v if isinstance(v, tuple) else (v,) for v in values])
+
+
 class Collate:
-    """Picklable collate_fn: good records -> the model's inputs (text: the workload's tokenizer,
-    tensors: stacked); a collate failure is narrowed to the records that cause it, and a record
+    """Picklable collate_fn: good records -> the model's inputs (`collate_text`: the workload's
+    tokenizer for text, or `pad_records` for tensors of varying sizes; else stacked); a collate failure is narrowed to the records that cause it, and a record
     whose inputs break the model's `limits` (an id past an embedding's rows, a NaN) is filed as
     failed and never reaches the model."""
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from overdrive.core.input_limits import InputLimits, workload_input_limits
 from overdrive.core.measure import owned_host_float32, to_device
-from overdrive.core.workload import Workload
+from overdrive.core.workload import Workload, pad_stack
 from overdrive.run.replica import text_lengths
 from overdrive.serve.protocol import DATATYPES, InferRequest, Tensor, datatype_of
 
@@ -98,8 +98,10 @@ class ServedModel:
             if not columns or not all(isinstance(c, torch.Tensor) for c in columns):
                 raise ValueError(f"workload {workload.name!r}: serve needs samples that are strings or tensors")
             names = workload.input_names or (["input"] if len(columns) == 1 else [f"input__{i}" for i in range(len(columns))])
-            self.inputs = [TensorSpec(n, datatype_of(np.dtype(str(c.dtype).removeprefix("torch."))), [-1, *c.shape])
-                           for n, c in zip(names, columns)]
+            dims = workload.dynamic_dims  # sizes that vary from row to row: -1, padded per batch
+            self.inputs = [TensorSpec(n, datatype_of(np.dtype(str(c.dtype).removeprefix("torch."))),
+                                      [-1, *(-1 if d in dims.get(i, ()) else s for d, s in enumerate(c.shape, start=1))])
+                           for i, (n, c) in enumerate(zip(names, columns))]
         # What the inputs may hold (ids within the embeddings' rows, finite floats), from the fp32
         # model: a bad value gets a 400 here instead of reaching compiled code, which can abort the process.
         self.limits = workload_input_limits(workload)
@@ -150,6 +152,9 @@ class ServedModel:
     def concat_payloads(self, payloads: list):
         if isinstance(payloads[0], TextPayload):
             return TextPayload([t for p in payloads for t in p.texts], [n for p in payloads for n in p.lengths])
+        if self.workload.dynamic_dims and len(payloads) > 1:  # rows of other sizes: zero-padded to the largest
+            rows = [tuple(t[r] for t in p) for p in payloads for r in range(p[0].shape[0])]
+            return pad_stack(self.workload.dynamic_dims, rows)
         return tuple(torch.cat(col) for col in zip(*payloads))
 
     # -- metadata --------------------------------------------------------------------------------
@@ -180,6 +185,12 @@ class ServedModel:
         rows = {t.shape[0] for t in tensors}
         if len(rows) != 1:
             raise ValidationError(f"all inputs must have the same first (batch) dimension; got {sorted(rows)}")
+        dims = self.workload.dynamic_dims  # inputs that vary at one dimension vary together (input_ids, attention_mask)
+        for d in sorted({d for ds in dims.values() for d in ds}):
+            sizes = [(self.inputs[i].name, tensors[i].shape[d]) for i, ds in sorted(dims.items()) if d in ds]
+            if len({n for _, n in sizes}) > 1:
+                raise ValidationError(f"inputs {', '.join(n for n, _ in sizes)} must have the same size at dimension {d}; "
+                                      f"got {', '.join(f'{n}: {k}' for n, k in sizes)}")
         self._check_limits(tuple(tensors), [f"input {s.name!r}" for s in self.inputs], "row")
         return tuple(tensors)
 
@@ -219,9 +230,10 @@ class ServedModel:
         if tensor.datatype != spec.datatype:
             raise ValidationError(f"input {spec.name!r} must be {spec.datatype}, got {tensor.datatype}")
         row = spec.shape[1:]
-        if len(tensor.shape) != len(spec.shape) or list(tensor.shape[1:]) != row or tensor.shape[0] < 1:
-            raise ValidationError(f"input {spec.name!r} must have shape [N, {', '.join(map(str, row))}] with N ≥ 1, "
-                                  f"got {list(tensor.shape)}")
+        if len(tensor.shape) != len(spec.shape) or tensor.shape[0] < 1 or \
+                any(want not in (-1, got) or got < 1 for want, got in zip(row, tensor.shape[1:])):
+            sizes = ", ".join("any" if n == -1 else str(n) for n in row)
+            raise ValidationError(f"input {spec.name!r} must have shape [N, {sizes}] with N ≥ 1, got {list(tensor.shape)}")
         return torch.from_numpy(np.ascontiguousarray(tensor.data, dtype=DATATYPES[spec.datatype]))
 
     # -- BatchModel ----------------------------------------------------------------------------------

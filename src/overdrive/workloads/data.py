@@ -149,8 +149,11 @@ def _check_like(workload: Workload, row, origin: str) -> None:
         return
     want = sample if isinstance(sample, tuple) else (sample,)
     got = row if isinstance(row, tuple) else (row,)
-    if len(got) != len(want) or any(not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype
-                                    for g, w in zip(got, want)):
+    dims = workload.dynamic_dims
+    if len(got) != len(want) or any(not isinstance(g, torch.Tensor) or g.dtype != w.dtype or g.dim() != w.dim() or
+                                    any(a != b for d, (a, b) in enumerate(zip(g.shape, w.shape), start=1)
+                                        if d not in dims.get(i, ()))
+                                    for i, (g, w) in enumerate(zip(got, want))):
         describe = lambda cols: ", ".join(f"{c.dtype} {list(c.shape)}" if isinstance(c, torch.Tensor)  # noqa: E731
                                           else type(c).__name__ for c in cols)
         raise DataError(f"{arg('data', origin)}: rows are {describe(got)}; {workload.name!r} takes rows of "
