@@ -156,10 +156,17 @@ def test_serve_names_inputs_as_the_model_does():
         assert [i["name"] for i in metadata["inputs"]] == ["image", "meta"]
         body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [2, 16], "data": example["image"][:2].flatten().tolist()},
                            {"name": "meta", "datatype": "FP32", "shape": [2, 4], "data": example["meta"][:2].flatten().tolist()}]}
+        assert [(o["name"], o["shape"]) for o in metadata["outputs"]] == [("0", [-1, 3]), ("1", [-1, 8])]
         answer = httpx.post(live.infer_url, json=body).json()
+        only = httpx.post(live.infer_url, json={**body, "outputs": [{"name": "1"}]}).json()
+        unknown = httpx.post(live.infer_url, json={**body, "outputs": [{"name": "output"}]})
     with torch.no_grad():
-        expected = workload.model(example["image"][:2], example["meta"][:2])
-    np.testing.assert_allclose(np.array(answer["outputs"][0]["data"]).reshape(2, 11), expected.numpy(), rtol=1e-5, atol=1e-6)
+        score, embedding = model(example["image"][:2], example["meta"][:2])
+    outputs = {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in answer["outputs"]}
+    np.testing.assert_allclose(outputs["0"], score.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outputs["1"], embedding.numpy(), rtol=1e-5, atol=1e-6)
+    assert [o["name"] for o in only["outputs"]] == ["1"]
+    assert unknown.status_code == 400 and "unknown requested outputs ['output']" in unknown.text
 
 
 def test_weights_from_torch_save_and_from_a_dcp_folder(tmp_path):

@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
 
 
 def main(args, argv: list[str]) -> int:
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from overdrive.core import devices
     from overdrive.core.report import make_console
@@ -74,13 +74,15 @@ def main(args, argv: list[str]) -> int:
                       "samples are repeated to fill each batch[/]")
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=console, transient=True) as bar:
         task = bar.add_task("baseline", total=None)
 
         def step(description: str, done: int, total: int) -> None:
             bar.update(task, description=f"measuring {description}", completed=done + 1, total=total)
             if not console.is_terminal:  # logs and CI: a line per step instead of a live bar
-                console.print(f"  measuring {description} ({bar.tasks[0].elapsed or 0:.0f} s)", highlight=False)
+                elapsed = bar.tasks[0].elapsed or 0
+                left = f", about {elapsed / done * (total - done) / 60:.0f} min left" if done >= 3 and total > done else ""
+                console.print(f"  measuring {description} ({elapsed:.0f} s{left})", highlight=False)
 
         result = job.run(step)
 

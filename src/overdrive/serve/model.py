@@ -3,9 +3,11 @@ run, and split back per request. Implements the batcher's `BatchModel`.
 
 Inputs: text workloads take one BYTES tensor `text` of shape [N] (or [N, 1]) of UTF-8
 sentences, tokenized on the server and padded per batch with an attention mask. Tensor
-workloads take their inputs by the model's keyword names (`input_ids`, `attention_mask`) when it has them,
-else `input` (or `input__0`, `input__1`, ... for several), of shape [N, *row shape]
-in the workload's dtype. Output: `output`, FP32 [N, *output row shape].
+workloads take their inputs by the model's keyword names (`input_ids`, `attention_mask`) when it
+has them, else `input` (or `input__0`, `input__1`, ... for several), of shape [N, *row shape] in
+the workload's dtype, -1 where sizes vary from row to row (`Workload.dynamic_dims`: zero-padded
+per batch). Output: `output`, FP32 [N, *output row shape]; a model with several outputs
+(`Workload.output_names`) answers each by its name, FP32 [N, its numbers per row].
 
 Validation (HTTP 400, before a request joins a batch): names, datatypes and shapes, then the
 values against `overdrive.core.input_limits`: an integer input that the model looks up in an
@@ -109,7 +111,11 @@ class ServedModel:
         probe = self.execute([self._example()], 0)[0]  # also warms every instance up below
         for i in range(1, len(models)):
             self.execute([self._example()], i)
-        self.outputs = [TensorSpec(OUTPUT, "FP32", [-1, *probe.shape[1:]])]
+        names, widths = workload.output_names or [], workload.extra.get("output_widths") or []
+        if len(names) > 1 and len(widths) == len(names) and sum(widths) == int(np.prod(probe.shape[1:])):
+            self.outputs = [TensorSpec(n, "FP32", [-1, w]) for n, w in zip(names, widths)]  # each flattened per row
+        else:
+            self.outputs = [TensorSpec(OUTPUT, "FP32", [-1, *probe.shape[1:]])]
 
     def _example(self):
         sample = self.workload.samples[0]
@@ -157,6 +163,15 @@ class ServedModel:
             return pad_stack(self.workload.dynamic_dims, rows)
         return tuple(torch.cat(col) for col in zip(*payloads))
 
+    def split_output(self, output: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """A request's rows of the model's output as (name, array) per output of the metadata: the
+        concatenated columns of several outputs split back, each [rows, width]."""
+        if len(self.outputs) == 1:
+            return [(self.outputs[0].name, output)]
+        bounds = np.cumsum([0, *(s.shape[1] for s in self.outputs)])
+        flat = output.reshape(output.shape[0], -1)
+        return [(s.name, flat[:, a:b]) for s, a, b in zip(self.outputs, bounds, bounds[1:])]
+
     # -- metadata --------------------------------------------------------------------------------
 
     def metadata(self) -> dict:
@@ -176,9 +191,10 @@ class ServedModel:
         if set(request.inputs) != set(expected):
             raise ValidationError(f"model {self.name!r} takes inputs {self._describe(self.inputs)}; "
                                   f"got {sorted(request.inputs)}")
-        unknown = set(request.outputs) - {OUTPUT}
+        unknown = set(request.outputs) - {s.name for s in self.outputs}
         if unknown:
-            raise ValidationError(f"model {self.name!r} has output {OUTPUT!r} only; unknown requested outputs {sorted(unknown)}")
+            raise ValidationError(f"model {self.name!r} has outputs {[s.name for s in self.outputs]}; unknown requested "
+                                  f"outputs {sorted(unknown)}")
         if self.workload.is_text:
             return self._validate_text(request.inputs["text"])
         tensors = [self._validate_tensor(request.inputs[s.name], s) for s in self.inputs]

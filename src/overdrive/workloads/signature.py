@@ -398,5 +398,6 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
         input_names=names,
         output_names=paths,
         description="your model with its tokenizer, on Python reference sentences",
-        extra={"tokenizer": tokenizer if hf else None, "max_seq_length": max_length, "classifier": paths == ["logits"]},
+        extra={"tokenizer": tokenizer if hf else None, "max_seq_length": max_length, "classifier": paths == ["logits"],
+               "output_widths": widths},
     )

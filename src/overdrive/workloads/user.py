@@ -163,7 +163,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
                      "e.g. " + ", ".join(training_mode_modules(model)[:3]) + "): overdrive measures copies in eval mode; "
                      "your module is not changed")
     batch = int(example[0].shape[0])
-    user_model, output_names = model, None
+    user_model, output_names, widths = model, None, None
     with _eval_for_probes(user_model):
         try:
             with torch.no_grad():
@@ -228,7 +228,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         real_weights=True,
         rows_source=source,
         notes=notes,
-        extra={"classifier": output_names == ["logits"]},  # a Hugging Face classifier's ModelOutput: `run` adds predictions
+        extra={"classifier": output_names == ["logits"], "output_widths": widths if output_names else None},  # a Hugging Face classifier's ModelOutput: `run` adds predictions
         description={"data": "user model on its own evaluation data", "example": "user model on its example's rows",
                      "random": "user model with seeded inputs of its example's shape (speed only)"}[source],
     )
