@@ -412,3 +412,17 @@ def test_a_plan_whose_model_file_is_gone_names_where_it_looked(tmp_path):
     (tmp_path / "m.pt2").unlink()
     with pytest.raises(PlanError, match="which is at neither .*m.pt2 nor .*m.pt2"):
         Plan.load(tmp_path / "out" / "plan.json")
+
+
+def test_your_data_keeps_a_held_out_fifth_for_calibration(tmp_path):
+    from overdrive.tuning.sweep import open_session
+
+    rows = np.random.default_rng(0).standard_normal((120, 16)).astype("float32")
+    np.save(tmp_path / "rows.npy", rows)
+    workload = open_session("tests.fixtures.user_models:build", device="cpu", data=tmp_path / "rows.npy").workload
+    assert len(workload.samples) == 96 and len(workload.train_samples) == 24
+    evaluated = {tuple(s[0].tolist()) for s in workload.samples}
+    assert not evaluated & {tuple(s[0].tolist()) for s in workload.train_samples}  # never judged on what it trains on
+    assert any("held out for calibration" in n for n in workload.notes)
+    few = open_session("tests.fixtures.user_models:build", device="cpu", data=[torch.from_numpy(rows[:40])]).workload
+    assert len(few.samples) == 40 and few.train_samples is None
