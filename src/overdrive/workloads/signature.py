@@ -93,6 +93,9 @@ class SignatureModel(nn.Module):
         if named:
             if self.input_names is None:
                 raise TypeError("this model takes its inputs by position")
+            unknown = set(named) - set(self.input_names[len(inputs):])
+            if unknown:  # an input overdrive does not pass on would be dropped without a word
+                raise TypeError(f"unexpected inputs {sorted(unknown)}; this model takes {list(self.input_names)}")
             inputs = (*inputs, *(named[n] for n in self.input_names[len(inputs):] if n in named))
         out = self.model(**dict(zip(self.input_names, inputs))) if self.input_names else self.model(*inputs)
         parts = [pick_output(out, p) for p in self.output_paths]
@@ -102,22 +105,18 @@ class SignatureModel(nn.Module):
 def outputs_fidelity(widths: Sequence[int], names: Sequence[str],
                      base: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] = logits_fidelity):
     """A fidelity over several outputs concatenated per row ([N, Σ widths]): `base` on each output
-    apart, and for each figure the worst over outputs (the largest `max_rel_error`, the smallest
-    of the others), with "worst_output" naming the output of the smallest min_cosine."""
+    apart, and for each figure the worst over the outputs that have it (the largest `max_rel_error`,
+    the smallest of the others)."""
     bounds = [0]
     for w in widths:
         bounds.append(bounds[-1] + w)
 
     def fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
         per = [base(output[:, a:b], reference[:, a:b]) for a, b in zip(bounds, bounds[1:])]
-        result = {}
-        for key in per[0]:
-            values = [p[key] for p in per if key in p]
-            if len(values) == len(per):
-                result[key] = max(values) if key == "max_rel_error" else min(values)
-        return result
+        keys = dict.fromkeys(key for p in per for key in p)  # r2 is absent for an output whose rows do not vary
+        worst = {key: [p[key] for p in per if key in p] for key in keys}
+        return {key: max(values) if key == "max_rel_error" else min(values) for key, values in worst.items()}
 
-    fidelity.outputs = list(names)
     return fidelity
 
 
