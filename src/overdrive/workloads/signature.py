@@ -102,7 +102,7 @@ class SignatureModel(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
 
 
-def outputs_fidelity(widths: Sequence[int], names: Sequence[str],
+def outputs_fidelity(widths: Sequence[int],
                      base: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] = logits_fidelity):
     """A fidelity over several outputs concatenated per row ([N, Σ widths]): `base` on each output
     apart, and for each figure the worst over the outputs that have it (the largest `max_rel_error`,
@@ -388,7 +388,7 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
         model=SignatureModel(model, names, paths).eval(),
         samples=sentences,
         collate=collate,
-        fidelity=logits_fidelity if len(paths) == 1 else outputs_fidelity(widths, paths),
+        fidelity=logits_fidelity if len(paths) == 1 else outputs_fidelity(widths),
         fidelity_key="min_cosine",
         default_batch_size=32,
         train_samples=python_docstring_sentences(),

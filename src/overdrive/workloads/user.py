@@ -193,7 +193,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             output_names, output_notes = choose_outputs(name, out, batch, output, varying)
             notes += output_notes
             widths = [pick_output(out, p)[0].numel() for p in output_names]
-            fidelity = outputs_fidelity(widths, output_names) if len(output_names) > 1 else logits_fidelity
+            fidelity = outputs_fidelity(widths) if len(output_names) > 1 else logits_fidelity
             model = SignatureModel(model, input_names, output_names)
         fixed = None if _accepts_other_batch_sizes(model, example) else batch
         placeholder = data is None and _is_placeholder(example)
