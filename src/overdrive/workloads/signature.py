@@ -256,12 +256,15 @@ def padding_check(model: nn.Module, names: Sequence[str] | None, example: Sequen
     return varying, None
 
 
-def detect_dynamic_dims(model: nn.Module, names: Sequence[str] | None,
-                        example: Sequence[torch.Tensor]) -> tuple[dict[int, tuple[int, ...]], set[str]]:
+def detect_dynamic_dims(model: nn.Module, names: Sequence[str] | None, example: Sequence[torch.Tensor],
+                        out: Any) -> tuple[dict[int, tuple[int, ...]], set[str]]:
     """Dimensions that may vary, found by calling the model at two sizes: for each size shared at
     one dimension by inputs that include an integer one (token ids, masks; images are never
     guessed), the dimension is dynamic when `padding_check` passes and some output does not
     follow the size.
+
+    Args:
+        out: the model's output on `example`.
 
     Returns:
         ({input index: dims}, paths of outputs that follow the sizes).
@@ -273,9 +276,7 @@ def detect_dynamic_dims(model: nn.Module, names: Sequence[str] | None,
     for d, size in sorted(groups):
         group = {i: (d,) for i, t in enumerate(example) if t.dim() > d and t.shape[d] == size}
         paths, problem = padding_check(model, names, example, group)
-        with torch.no_grad():
-            everything = {p for p, _ in output_tensors(call_model(model, names, example))}
-        if problem is None and everything - paths:
+        if problem is None and {p for p, _ in output_tensors(out)} - paths:
             for i, ds in group.items():
                 found[i] = tuple(sorted({*found.get(i, ()), *ds}))
             varying |= paths

@@ -178,7 +178,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             if problem:
                 raise WorkloadError(f"{name}: {arg('dynamic_dims')} ({describe_dims(dims, input_names)}): {problem}")
         elif dynamic_dims is None and not _is_placeholder(example):
-            dims, varying = detect_dynamic_dims(model, input_names, example)
+            dims, varying = detect_dynamic_dims(model, input_names, example, out)
             if dims:
                 notes.append(f"{describe_dims(dims, input_names)} vary from row to row (found by calling the model at two "
                              "sizes; zero padding leaves its answers unchanged): rows of any size there are taken and "
