@@ -49,7 +49,7 @@ from overdrive.core.devices import replica_devices, resolve_device, serial_main_
 from overdrive.core.errors import ConfigError, DataError, OverdriveError, RunAborted, arg, one_line
 from overdrive.core.input_limits import workload_input_limits
 from overdrive.core.workload import Workload
-from overdrive.run.inputs import RecordSource, open_source
+from overdrive.run.inputs import RecordSource, input_names, open_source
 from overdrive.run.outputs import OutputChunk, write_output
 from overdrive.run.replica import (
     Collate,
@@ -214,7 +214,8 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
                     for m, d in zip(models, devices)]
         limits = replicas[0].in_own_thread(workload_input_limits, workload)  # one call of the fp32 model, off the main thread
         padded = functools.partial(pad_records, workload.dynamic_dims) if workload.dynamic_dims else None
-        collate = Collate(workload.collate if source.kind == "text" else padded, 1, limits)
+        names = [f"input {n!r}" for n in input_names(workload)] if source.kind == "tensor" else None
+        collate = Collate(workload.collate if source.kind == "text" else padded, 1, limits, names)
         # The manifest: everything a resumed run must share with the first one to give the same bytes.
         manifest = {"version": MANIFEST_VERSION, "workload": workload.name,
                     "plan": file_sha256(config.plan) if config.plan else None,

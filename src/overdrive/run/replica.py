@@ -81,10 +81,12 @@ class Collate:
     whose inputs break the model's `limits` (an id past an embedding's rows, a NaN) is filed as
     failed and never reaches the model."""
 
-    def __init__(self, collate_text: Callable | None, chunk_size: int, limits: InputLimits | None = None):
+    def __init__(self, collate_text: Callable | None, chunk_size: int, limits: InputLimits | None = None,
+                 names: list[str] | None = None):
         self.collate_text = collate_text
         self.chunk_size = chunk_size
         self.limits = limits or InputLimits()
+        self.names = names  # what errors call each model input ("input 'input_ids'"); None: "model input i"
 
     def accepts(self, value) -> bool:
         """Whether one record collates into inputs within the model's limits."""
@@ -118,7 +120,7 @@ class Collate:
                         errors.append((i, f"cannot prepare as model input: {one_line(exc)}"))
                 good = kept
                 inputs = self._collate([v for _, v in good]) if good else None
-            problems = self.limits.row_problems(inputs) if inputs is not None and self.limits else {}
+            problems = self.limits.row_problems(inputs, self.names) if inputs is not None and self.limits else {}
             if problems:  # collated again without them, so they are not even padding for the others
                 errors += [(good[r][0], f"not an input this model takes: {reason}") for r, reason in problems.items()]
                 good = [g for r, g in enumerate(good) if r not in problems]
