@@ -53,7 +53,7 @@ def test_several_outputs_are_each_judged_and_the_worst_counts():
     reference = torch.cat([torch.randn(8, 1000), torch.randn(8, 1)], dim=1)
     output = reference.clone()
     output[:, -1] = -output[:, -1]  # the small output's sign flipped
-    fidelity = outputs_fidelity([1000, 1], ["embedding", "score"])
+    fidelity = outputs_fidelity([1000, 1])
     assert nn.functional.cosine_similarity(output, reference).min() > 0.99
     assert fidelity(output, reference)["min_cosine"] < -0.99
     assert fidelity(reference, reference)["min_cosine"] == pytest.approx(1.0)
@@ -156,10 +156,17 @@ def test_serve_names_inputs_as_the_model_does():
         assert [i["name"] for i in metadata["inputs"]] == ["image", "meta"]
         body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [2, 16], "data": example["image"][:2].flatten().tolist()},
                            {"name": "meta", "datatype": "FP32", "shape": [2, 4], "data": example["meta"][:2].flatten().tolist()}]}
+        assert [(o["name"], o["shape"]) for o in metadata["outputs"]] == [("0", [-1, 3]), ("1", [-1, 8])]
         answer = httpx.post(live.infer_url, json=body).json()
+        only = httpx.post(live.infer_url, json={**body, "outputs": [{"name": "1"}]}).json()
+        unknown = httpx.post(live.infer_url, json={**body, "outputs": [{"name": "output"}]})
     with torch.no_grad():
-        expected = workload.model(example["image"][:2], example["meta"][:2])
-    np.testing.assert_allclose(np.array(answer["outputs"][0]["data"]).reshape(2, 11), expected.numpy(), rtol=1e-5, atol=1e-6)
+        score, embedding = model(example["image"][:2], example["meta"][:2])
+    outputs = {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in answer["outputs"]}
+    np.testing.assert_allclose(outputs["0"], score.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outputs["1"], embedding.numpy(), rtol=1e-5, atol=1e-6)
+    assert [o["name"] for o in only["outputs"]] == ["1"]
+    assert unknown.status_code == 400 and "unknown requested outputs ['output']" in unknown.text
 
 
 def test_weights_from_torch_save_and_from_a_dcp_folder(tmp_path):
@@ -268,3 +275,154 @@ def test_cli_habits(tmp_path):
     assert bench.returncode == 1 and "batch size 1: " in bench.stderr and "takes only batch size 4" in bench.stderr
     failures = json.loads((tmp_path / "static" / "bench.json").read_text())["failures"]
     assert failures and "batch size 1" in failures[0]
+
+
+# -- dynamic dimensions ----------------------------------------------------------------------------
+
+class _MeanOfIds(nn.Module):
+    """Mean of embedded ids with no mask: zero padding changes the answer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(50, 4)
+
+    def forward(self, ids):
+        return self.embedding(ids).mean(1)
+
+
+def test_a_sequence_length_is_found_by_calling_the_model_at_two_sizes():
+    model, example = hf_models.bert_keywords()
+    workload = workload_from_model("bert", model, example)
+    assert workload.dynamic_dims == {0: (1,), 1: (1,)}
+    assert any("found by calling the model at two sizes" in n for n in workload.notes)
+    short = tuple(t[:5] for t in workload.samples[1])
+    ids, mask = workload.collate([workload.samples[0], short])
+    assert ids.shape == (2, 16) and mask[1].tolist() == [1] * 5 + [0] * 11
+    with torch.no_grad():  # a short row padded beside a long one answers as it does alone
+        torch.testing.assert_close(workload.model(ids, mask)[1:], model(input_ids=short[0][None],
+                                                                       attention_mask=short[1][None]).logits,
+                                   rtol=1e-4, atol=1e-5)
+    assert workload_from_model("bert", model, example, dynamic_dims={}).dynamic_dims == {}
+    two, images = hf_models.two_tower()
+    assert workload_from_model("two", two, images).dynamic_dims == {}  # floating inputs are never guessed
+
+
+def test_declared_dimensions_are_checked_and_refused_when_padding_changes_answers():
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (4, 10))
+    assert workload_from_model("mean", _MeanOfIds(), ids).dynamic_dims == {}  # padding changes it: not guessed
+    with pytest.raises(WorkloadError, match="zero padding changes output"):
+        workload_from_model("mean", _MeanOfIds(), ids, dynamic_dims={0: [1]})
+    model, example = hf_models.bert_keywords()
+    declared = workload_from_model("bert", model, example, dynamic_dims={"input_ids": {1: "seq"}, "attention_mask": [1]})
+    assert declared.dynamic_dims == {0: (1,), 1: (1,)}
+    with pytest.raises(ConfigError, match="has no input 'ids'"):
+        workload_from_model("bert", model, example, dynamic_dims={"ids": [1]})
+    with pytest.raises(ConfigError, match="dimension 0 cannot vary"):
+        workload_from_model("bert", model, example, dynamic_dims={"input_ids": [0]})
+
+
+def test_run_and_serve_take_rows_of_any_length(tmp_path):
+    import httpx
+
+    from overdrive.run.job import RunConfig, run_offline
+    from tests.fixtures.live_server import LiveServer
+
+    model, example = hf_models.bert_keywords()
+    workload = workload_from_model("bert", model, example)
+    lengths = (3, 9, 20, 5)
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        for n in lengths:
+            f.write(json.dumps({"input_ids": list(range(5, 5 + n)), "attention_mask": [1] * n}) + "\n")
+    summary = run_offline(RunConfig(workload="bert", input=tmp_path / "rows.jsonl", output=tmp_path / "out.jsonl",
+                                    device="cpu"), workload=workload)
+    assert summary.records == 4 and summary.failed == 0
+    written = [json.loads(line)["output"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    with torch.no_grad():
+        alone = [model(input_ids=torch.arange(5, 5 + n)[None], attention_mask=torch.ones(1, n, dtype=torch.int64)).logits[0]
+                 for n in lengths]
+    for row, expected in zip(written, alone):
+        np.testing.assert_allclose(row, expected.numpy(), rtol=1e-4, atol=1e-5)
+
+    def body(ids, mask):
+        return {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, len(ids)], "data": ids},
+                           {"name": "attention_mask", "datatype": "INT64", "shape": [1, len(mask)], "data": mask}]}
+
+    with LiveServer(workload, max_batch_size=8) as live:
+        metadata = httpx.get(f"{live.url}/v2/models/bert").json()
+        assert [i["shape"] for i in metadata["inputs"]] == [[-1, -1], [-1, -1]]
+        answer = httpx.post(live.infer_url, json=body(list(range(5, 14)), [1] * 9))
+        assert answer.status_code == 200, answer.text
+        np.testing.assert_allclose(answer.json()["outputs"][0]["data"], alone[1].numpy(), rtol=1e-4, atol=1e-5)
+        mismatch = httpx.post(live.infer_url, json=body(list(range(5, 14)), [1] * 4))
+        assert mismatch.status_code == 400 and "same size at dimension 1" in mismatch.text
+
+
+def test_a_plan_records_the_varying_dimensions(tmp_path):
+    from overdrive.cli.args import dynamic_dims, input_dim
+    from overdrive.tuning.api import plan_dims
+    from overdrive.tuning.plan import Plan
+
+    model, example = hf_models.bert_keywords()
+    workload = workload_from_model("bert", model, example)
+    plan = Plan(workload="tests.fixtures.hf_models:bert_keywords", device="cpu", batch_size=4, steps=[],
+                dynamic_dims=plan_dims(workload))
+    plan.save(tmp_path / "plan.json")
+    assert json.loads((tmp_path / "plan.json").read_text())["dynamic_dims"] == {"input_ids": [1], "attention_mask": [1]}
+    assert Plan.load(tmp_path / "plan.json").create_workload().dynamic_dims == {0: (1,), 1: (1,)}
+    assert dynamic_dims([input_dim("input_ids:1"), input_dim("attention_mask:1")]) == {"input_ids": [1],
+                                                                                        "attention_mask": [1]}
+    with pytest.raises(Exception, match="expected INPUT:DIM"):
+        input_dim("input_ids")
+
+
+def test_a_per_row_scalar_output_beside_another_is_taken_as_one_column():
+    class Pair(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            return h, h.sum(-1)  # [B, 4] and [B]
+
+    workload = workload_from_model("pair", Pair(), torch.randn(8, 4))
+    assert workload.output_names == ["0", "1"]
+    with torch.no_grad():
+        assert workload.model(torch.ones(3, 4)).shape == (3, 5)
+
+
+def test_a_rebuild_with_other_weights_is_said(tmp_path):
+    from overdrive.run.resume import weights_fingerprint
+    from overdrive.tuning.plan import Plan
+
+    workload = build_from_import_path("tests.fixtures.user_models:build")  # seeded: the same weights every time
+    plan = Plan(workload="tests.fixtures.user_models:build", device="cpu", batch_size=4, steps=[],
+                model_sha256=weights_fingerprint(workload.model))
+    assert "weights_differ_from_plan" not in plan.create_workload().extra
+    plan.model_sha256 = "0" * 64
+    rebuilt = plan.create_workload()
+    assert "differ from those optimize measured" in rebuilt.extra["weights_differ_from_plan"]
+
+
+def test_a_plan_whose_model_file_is_gone_names_where_it_looked(tmp_path):
+    from overdrive.core.errors import PlanError
+    from overdrive.tuning.plan import Plan
+    from tests.fixtures.user_models import build
+
+    model, example = build()
+    torch.export.save(torch.export.export(model, (example,)), tmp_path / "m.pt2")
+    Plan(workload=str(tmp_path / "m.pt2"), device="cpu", batch_size=4, steps=[]).save(tmp_path / "out" / "plan.json")
+    (tmp_path / "m.pt2").unlink()
+    with pytest.raises(PlanError, match="which is at neither .*m.pt2 nor .*m.pt2"):
+        Plan.load(tmp_path / "out" / "plan.json")
+
+
+def test_your_data_keeps_a_held_out_fifth_for_calibration(tmp_path):
+    from overdrive.tuning.sweep import open_session
+
+    rows = np.random.default_rng(0).standard_normal((120, 16)).astype("float32")
+    np.save(tmp_path / "rows.npy", rows)
+    workload = open_session("tests.fixtures.user_models:build", device="cpu", data=tmp_path / "rows.npy").workload
+    assert len(workload.samples) == 96 and len(workload.train_samples) == 24
+    evaluated = {tuple(s[0].tolist()) for s in workload.samples}
+    assert not evaluated & {tuple(s[0].tolist()) for s in workload.train_samples}  # never judged on what it trains on
+    assert any("held out for calibration" in n for n in workload.notes)
+    few = open_session("tests.fixtures.user_models:build", device="cpu", data=[torch.from_numpy(rows[:40])]).workload
+    assert len(few.samples) == 40 and few.train_samples is None

@@ -132,7 +132,31 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="your evaluation rows, judged instead of the workload's own: .npy [N, *row], a folder of "
                                   "images, or .txt / .jsonl / .csv text for text models")
     p.add_argument("--text-field", help="the JSONL field / CSV column of --data holding the text (default: text)")
+    p.add_argument("--dynamic-dim", action="append", type=input_dim, metavar="INPUT:DIM",
+                   help="a dimension whose size varies from row to row, e.g. input_ids:1 (repeat for each input; default: "
+                        "found by calling the model at two sizes, integer inputs only)")
     add_weights_arg(p)
+
+
+def input_dim(text: str) -> tuple[str | int, int]:
+    name, _, dim = text.rpartition(":")
+    try:
+        value = int(dim)
+    except ValueError:
+        value = None
+    if not name or value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected INPUT:DIM with DIM ≥ 1 (e.g. input_ids:1), got {text!r}")
+    return (int(name) if name.isdigit() else name), value
+
+
+def dynamic_dims(pairs: list[tuple[str | int, int]] | None) -> dict | None:
+    """--dynamic-dim INPUT:DIM flags as `dynamic_dims` ({input: [dims]}); None when none were given."""
+    if not pairs:
+        return None
+    out: dict = {}
+    for name, dim in pairs:
+        out.setdefault(name, []).append(dim)
+    return out
 
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from overdrive.cli.args import add_workload_args, int_list
+from overdrive.cli.args import add_workload_args, dynamic_dims, int_list
 
 
 def add_parser(sub) -> None:
@@ -41,7 +41,7 @@ def main(args, argv: list[str]) -> int:
     session = open_session(workload, device=device, batch_size=args.batch_size or (plan.batch_size if plan else None),
                            num_samples=args.num_samples, out=args.out, input_shape=args.input_shape,
                            input_dtype=args.input_dtype, data=args.data, text_field=args.text_field,
-                           weights=args.weights)
+                           weights=args.weights, dynamic_dims=None if plan else dynamic_dims(args.dynamic_dim))
     batch_sizes = session.sweep_sizes(args.batch_sizes or [session.batch_size])
     refused = session.refused_sizes(args.batch_sizes or [])
     device_name = devices.describe(session.device)

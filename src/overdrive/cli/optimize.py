@@ -9,6 +9,7 @@ from overdrive.core.errors import ConfigError, arg
 
 from overdrive.cli.args import (
     add_workload_args,
+    dynamic_dims,
     fraction,
     int_list,
     name_list,
@@ -39,12 +40,12 @@ def add_parser(sub) -> None:
 
 
 def main(args, argv: list[str]) -> int:
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from overdrive.core import devices
     from overdrive.core.report import make_console
     from overdrive.tuning.api import OptimizeJob
-    from overdrive.tuning.report import compile_times, detail_lines, rows_table
+    from overdrive.tuning.report import compile_times, detail_lines, reasons_in_full, rows_table, table_note
 
     console = make_console()
     job = OptimizeJob.prepare(
@@ -52,7 +53,8 @@ def main(args, argv: list[str]) -> int:
         min_gain=args.min_gain, lossless=args.lossless, techniques=args.techniques, batch_size=args.batch_size,
         num_samples=args.num_samples, prune_ratio=args.prune_ratio, finetune_steps=args.finetune_steps,
         sweep_batch_sizes=args.sweep_batch_sizes, out=args.out, input_shape=args.input_shape, input_dtype=args.input_dtype,
-        data=args.data, text_field=args.text_field, weights=args.weights, command="overdrive " + shlex.join(argv))
+        data=args.data, text_field=args.text_field, weights=args.weights, dynamic_dims=dynamic_dims(args.dynamic_dim),
+        command="overdrive " + shlex.join(argv))
     session, workload = job.session, job.session.workload
     existing = session.out_dir / "plan.json"
     if existing.exists() and not args.overwrite:
@@ -72,19 +74,24 @@ def main(args, argv: list[str]) -> int:
                       "samples are repeated to fill each batch[/]")
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=console, transient=True) as bar:
         task = bar.add_task("baseline", total=None)
 
         def step(description: str, done: int, total: int) -> None:
             bar.update(task, description=f"measuring {description}", completed=done + 1, total=total)
             if not console.is_terminal:  # logs and CI: a line per step instead of a live bar
-                console.print(f"  measuring {description} ({bar.tasks[0].elapsed or 0:.0f} s)", highlight=False)
+                elapsed = bar.tasks[0].elapsed or 0
+                left = f", about {elapsed / done * (total - done) / 60:.0f} min left" if done >= 3 and total > done else ""
+                console.print(f"  measuring {description} ({elapsed:.0f} s{left})", highlight=False)
 
         result = job.run(step)
 
     key = workload.fidelity_key
     console.print(rows_table(result, fidelity_key=key, rows_description=result.rows_description,
                              title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}"))
+    console.print(table_note(result, result.rows_description), style="dim", highlight=False, soft_wrap=True)
+    for line in reasons_in_full(result):
+        console.print(f"  why not, {line}", highlight=False, soft_wrap=True)
     for line in detail_lines(result, fidelity_key=key):
         console.print(line, highlight=False, soft_wrap=True)  # one line per report, for logs and grep
     compiled = compile_times(result)

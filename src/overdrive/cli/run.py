@@ -124,3 +124,5 @@ def print_summary(console, s) -> None:
     console.print(table)
     console.print("phases overlap (readers, copies, compute and the writer run at once), so their sum can exceed the "
                   "wall time", style="dim")
+    for warning in s.warnings:
+        console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)

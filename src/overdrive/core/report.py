@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -27,8 +28,9 @@ _SHORT = {"min_cosine": "min cos", "top1_agreement": "top-1 agree", "top10_agree
 _SHOWN = ("top1_agreement", "top10_agreement", "max_rel_error")  # shown besides the guarded figure
 
 
-def format_fidelity(m: Measurement | None, key: str) -> str:
-    """'acc 99.72%, min cos 0.9999, top-1 agree 1.000' — task metric, the guarded figure first, then the others."""
+def format_fidelity(m: Measurement | None, key: str, compact: bool = False) -> str:
+    """'acc 99.72%, min cos 0.9999, top-1 agree 1.000' — task metric, the guarded figure first, then
+    the others (`compact`: the task metric and the guarded figure only)."""
     if m is None:
         return ""
     parts = []
@@ -37,7 +39,7 @@ def format_fidelity(m: Measurement | None, key: str) -> str:
     if key in m.fidelity:
         value = m.fidelity[key]
         parts.append(f"{_SHORT.get(key, key)} {value:.2e}" if key == "max_abs_error" else f"{_SHORT.get(key, key)} {value:.4f}")
-    for other in _SHOWN:
+    for other in [] if compact else _SHOWN:
         if other != key and other in m.fidelity:
             value = m.fidelity[other]
             parts.append(f"{_SHORT[other]} {value:.1e}" if other == "max_rel_error" else f"{_SHORT[other]} {value:.3f}")
@@ -45,9 +47,13 @@ def format_fidelity(m: Measurement | None, key: str) -> str:
 
 
 def make_console() -> Console:
-    """A console that is wide enough for the table even when stdout is not a terminal (make, CI, pipes)."""
+    """The terminal's width; when stdout is not a terminal (make, CI, pipes), `COLUMNS` when set,
+    else 100 columns (the tables are laid out for that; long lines are printed unwrapped)."""
     console = Console()
-    return console if console.is_terminal else Console(width=170)
+    if console.is_terminal:
+        return console
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdigit() and int(columns) >= 40 else 100)
 
 
 def environment() -> dict:

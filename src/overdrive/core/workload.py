@@ -47,6 +47,10 @@ class Workload:
             `input_ids`, `attention_mask`), as the user's model takes them; None: unnamed.
         output_names: the paths of the user's model outputs the model returns (`logits`, or several
             flattened per row and concatenated; `overdrive.workloads.signature`); None: its one tensor.
+        dynamic_dims: input index -> the dimensions of that input (of the batched tensor, ≥ 1) whose
+            size varies from row to row (a sequence length); rows are zero-padded to the batch's
+            largest there (`pad_stack`), which leaves the model's answers unchanged (checked when
+            the workload is built). Empty: every row has the example's shape.
         fixed_batch_size: the only batch size the model accepts (e.g. a torch.export program
             exported without a dynamic batch dimension); None when any batch size works.
         real_weights: False for random weights: speed figures only, no accuracy claims.
@@ -77,6 +81,7 @@ class Workload:
     sample_length: Callable[[Any], int] | None = None
     input_names: list[str] | None = None
     output_names: list[str] | None = None
+    dynamic_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
     fixed_batch_size: int | None = None
     real_weights: bool = True
     rows_source: str = "samples"
@@ -135,6 +140,25 @@ class Workload:
         labels = self.labels if indices is None else self.labels[list(indices)]
         correct = (output.argmax(dim=-1).cpu() == labels).float().mean().item()
         return {"accuracy_pct": 100.0 * correct}
+
+
+def pad_stack(dims: dict[int, tuple[int, ...]], rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Samples that are tuples of row tensors -> the model's inputs [B, ...]; input i is zero-padded
+    at the end of its dimensions `dims[i]` (of the batched tensor, ≥ 1) to the batch's largest.
+    A zero in an attention mask marks a pad, and 0 is the pad id of BERT-family vocabularies."""
+    columns = []
+    for i, column in enumerate(zip(*rows)):
+        padded_dims = dims.get(i, ())
+        if padded_dims:
+            size = [max(r.shape[d - 1] for r in column) if d in padded_dims else s
+                    for d, s in enumerate(column[0].shape, start=1)]
+            out = column[0].new_zeros((len(column), *size))
+            for b, r in enumerate(column):
+                out[(b, *(slice(0, n) for n in r.shape))] = r
+            columns.append(out)
+        else:
+            columns.append(torch.stack(column))
+    return tuple(columns)
 
 
 def pad_token_ids(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -325,9 +325,9 @@ class NpySource(RecordSource):
             self.array = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as exc:
             raise DataError(f"{path}: not a readable .npy array ({exc})") from None
-        if self.array.ndim < 1 or tuple(self.array.shape[1:]) != tuple(row_shape):
+        if self.array.ndim < 1 or not _fits(self.array.shape[1:], row_shape):
             raise DataError(f"{path}: array of shape {list(self.array.shape)}; this model takes rows of shape "
-                            f"{list(row_shape)}, i.e. an array [N, {', '.join(map(str, row_shape))}]")
+                            f"{_describe_shape(row_shape)}, i.e. an array [N, {_describe_shape(row_shape)[1:]}")
         if self.array.dtype.kind not in "biuf":
             raise DataError(f"{path}: array of dtype {self.array.dtype}; expected a numeric array")
         self.dtype = dtype
@@ -369,8 +369,21 @@ def input_names(workload) -> list[str]:
 
 
 def _row_specs(workload) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Per input: its row shape, with -1 where the size varies from row to row (`Workload.dynamic_dims`),
+    and its dtype."""
     sample = workload.samples[0]
-    return [(tuple(c.shape), c.dtype) for c in (sample if isinstance(sample, tuple) else (sample,))]
+    dims = getattr(workload, "dynamic_dims", {}) or {}
+    return [(tuple(-1 if d in dims.get(i, ()) else n for d, n in enumerate(c.shape, start=1)), c.dtype)
+            for i, c in enumerate(sample if isinstance(sample, tuple) else (sample,))]
+
+
+def _fits(shape: Sequence[int], want: Sequence[int]) -> bool:
+    """A row shape against a spec with -1 for sizes that vary (≥ 1)."""
+    return len(shape) == len(want) and all(w in (-1, n) and n >= 1 for n, w in zip(shape, want))
+
+
+def _describe_shape(want: Sequence[int]) -> str:
+    return "[" + ", ".join("any" if n == -1 else str(n) for n in want) + "]"
 
 
 class NpzSource(RecordSource):
@@ -399,9 +412,9 @@ class NpzSource(RecordSource):
                             f"its inputs), the archive holds {archive.files}")
         self.arrays = [archive[n] for n in names]
         for n, a, (shape, _) in zip(names, self.arrays, specs):
-            if a.ndim < 1 or tuple(a.shape[1:]) != shape:
-                raise DataError(f"{path}: array {n!r} of shape {list(a.shape)}; this model takes rows of shape {list(shape)}, "
-                                f"i.e. an array [N, {', '.join(map(str, shape))}]")
+            if a.ndim < 1 or not _fits(a.shape[1:], shape):
+                raise DataError(f"{path}: array {n!r} of shape {list(a.shape)}; this model takes rows of shape "
+                                f"{_describe_shape(shape)}, i.e. an array [N, {_describe_shape(shape)[1:]}")
             if a.dtype.kind not in "biuf":
                 raise DataError(f"{path}: array {n!r} of dtype {a.dtype}; expected a numeric array")
         if len({len(a) for a in self.arrays}) != 1:
@@ -465,8 +478,8 @@ class JsonlTensorSource(RecordSource):
                 value = torch.tensor(obj[n], dtype=torch.float64 if dtype.is_floating_point else torch.int64)
             except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
                 raise RecordError(f"field {n!r} is not an array of numbers ({exc})") from None
-            if tuple(value.shape) != shape:
-                raise RecordError(f"field {n!r} has shape {list(value.shape)}; the model takes {list(shape)}")
+            if not _fits(value.shape, shape):
+                raise RecordError(f"field {n!r} has shape {list(value.shape)}; the model takes {_describe_shape(shape)}")
             row.append(_cast_row(value, dtype, f"field {n!r}"))
         return row[0] if len(row) == 1 else tuple(row)
 
@@ -598,6 +611,6 @@ def open_source(path: Path, workload, *, text_field: str | None = None, argument
         if not isinstance(sample, torch.Tensor):
             raise ConfigError(f"workload {workload.name!r} takes several inputs per row ({', '.join(input_names(workload))}); "
                               ".npy input holds one: give a .npz with an array per input, or .jsonl with a field per input")
-        return NpySource(path, tuple(sample.shape), sample.dtype)
+        return NpySource(path, *_row_specs(workload)[0])
     known = sorted(TEXT_FORMATS) + [*TENSOR_FORMATS, "a folder of images"]
     raise DataError(f"{arg(argument, path)}: unknown format {suffix or '(no suffix)'!r}; expected one of {', '.join(known)}")

@@ -39,7 +39,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,11 @@ from overdrive.core.devices import replica_devices, resolve_device, serial_main_
 from overdrive.core.errors import ConfigError, DataError, OverdriveError, RunAborted, arg, one_line
 from overdrive.core.input_limits import workload_input_limits
 from overdrive.core.workload import Workload
-from overdrive.run.inputs import RecordSource, open_source
+from overdrive.run.inputs import RecordSource, input_names, open_source
 from overdrive.run.outputs import OutputChunk, write_output
 from overdrive.run.replica import (
     Collate,
+    pad_records,
     Replica,
     batch_from,
     measure_auto_batch_size,
@@ -140,6 +141,8 @@ class RunSummary:
     phases_s: dict[str, float]
     nothing_to_resume: bool = False  # `resume` found OUTPUT and no interrupted run recorded for it
     setup_s: float = 0.0  # building the model, reading the first records, warm-up, `auto` (before wall_s)
+    recompiles: int = 0  # graphs torch.compile compiled while the records ran (after the warm-up)
+    warnings: list[str] = field(default_factory=list)  # the run against what the plan claimed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,7 +213,9 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         replicas = [Replica(m, d, workload.fixed_batch_size, max(1, cores // on_cpu) if d.type == "cpu" else None)
                     for m, d in zip(models, devices)]
         limits = replicas[0].in_own_thread(workload_input_limits, workload)  # one call of the fp32 model, off the main thread
-        collate = Collate(workload.collate if source.kind == "text" else None, 1, limits)
+        padded = functools.partial(pad_records, workload.dynamic_dims) if workload.dynamic_dims else None
+        names = [f"input {n!r}" for n in input_names(workload)] if source.kind == "tensor" else None
+        collate = Collate(workload.collate if source.kind == "text" else padded, 1, limits, names)
         # The manifest: everything a resumed run must share with the first one to give the same bytes.
         manifest = {"version": MANIFEST_VERSION, "workload": workload.name,
                     "plan": file_sha256(config.plan) if config.plan else None,
@@ -249,6 +254,9 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
             chunk_size = math.ceil(config.chunk_size / batch_size) * batch_size
             stored = manifest | {"batch_size": batch_size, "chunk_size": chunk_size}
             atomic_write(parts.dir / "manifest.json", json.dumps(stored, indent=1).encode())
+        if batch_size > 1:  # the shape the records will come in: a compiled model builds its graph for it now,
+            for r in replicas:  # in the set-up, not in the first batch (torch.compile specialises a batch of 1)
+                r.in_own_thread(r.warm_up, batch_from(values, batch_size, collate))
         collate.chunk_size = chunk_size
     except BaseException as exc:
         if not parts.done():  # nothing ran yet: leave no half-made run behind to resume
@@ -278,6 +286,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         progress(done_before, failed_before, 0.0)
     start = time.perf_counter()
     setup_s = start - setup_start
+    graphs_before = _compiled_graphs()
     if pending:
         _execute(run, source, collate, batch_size, chunk_size, config.bucket, num_workers, devices[0].type == "cuda",
                  text_lengths(workload) if source.kind == "text" else None)
@@ -290,13 +299,43 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
     run.clock.add("assemble", time.perf_counter() - start)
     wall += run.clock.phases["assemble"]
     busy = run.clock.phases["compute"] / max(wall, 1e-9) / len(replicas)
+    compiled = _compiled_graphs() - graphs_before
+    warnings = _slower_than_the_plan(plan, run.processed, run.clock.phases["compute"], batch_size, compiled)
+    if workload.extra.get("weights_differ_from_plan"):
+        warnings.insert(0, workload.extra["weights_differ_from_plan"])
     return RunSummary(
         output=str(config.output), errors_path=str(errors_file(config.output)) if failed else None,
         records=len(source), done_before=done_before, processed=run.processed, failed=failed, wall_s=wall,
         items_per_s=run.processed / wall if wall else 0.0, batch_size=batch_size, batch_size_source=origin,
         auto_batch=auto, device=str(devices[0]) if len(set(devices)) == 1 else f"{len(set(devices))} × {devices[0].type}",
         replicas=len(replicas), num_workers=num_workers, device_busy_fraction=busy, phases_s=dict(run.clock.phases),
-        setup_s=setup_s)
+        setup_s=setup_s, recompiles=compiled, warnings=warnings)
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (TorchDynamo's `unique_graphs`); 0 when unknown."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _slower_than_the_plan(plan, processed: int, compute_s: float, batch_size: int, recompiles: int) -> list[str]:
+    """What to tell the user when the model computed rows at under half the rate `optimize` measured
+    for the plan (its rows differ from these: longer, other shapes that recompile), or recompiled
+    while the run went on (each new shape costs seconds)."""
+    warnings = []
+    if recompiles:
+        warnings.append(f"torch.compile compiled {recompiles} new graph(s) during the run (shapes the warm-up did not "
+                        "cover); each costs seconds, and a plan that compiles per shape is slower here than eager")
+    claimed = (plan.measured or {}).get("samples_per_s") if plan is not None else None
+    if claimed and processed >= 4 * batch_size and compute_s > 0 and processed / compute_s < 0.5 * claimed:
+        warnings.append(f"the model computed {processed / compute_s:,.1f} rows/s here, under half the {claimed:,.1f} samples/s "
+                        f"optimize measured for this plan at batch {plan.batch_size} on its evaluation rows: these rows "
+                        "differ from those (longer, or shapes that recompile), or the machine is busy; the plan's speedup "
+                        "may not hold for them")
+    return warnings
 
 
 def probe_answer(replica: Replica, values: list, collate: Collate) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from overdrive.core.errors import one_line
 from overdrive.core.input_limits import InputLimits
 from overdrive.core.measure import owned_host_float32
 from overdrive.core.timer import Timer
-from overdrive.core.workload import Workload
+from overdrive.core.workload import Workload, pad_stack
 from overdrive.run.inputs import RecordError, RecordSource
 
 AUTO_GAIN = 1.05  # batch_size "auto" doubles while items/s rises by at least 5%
@@ -69,16 +69,24 @@ class RecordDataset(torch.utils.data.Dataset):
         return i, value, failed, time.perf_counter() - start
 
 
+def pad_records(dims: dict[int, tuple[int, ...]], values: list) -> tuple[torch.Tensor, ...]:
+    """Tensor records (a tensor, or a tuple per input) whose sizes vary at `dims`
+    (`Workload.dynamic_dims`) -> the model's inputs, zero-padded per batch (`pad_stack`)."""
+    return pad_stack(dims, [v if isinstance(v, tuple) else (v,) for v in values])
+
+
 class Collate:
-    """Picklable collate_fn: good records -> the model's inputs (text: the workload's tokenizer,
-    tensors: stacked); a collate failure is narrowed to the records that cause it, and a record
+    """Picklable collate_fn: good records -> the model's inputs (`collate_text`: the workload's
+    tokenizer for text, or `pad_records` for tensors of varying sizes; else stacked); a collate failure is narrowed to the records that cause it, and a record
     whose inputs break the model's `limits` (an id past an embedding's rows, a NaN) is filed as
     failed and never reaches the model."""
 
-    def __init__(self, collate_text: Callable | None, chunk_size: int, limits: InputLimits | None = None):
+    def __init__(self, collate_text: Callable | None, chunk_size: int, limits: InputLimits | None = None,
+                 names: list[str] | None = None):
         self.collate_text = collate_text
         self.chunk_size = chunk_size
         self.limits = limits or InputLimits()
+        self.names = names  # what errors call each model input ("input 'input_ids'"); None: "model input i"
 
     def accepts(self, value) -> bool:
         """Whether one record collates into inputs within the model's limits."""
@@ -112,7 +120,7 @@ class Collate:
                         errors.append((i, f"cannot prepare as model input: {one_line(exc)}"))
                 good = kept
                 inputs = self._collate([v for _, v in good]) if good else None
-            problems = self.limits.row_problems(inputs) if inputs is not None and self.limits else {}
+            problems = self.limits.row_problems(inputs, self.names) if inputs is not None and self.limits else {}
             if problems:  # collated again without them, so they are not even padding for the others
                 errors += [(good[r][0], f"not an input this model takes: {reason}") for r, reason in problems.items()]
                 good = [g for r, g in enumerate(good) if r not in problems]

@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from overdrive import __version__
 from overdrive.serve.batcher import BatcherError, DynamicBatcher, QueueFull, RequestTooLarge, ShuttingDown
-from overdrive.serve.model import OUTPUT, ServedModel, ValidationError
+from overdrive.serve.model import ServedModel, ValidationError
 from overdrive.serve.protocol import (
     HEADER_LENGTH,
     ProtocolError,
@@ -246,13 +246,14 @@ class InferenceServer:
             output = await self.batcher.infer(payload, timeout_s=timeout_s, disconnected=lambda: _disconnected(request))
         except BatcherError as exc:
             return _error(_STATUS.get(exc.reason, 500), str(exc), retry_after=isinstance(exc, (QueueFull, ShuttingDown)))
-        binary = {OUTPUT} if parsed.binary_outputs or parsed.outputs.get(OUTPUT) else set()
-        if not binary and not np.isfinite(output).all():  # JSON has no NaN or infinity; never send invalid JSON
-            bad = int((~np.isfinite(output)).sum())
+        parts = [(n, a) for n, a in self.served.split_output(output) if not parsed.outputs or n in parsed.outputs]
+        binary = {n for n, _ in parts if parsed.binary_outputs or parsed.outputs.get(n)}
+        bad = sum(int((~np.isfinite(a)).sum()) for n, a in parts if n not in binary)
+        if bad:  # JSON has no NaN or infinity; never send invalid JSON
             self.metrics.rejected("nonfinite_output")
             return _error(500, f"the model gave {bad} non-finite output value(s) (NaN/inf) for this request, which JSON "
                                "cannot carry; ask for the output as binary data to receive them")
-        body, headers = encode_response(self.served.name, parsed.id, [(OUTPUT, output)], binary)
+        body, headers = encode_response(self.served.name, parsed.id, parts, binary)
         return Response(body, headers=headers,
                         media_type="application/octet-stream" if binary else "application/json")
 

@@ -3,9 +3,11 @@ run, and split back per request. Implements the batcher's `BatchModel`.
 
 Inputs: text workloads take one BYTES tensor `text` of shape [N] (or [N, 1]) of UTF-8
 sentences, tokenized on the server and padded per batch with an attention mask. Tensor
-workloads take their inputs by the model's keyword names (`input_ids`, `attention_mask`) when it has them,
-else `input` (or `input__0`, `input__1`, ... for several), of shape [N, *row shape]
-in the workload's dtype. Output: `output`, FP32 [N, *output row shape].
+workloads take their inputs by the model's keyword names (`input_ids`, `attention_mask`) when it
+has them, else `input` (or `input__0`, `input__1`, ... for several), of shape [N, *row shape] in
+the workload's dtype, -1 where sizes vary from row to row (`Workload.dynamic_dims`: zero-padded
+per batch). Output: `output`, FP32 [N, *output row shape]; a model with several outputs
+(`Workload.output_names`) answers each by its name, FP32 [N, its numbers per row].
 
 Validation (HTTP 400, before a request joins a batch): names, datatypes and shapes, then the
 values against `overdrive.core.input_limits`: an integer input that the model looks up in an
@@ -24,7 +26,7 @@ from torch import nn
 
 from overdrive.core.input_limits import InputLimits, workload_input_limits
 from overdrive.core.measure import owned_host_float32, to_device
-from overdrive.core.workload import Workload
+from overdrive.core.workload import Workload, pad_stack
 from overdrive.run.replica import text_lengths
 from overdrive.serve.protocol import DATATYPES, InferRequest, Tensor, datatype_of
 
@@ -98,8 +100,10 @@ class ServedModel:
             if not columns or not all(isinstance(c, torch.Tensor) for c in columns):
                 raise ValueError(f"workload {workload.name!r}: serve needs samples that are strings or tensors")
             names = workload.input_names or (["input"] if len(columns) == 1 else [f"input__{i}" for i in range(len(columns))])
-            self.inputs = [TensorSpec(n, datatype_of(np.dtype(str(c.dtype).removeprefix("torch."))), [-1, *c.shape])
-                           for n, c in zip(names, columns)]
+            dims = workload.dynamic_dims  # sizes that vary from row to row: -1, padded per batch
+            self.inputs = [TensorSpec(n, datatype_of(np.dtype(str(c.dtype).removeprefix("torch."))),
+                                      [-1, *(-1 if d in dims.get(i, ()) else s for d, s in enumerate(c.shape, start=1))])
+                           for i, (n, c) in enumerate(zip(names, columns))]
         # What the inputs may hold (ids within the embeddings' rows, finite floats), from the fp32
         # model: a bad value gets a 400 here instead of reaching compiled code, which can abort the process.
         self.limits = workload_input_limits(workload)
@@ -107,7 +111,11 @@ class ServedModel:
         probe = self.execute([self._example()], 0)[0]  # also warms every instance up below
         for i in range(1, len(models)):
             self.execute([self._example()], i)
-        self.outputs = [TensorSpec(OUTPUT, "FP32", [-1, *probe.shape[1:]])]
+        names, widths = workload.output_names or [], workload.extra.get("output_widths") or []
+        if len(names) > 1 and len(widths) == len(names) and sum(widths) == int(np.prod(probe.shape[1:])):
+            self.outputs = [TensorSpec(n, "FP32", [-1, w]) for n, w in zip(names, widths)]  # each flattened per row
+        else:
+            self.outputs = [TensorSpec(OUTPUT, "FP32", [-1, *probe.shape[1:]])]
 
     def _example(self):
         sample = self.workload.samples[0]
@@ -150,7 +158,19 @@ class ServedModel:
     def concat_payloads(self, payloads: list):
         if isinstance(payloads[0], TextPayload):
             return TextPayload([t for p in payloads for t in p.texts], [n for p in payloads for n in p.lengths])
+        if self.workload.dynamic_dims and len(payloads) > 1:  # rows of other sizes: zero-padded to the largest
+            rows = [tuple(t[r] for t in p) for p in payloads for r in range(p[0].shape[0])]
+            return pad_stack(self.workload.dynamic_dims, rows)
         return tuple(torch.cat(col) for col in zip(*payloads))
+
+    def split_output(self, output: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """A request's rows of the model's output as (name, array) per output of the metadata: the
+        concatenated columns of several outputs split back, each [rows, width]."""
+        if len(self.outputs) == 1:
+            return [(self.outputs[0].name, output)]
+        bounds = np.cumsum([0, *(s.shape[1] for s in self.outputs)])
+        flat = output.reshape(output.shape[0], -1)
+        return [(s.name, flat[:, a:b]) for s, a, b in zip(self.outputs, bounds, bounds[1:])]
 
     # -- metadata --------------------------------------------------------------------------------
 
@@ -171,15 +191,22 @@ class ServedModel:
         if set(request.inputs) != set(expected):
             raise ValidationError(f"model {self.name!r} takes inputs {self._describe(self.inputs)}; "
                                   f"got {sorted(request.inputs)}")
-        unknown = set(request.outputs) - {OUTPUT}
+        unknown = set(request.outputs) - {s.name for s in self.outputs}
         if unknown:
-            raise ValidationError(f"model {self.name!r} has output {OUTPUT!r} only; unknown requested outputs {sorted(unknown)}")
+            raise ValidationError(f"model {self.name!r} has outputs {[s.name for s in self.outputs]}; unknown requested "
+                                  f"outputs {sorted(unknown)}")
         if self.workload.is_text:
             return self._validate_text(request.inputs["text"])
         tensors = [self._validate_tensor(request.inputs[s.name], s) for s in self.inputs]
         rows = {t.shape[0] for t in tensors}
         if len(rows) != 1:
             raise ValidationError(f"all inputs must have the same first (batch) dimension; got {sorted(rows)}")
+        dims = self.workload.dynamic_dims  # inputs that vary at one dimension vary together (input_ids, attention_mask)
+        for d in sorted({d for ds in dims.values() for d in ds}):
+            sizes = [(self.inputs[i].name, tensors[i].shape[d]) for i, ds in sorted(dims.items()) if d in ds]
+            if len({n for _, n in sizes}) > 1:
+                raise ValidationError(f"inputs {', '.join(n for n, _ in sizes)} must have the same size at dimension {d}; "
+                                      f"got {', '.join(f'{n}: {k}' for n, k in sizes)}")
         self._check_limits(tuple(tensors), [f"input {s.name!r}" for s in self.inputs], "row")
         return tuple(tensors)
 
@@ -219,9 +246,10 @@ class ServedModel:
         if tensor.datatype != spec.datatype:
             raise ValidationError(f"input {spec.name!r} must be {spec.datatype}, got {tensor.datatype}")
         row = spec.shape[1:]
-        if len(tensor.shape) != len(spec.shape) or list(tensor.shape[1:]) != row or tensor.shape[0] < 1:
-            raise ValidationError(f"input {spec.name!r} must have shape [N, {', '.join(map(str, row))}] with N ≥ 1, "
-                                  f"got {list(tensor.shape)}")
+        if len(tensor.shape) != len(spec.shape) or tensor.shape[0] < 1 or \
+                any(want not in (-1, got) or got < 1 for want, got in zip(row, tensor.shape[1:])):
+            sizes = ", ".join("any" if n == -1 else str(n) for n in row)
+            raise ValidationError(f"input {spec.name!r} must have shape [N, {sizes}] with N ≥ 1, got {list(tensor.shape)}")
         return torch.from_numpy(np.ascontiguousarray(tensor.data, dtype=DATATYPES[spec.datatype]))
 
     # -- BatchModel ----------------------------------------------------------------------------------

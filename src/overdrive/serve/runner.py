@@ -112,6 +112,8 @@ def serve(spec: str, *, host: str = "127.0.0.1", port: int = 8000, device: str =
         sys.stderr.write(f"overdrive serve: {source} as model {served.name!r} on http://{host}:{port}/v2/models/"
                          f"{served.name}/infer  {describe_config(server)}"
                          + (f"; warming up (ready within {warmup_s:g} s)\n" if warmup_s else "\n"))
+        if served.workload.extra.get("weights_differ_from_plan"):
+            sys.stderr.write(f"overdrive serve: warning: {served.workload.extra['weights_differ_from_plan']}\n")
         sys.stderr.flush()
 
     return run_server(server, host=host, port=port, access_log=access_log, on_started=started)

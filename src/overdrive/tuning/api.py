@@ -21,6 +21,7 @@ from overdrive.core.errors import ConfigError, WorkloadError, arg
 from overdrive.core.measure import Measurement, cycle_indices, measure
 from overdrive.core.report import environment, plot_latency_vs_batch, write_results
 from overdrive.core.workload import Workload
+from overdrive.run.resume import weights_fingerprint
 from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
 from overdrive.tuning.plan import Plan, build, load_plan, save_checkpoints
 from overdrive.tuning.report import rows_markdown, write_report_md
@@ -71,8 +72,8 @@ def pruning_configs(techniques: list[str] | None, *, prune_ratio: float | None =
 
 
 def as_workload(model: str | nn.Module | Workload, example_inputs=None, *, data: Iterable | str | Path | None = None,
-                metric: Callable[[torch.Tensor], float] | None = None, output: str | list[str] | None = None
-                ) -> str | Workload:
+                metric: Callable[[torch.Tensor], float] | None = None, output: str | list[str] | None = None,
+                dynamic_dims: dict | None = None) -> str | Workload:
     """What `open_session` takes: a workload spec as it is, a Workload, or a module made into one
     (judged on the batches of `data`, else on its example's rows). A data file (a path) is read by
     `open_session`, for modules and workloads alike.
@@ -88,7 +89,8 @@ def as_workload(model: str | nn.Module | Workload, example_inputs=None, *, data:
             raise ConfigError(f"{arg('example_inputs')} is needed with a module: a tensor, a tuple of tensors or a dict "
                               "of keyword tensors [B, ...] it runs on")
         batches = None if isinstance(data, (str, Path)) else data
-        return workload_from_model(type(model).__name__, model, example_inputs, data=batches, metric=metric, output=output)
+        return workload_from_model(type(model).__name__, model, example_inputs, data=batches, metric=metric, output=output,
+                                   dynamic_dims=dynamic_dims)
     if metric is not None:
         raise ConfigError(f"{arg('metric')} goes with a module, its {arg('example_inputs')} and the {arg('data')} it scores; "
                           f"workload {getattr(model, 'name', model)!r} brings its own")
@@ -107,6 +109,15 @@ def input_signature(workload: Workload) -> list[dict[str, Any]] | None:
     if workload.is_text or not all(isinstance(c, torch.Tensor) for c in columns):
         return None
     return [{"shape": list(c.shape), "dtype": str(c.dtype).removeprefix("torch.")} for c in columns]
+
+
+def plan_dims(workload: Workload) -> dict[str, list[int]] | None:
+    """The workload's varying dimensions as the plan records them ({input name or index: dims}), so
+    `serve`, `run` and `bench` rebuild the model taking the same row sizes; None when there are none."""
+    if not workload.dynamic_dims:
+        return None
+    names = workload.input_names
+    return {(names[i] if names else str(i)): list(ds) for i, ds in sorted(workload.dynamic_dims.items())}
 
 
 @dataclass(kw_only=True)
@@ -249,7 +260,8 @@ class OptimizeJob:
                 sweep_batch_sizes: list[int] | None = None, out: str | Path | None = None,
                 input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
                 text_field: str | None = None, weights: str | Path | None = None,
-                output: str | list[str] | None = None, command: str | None = None) -> OptimizeJob:
+                output: str | list[str] | None = None, dynamic_dims: dict | None = None,
+                command: str | None = None) -> OptimizeJob:
         """Check the arguments and build the workload (see `optimize` for them)."""
         if techniques is not None and not techniques:
             raise ConfigError(f"{arg('techniques')} is empty; name techniques (see `overdrive list`) or pass None for all")
@@ -258,10 +270,11 @@ class OptimizeJob:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{arg(name, value)}: expected a positive integer")
         guard = Guard(min_fidelity=min_fidelity, max_accuracy_drop=max_accuracy_drop, min_gain=min_gain, lossless=lossless)
-        session = open_session(as_workload(model, example_inputs, data=data, metric=metric, output=output), device=device,
+        session = open_session(as_workload(model, example_inputs, data=data, metric=metric, output=output,
+                                           dynamic_dims=dynamic_dims), device=device,
                                batch_size=batch_size, num_samples=num_samples, out=out, input_shape=input_shape,
                                input_dtype=input_dtype, data=_data_left(model, data), text_field=text_field,
-                               weights=weights)
+                               weights=weights, dynamic_dims=dynamic_dims if isinstance(model, str) else None)
         workload = session.workload
         if max_accuracy_drop and not workload.has_task_metric:  # 0 is a lossless budget, which needs no metric
             raise ConfigError(f"{arg('max_accuracy_drop')}: workload {workload.name!r} has no task metric; "
@@ -297,6 +310,8 @@ class OptimizeJob:
         tune = tuner.run()
         tune.plan.inputs = input_signature(s.workload)
         tune.plan.weights = s.workload.extra.get("weights")
+        tune.plan.dynamic_dims = plan_dims(s.workload)
+        tune.plan.model_sha256 = weights_fingerprint(s.workload.model)
         warnings: list[str] = []
         result = OptimizeResult(rows=tune.rows, plan=tune.plan, baseline=tune.baseline, sweep={}, sweep_warnings=warnings,
                                 session=s, guard=self.guard, flops_per_sample=tune.flops_per_sample, command=self.command,
@@ -319,7 +334,7 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
              sweep_batch_sizes: list[int] | None = None, out: str | Path | None = None,
              input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
              text_field: str | None = None, weights: str | Path | None = None, output: str | list[str] | None = None,
-             progress: Progress | None = None) -> OptimizeResult:
+             dynamic_dims: dict | None = None, progress: Progress | None = None) -> OptimizeResult:
     """Measure `model` eager in fp32, then with each technique alone, compose the winners in
     canonical order (batching → prune → precision → graph → compile → runtime), roll back any
     step that is not faster or breaks the accuracy budget, and return the plan with the table.
@@ -361,6 +376,10 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             wrote, or a torch.save state dict; the plan records it, so `serve` and `run` load it too.
         output: for a module: the output(s) judged, by path ("logits", "0"); None: every floating
             [B, ...] output, each judged apart (the worst counts).
+        dynamic_dims: for a module, a factory or a model file: dimensions whose size varies from
+            row to row, e.g. {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}; rows are
+            zero-padded there per batch once padding is shown not to change the answers. None:
+            found by calling the model at two sizes (integer inputs only); {}: none.
         progress: called before each measurement as progress(description, done, expected).
 
     Returns:
@@ -379,7 +398,7 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
         min_fidelity=min_fidelity, min_gain=min_gain, lossless=lossless, techniques=techniques, batch_size=batch_size,
         num_samples=num_samples, prune_ratio=prune_ratio, finetune_steps=finetune_steps,
         sweep_batch_sizes=sweep_batch_sizes, out=out, input_shape=input_shape, input_dtype=input_dtype,
-        text_field=text_field, weights=weights, output=output,
+        text_field=text_field, weights=weights, output=output, dynamic_dims=dynamic_dims,
     ).run(progress)
 
 

@@ -96,6 +96,10 @@ class Plan:
         environment: torch version and device name it was measured with.
         inputs: per model input, the row shape and dtype it was measured with ({"shape": [...],
             "dtype": "float32"}), for tensor workloads; None for text.
+        weights: the checkpoint loaded into the model (`--weights`), or None.
+        dynamic_dims: {input name (or index): dims} whose size varies from row to row, or None.
+        model_sha256: the fingerprint of the fp32 weights it was measured with
+            (`overdrive.run.resume.weights_fingerprint`), to tell when a rebuild differs.
     """
 
     workload: str
@@ -106,6 +110,8 @@ class Plan:
     environment: dict[str, Any] = field(default_factory=dict)
     inputs: list[dict[str, Any]] | None = None
     weights: str | None = None
+    dynamic_dims: dict[str, list[int]] | None = None
+    model_sha256: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,6 +124,8 @@ class Plan:
             "environment": self.environment,
             **({"inputs": self.inputs} if self.inputs else {}),
             **({"weights": self.weights} if self.weights else {}),
+            **({"dynamic_dims": self.dynamic_dims} if self.dynamic_dims else {}),
+            **({"model_sha256": self.model_sha256} if self.model_sha256 else {}),
         }
 
     @classmethod
@@ -140,6 +148,8 @@ class Plan:
             environment=data.get("environment", {}),
             inputs=data.get("inputs"),
             weights=data.get("weights"),
+            dynamic_dims=data.get("dynamic_dims"),
+            model_sha256=data.get("model_sha256"),
         )
 
     def save(self, path: Path) -> None:
@@ -169,9 +179,9 @@ class Plan:
             data = json.loads(Path(path).read_text())
             plan = cls.from_dict(data)
             plan.steps = _map_checkpoints(plan.steps, lambda p: str(Path(path).parent / p))  # relative to the plan
-            plan.workload = _model_file(plan.workload, data.get("workload_file"), Path(path).parent)
+            plan.workload = _model_file(plan.workload, data.get("workload_file"), Path(path).parent, argument, path)
             if plan.weights:
-                plan.weights = _model_file(plan.weights, data.get("weights_file"), Path(path).parent)
+                plan.weights = _model_file(plan.weights, data.get("weights_file"), Path(path).parent, argument, path)
             return plan
         except FileNotFoundError:
             raise PlanError(f"{arg(argument, path)}: no such file; expected a plan.json written by `overdrive optimize`") from None
@@ -221,8 +231,17 @@ class Plan:
             workload = create_workload(self.workload, input_shape=(self.batch_size, *self.inputs[0]["shape"]),
                                        input_dtype=getattr(torch, self.inputs[0]["dtype"]))
         else:
-            workload = create_workload(self.workload)
-        return load_weights(workload, self.weights) if self.weights else workload
+            workload = create_workload(self.workload, dynamic_dims=self.dynamic_dims)
+        workload = load_weights(workload, self.weights) if self.weights else workload
+        from overdrive.run.resume import weights_fingerprint
+
+        if self.model_sha256 and weights_fingerprint(workload.model) != self.model_sha256:
+            message = ("the model's weights differ from those optimize measured for this plan (a factory that initialises "
+                       "without a seed, or a changed model file or --weights?): its speedup and fidelity were measured on "
+                       "other weights")
+            workload.notes.append(message)
+            workload.extra["weights_differ_from_plan"] = message
+        return workload
 
 
 def load_plan(path: str | Path, *, device: str | None = "auto", workload: str | None = None,
@@ -273,16 +292,22 @@ def _map_checkpoints(steps: list[TechniqueConfig], fn) -> list[TechniqueConfig]:
             for s in steps]
 
 
-def _model_file(spec: str, recorded: dict[str, str] | None, folder: Path) -> str:
-    """The plan's model file as a path that exists from here: relative to the plan's folder first,
-    then the absolute path it was made with; the spec as written when neither exists."""
+def _model_file(spec: str, recorded: dict[str, str] | None, folder: Path, argument: str, path: Path) -> str:
+    """The plan's model (or weights) file as a path that exists from here: relative to the plan's
+    folder first, then the absolute path it was made with.
+
+    Raises:
+        PlanError: it is at neither (the message names both).
+    """
     if not isinstance(recorded, dict):
         return spec
     relative, absolute = recorded.get("relative"), recorded.get("absolute")
-    for candidate in ([folder / relative] if relative else []) + ([Path(absolute)] if absolute else []):
+    tried = ([folder / relative] if relative else []) + ([Path(absolute)] if absolute else [])
+    for candidate in tried:
         if candidate.exists():
             return str(candidate)
-    return spec
+    raise PlanError(f"{arg(argument, path)} was made with {spec}, which is at neither "
+                    f"{' nor '.join(str(t) for t in tried)}; put it back, or optimize again")
 
 
 def _same_file(a: str, b: str) -> bool:

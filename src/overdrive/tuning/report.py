@@ -16,14 +16,27 @@ from overdrive.techniques import describe_report
 from overdrive.tuning.tuner import Row, TuneResult
 
 
-def _kept(row: Row) -> str:
+def short_reason(reason: str) -> str:
+    """A reason as the terminal table shows it: up to its first parenthesis or semicolon (the whole
+    reason is in report.md, results.json and the lines after the table)."""
+    cut = min([i for i in (reason.find(" ("), reason.find("; ")) if i > 0], default=len(reason))
+    return reason[:cut]
+
+
+def _kept(row: Row, short: bool = False) -> str:
     if row.phase in ("baseline", "plan"):
         return "—"
     if row.phase == "without":
-        return row.reason or "—"
+        return (short_reason(row.reason) if short else row.reason) if row.reason else "—"
     if row.kept and row.phase == "compose" and row.gain is not None and row.versus != "the baseline":
-        return f"yes: {row.gain.describe()} over the steps before it"
-    return "yes" if row.kept else f"no: {row.reason}"
+        return f"yes: {row.gain.describe()}{'' if short else ' over the steps before it'}"
+    return "yes" if row.kept else f"no: {short_reason(row.reason) if short else row.reason}"
+
+
+def reasons_in_full(result: TuneResult) -> list[str]:
+    """"label: reason" for each row whose reason the terminal table shortened."""
+    return [f"{row.label}: {row.reason}" for row in result.rows
+            if row.reason and not row.kept and short_reason(row.reason) != row.reason]
 
 
 def _speedup(row: Row) -> str:
@@ -44,14 +57,15 @@ def caption(result: TuneResult, rows_description: str) -> str:
 
 
 def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_description: str = "") -> Table:
-    """The per-technique table: technique | kept? | latency p50/p90 | speedup | samples/s | peak memory | fidelity."""
-    memory_kind = "CUDA allocator peak" if result.baseline.peak_memory_kind.startswith("cuda") else "process RSS high-water"
-    table = Table(title=title, show_lines=False,
-                  caption=f"peak memory: {memory_kind}; {caption(result, rows_description or 'the evaluation rows')}")
-    for col, justify in [("technique", "left"), ("kept? (why not)", "left"), ("latency p50/p90 ms", "right"),
-                         ("speedup vs baseline", "right"), ("samples/s", "right"), ("peak memory", "right"),
-                         ("fidelity", "left")]:
-        table.add_column(col, justify=justify, overflow="fold")
+    """The per-technique table for a terminal of 100 columns: technique | kept? | p50/p90 ms |
+    speedup [99%] | samples/s | peak mem | fidelity, reasons shortened (`reasons_in_full`); what it
+    shows is said by `table_note`, printed after it."""
+    table = Table(title=title, show_lines=False)
+    longest_word = max((len(w) for row in result.rows for w in row.label.split()), default=9)
+    for col, justify in [("technique", "left"), ("kept? (why not)", "left"), ("p50/p90 ms", "right"),
+                         ("speedup [99%]", "right"), ("samples/s", "right"), ("peak mem", "right"), ("fidelity", "left")]:
+        table.add_column(col, justify=justify, overflow="fold", min_width=longest_word if col == "technique" else None,
+                         no_wrap=col in ("p50/p90 ms", "speedup [99%]", "samples/s", "peak mem"))
     previous_phase = None
     for row in result.rows:
         if previous_phase is not None and row.phase != previous_phase:
@@ -60,14 +74,20 @@ def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_descri
         m = row.measurement
         table.add_row(
             row.label,
-            _kept(row),
+            _kept(row, short=True),
             f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
             _speedup(row),
             f"{m.samples_per_s:,.1f}" if m else "",
             format_bytes(m.peak_memory_bytes) if m else "",
-            format_fidelity(m, _key(result, fidelity_key)),
+            format_fidelity(m, _key(result, fidelity_key), compact=True),
         )
     return table
+
+
+def table_note(result: TuneResult, rows_description: str = "") -> str:
+    """What the table's figures are: the memory kind, the rows and rule of the fidelity column, the intervals."""
+    memory_kind = "CUDA allocator peak" if result.baseline.peak_memory_kind.startswith("cuda") else "process RSS high-water"
+    return f"peak memory: {memory_kind}; {caption(result, rows_description or 'the evaluation rows')}"
 
 
 def _key(result: TuneResult, fidelity_key: str) -> str:

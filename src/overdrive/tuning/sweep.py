@@ -79,7 +79,7 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
                  num_samples: int | None = None, out: str | Path | None = None,
                  input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
                  data: str | Path | Iterable | None = None, text_field: str | None = None,
-                 weights: str | Path | None = None) -> Session:
+                 weights: str | Path | None = None, dynamic_dims: dict | None = None) -> Session:
     """Resolve the device, workload, batch size, sample count and output folder.
 
     Args:
@@ -91,6 +91,8 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
         num_samples: distinct evaluation samples; None: 512 for text, all otherwise.
         out: results go to OUT/<workload name>/ (checked writable now); None: nowhere.
         input_shape, input_dtype: for model files that store no input shape (TorchScript).
+        dynamic_dims: for a spec: the dimensions whose size varies from row to row
+            (`overdrive.workloads.user.workload_from_model`).
         weights: a checkpoint loaded into the model (`overdrive.workloads.weights`): a DCP folder
             `train` wrote, or a torch.save state dict.
 
@@ -102,7 +104,8 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
     device = device if isinstance(device, torch.device) else resolve_device(device)
     spec = workload if isinstance(workload, str) else workload.name
     if isinstance(workload, str):
-        workload = create_workload(workload, input_shape=input_shape, input_dtype=parse_dtype(input_dtype))
+        workload = create_workload(workload, input_shape=input_shape, input_dtype=parse_dtype(input_dtype),
+                                   dynamic_dims=dynamic_dims)
     if weights is not None:
         from overdrive.workloads.weights import load_weights
 

@@ -52,29 +52,40 @@ def list_workloads() -> dict[str, str]:
 
 
 def create_workload(
-    spec: str, *, input_shape: tuple[int, ...] | None = None, input_dtype: torch.dtype = torch.float32
+    spec: str, *, input_shape: tuple[int, ...] | None = None, input_dtype: torch.dtype = torch.float32,
+    dynamic_dims: dict | None = None,
 ) -> Workload:
     """Build the workload a user named.
 
+    Args:
+        dynamic_dims: for a `(model, example)` factory or a model file: the dimensions whose size
+            varies from row to row (see `overdrive.workloads.user.workload_from_model`).
+
     Raises:
         WorkloadError: nothing by that name, an import path that fails, or a file that is not a model.
+        ConfigError: `dynamic_dims` for a workload that brings its own rows (a built-in, a Workload).
     """
     if not spec.strip():
         raise WorkloadError("the workload is empty; expected a name (see `overdrive list`), 'package.module:factory' or a model file")
     if spec.startswith("<python "):  # a plan `overdrive.optimize` made from a module or Workload object
         raise WorkloadError(f"{spec} is a model that was passed in Python, which no name can rebuild; load the plan "
                             "with overdrive.load(plan, model)")
-    if spec in BUILTIN:
-        return BUILTIN[spec][0]()
     if ":" in spec and not Path(spec).exists():
         from overdrive.workloads.user import build_from_import_path
 
-        return build_from_import_path(spec)
+        return build_from_import_path(spec, dynamic_dims=dynamic_dims)
     path = Path(spec)
-    if path.suffix or path.exists():
+    if spec not in BUILTIN and (path.suffix or path.exists()):
         from overdrive.workloads.user import build_from_file
 
-        return build_from_file(path, input_shape=input_shape, input_dtype=input_dtype)
+        return build_from_file(path, input_shape=input_shape, input_dtype=input_dtype, dynamic_dims=dynamic_dims)
+    if dynamic_dims:
+        from overdrive.core.errors import ConfigError, arg
+
+        raise ConfigError(f"{arg('dynamic_dims')} applies to a (model, example) factory or a model file; {spec!r} "
+                          "brings its own rows")
+    if spec in BUILTIN:
+        return BUILTIN[spec][0]()
     from overdrive.workloads.vision import build_torchvision, torchvision_names
 
     if spec in torchvision_names():

@@ -19,6 +19,7 @@ from overdrive.core.errors import DataError, arg, one_line
 from overdrive.core.workload import Workload
 
 DEFAULT_MAX_ROWS = 4096
+MIN_ROWS_TO_HOLD_OUT = 100  # a workload without training rows (a factory's) gets a fifth of the user's, held out
 
 
 def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: str | None = None,
@@ -35,7 +36,9 @@ def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: st
 
     Returns:
         A copy of `workload` with `samples` the user's rows (`rows_source` "data"), no labels and
-        no task metric, and a note naming what was left out.
+        no task metric, and a note naming what was left out. A workload without training rows of
+        its own (a factory's) keeps the last fifth of 100 or more rows apart as `train_samples`
+        (calibration, pruning's recovery, `train`), never judged.
 
     Raises:
         DataError: the data cannot be read, holds no readable row, or does not suit the model
@@ -63,12 +66,18 @@ def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: st
                      f"first: {refused[0]}); a compiled model given them could abort the process")
     if not rows:
         raise DataError(f"{arg('data')}: no row holds values the model can take (the first: {refused[0]})")
+    train = workload.train_samples
+    if train is None and len(rows) >= MIN_ROWS_TO_HOLD_OUT:  # calibration / recovery rows, never judged
+        held = len(rows) // 5
+        rows, train = rows[:-held], rows[-held:]
+        notes.append(f"the last {held} of your {len(rows) + held} rows are held out for calibration and recovery "
+                     f"fine-tunes (training rows, never judged); the first {len(rows)} are the evaluation rows")
     dropped = [what for what, present in (("labels", workload.labels is not None), ("metric", workload.metric is not None))
                if present]
     if dropped:
         notes.append(f"the workload's {' and '.join(dropped)} belong to its own samples: your rows are judged by "
                      "agreement with the eager fp32 outputs")
-    return dataclasses.replace(workload, samples=rows, labels=None, metric=None, rows_source="data",
+    return dataclasses.replace(workload, samples=rows, labels=None, metric=None, rows_source="data", train_samples=train,
                                notes=[*workload.notes, *notes],
                                description=f"{workload.description} — on your data ({origin})")
 
@@ -149,8 +158,11 @@ def _check_like(workload: Workload, row, origin: str) -> None:
         return
     want = sample if isinstance(sample, tuple) else (sample,)
     got = row if isinstance(row, tuple) else (row,)
-    if len(got) != len(want) or any(not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype
-                                    for g, w in zip(got, want)):
+    dims = workload.dynamic_dims
+    if len(got) != len(want) or any(not isinstance(g, torch.Tensor) or g.dtype != w.dtype or g.dim() != w.dim() or
+                                    any(a != b for d, (a, b) in enumerate(zip(g.shape, w.shape), start=1)
+                                        if d not in dims.get(i, ()))
+                                    for i, (g, w) in enumerate(zip(got, want))):
         describe = lambda cols: ", ".join(f"{c.dtype} {list(c.shape)}" if isinstance(c, torch.Tensor)  # noqa: E731
                                           else type(c).__name__ for c in cols)
         raise DataError(f"{arg('data', origin)}: rows are {describe(got)}; {workload.name!r} takes rows of "

@@ -93,31 +93,30 @@ class SignatureModel(nn.Module):
         if named:
             if self.input_names is None:
                 raise TypeError("this model takes its inputs by position")
+            unknown = set(named) - set(self.input_names[len(inputs):])
+            if unknown:  # an input overdrive does not pass on would be dropped without a word
+                raise TypeError(f"unexpected inputs {sorted(unknown)}; this model takes {list(self.input_names)}")
             inputs = (*inputs, *(named[n] for n in self.input_names[len(inputs):] if n in named))
         out = self.model(**dict(zip(self.input_names, inputs))) if self.input_names else self.model(*inputs)
         parts = [pick_output(out, p) for p in self.output_paths]
-        return parts[0] if len(parts) == 1 else torch.cat([p.flatten(1) for p in parts], dim=1)
+        return parts[0] if len(parts) == 1 else torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
 
 
-def outputs_fidelity(widths: Sequence[int], names: Sequence[str],
+def outputs_fidelity(widths: Sequence[int],
                      base: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] = logits_fidelity):
     """A fidelity over several outputs concatenated per row ([N, Σ widths]): `base` on each output
-    apart, and for each figure the worst over outputs (the largest `max_rel_error`, the smallest
-    of the others), with "worst_output" naming the output of the smallest min_cosine."""
+    apart, and for each figure the worst over the outputs that have it (the largest `max_rel_error`,
+    the smallest of the others)."""
     bounds = [0]
     for w in widths:
         bounds.append(bounds[-1] + w)
 
     def fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
         per = [base(output[:, a:b], reference[:, a:b]) for a, b in zip(bounds, bounds[1:])]
-        result = {}
-        for key in per[0]:
-            values = [p[key] for p in per if key in p]
-            if len(values) == len(per):
-                result[key] = max(values) if key == "max_rel_error" else min(values)
-        return result
+        keys = dict.fromkeys(key for p in per for key in p)  # r2 is absent for an output whose rows do not vary
+        worst = {key: [p[key] for p in per if key in p] for key in keys}
+        return {key: max(values) if key == "max_rel_error" else min(values) for key, values in worst.items()}
 
-    fidelity.outputs = list(names)
     return fidelity
 
 
@@ -180,6 +179,112 @@ def split_example(name: str, example: Any) -> tuple[tuple[torch.Tensor, ...], li
         raise WorkloadError(f"{name}: the example's tensors have different first (batch) dimensions "
                             f"{[list(t.shape) for t in tensors]}")
     return tensors, names
+
+
+# -- dynamic dimensions ----------------------------------------------------------------------------
+
+def call_model(model: nn.Module, names: Sequence[str] | None, inputs: Sequence[torch.Tensor]) -> Any:
+    """`model(**{name: input})`, or `model(*inputs)` without names."""
+    return model(**dict(zip(names, inputs))) if names else model(*inputs)
+
+
+def normalize_dims(name: str, dynamic_dims: Mapping[Any, Any] | None, example: Sequence[torch.Tensor],
+                   names: Sequence[str] | None) -> dict[int, tuple[int, ...]]:
+    """The user's `dynamic_dims` ({"input_ids": {1: "seq"}}, {"input_ids": [1]}, {0: 1}) as
+    {input index: dims of the batched tensor}.
+
+    Raises:
+        ConfigError: an input that is not the model's, or a dimension it does not have (0 is the batch).
+    """
+    from overdrive.core.errors import ConfigError, arg
+
+    out: dict[int, tuple[int, ...]] = {}
+    for key, value in (dynamic_dims or {}).items():
+        index = key if isinstance(key, int) else (list(names).index(key) if names and key in names else None)
+        if index is None and isinstance(key, str) and key.isdigit():
+            index = int(key)
+        if index is None or not 0 <= index < len(example):
+            known = list(names) if names else list(range(len(example)))
+            raise ConfigError(f"{arg('dynamic_dims')}: {name} has no input {key!r}; its inputs are {known}")
+        dims = [value] if isinstance(value, int) else list(value)  # a mapping's keys are its dims
+        for d in dims:
+            if not isinstance(d, int) or not 1 <= d < example[index].dim():
+                raise ConfigError(f"{arg('dynamic_dims')}: input {key!r} is {list(example[index].shape)}; dimension {d!r} "
+                                  f"cannot vary (0 is the batch; expected 1..{example[index].dim() - 1})")
+        out[index] = tuple(sorted({*out.get(index, ()), *dims}))
+    return out
+
+
+def _crop_pad(inputs: Sequence[torch.Tensor], dims: dict[int, tuple[int, ...]]) -> tuple[tuple, tuple]:
+    """(each dynamic dimension cropped to half, the same zero-padded back to the full size)."""
+    cropped = list(inputs)
+    for i, ds in dims.items():
+        for d in ds:
+            cropped[i] = cropped[i].narrow(d, 0, max(1, inputs[i].shape[d] // 2))
+    padded = list(cropped)
+    for i in dims:
+        padded[i] = inputs[i].new_zeros(inputs[i].shape)
+        padded[i][tuple(slice(0, n) for n in cropped[i].shape)] = cropped[i]
+    return tuple(cropped), tuple(padded)
+
+
+def padding_check(model: nn.Module, names: Sequence[str] | None, example: Sequence[torch.Tensor],
+                  dims: dict[int, tuple[int, ...]]) -> tuple[set[str], str | None]:
+    """Whether rows of other sizes along `dims` can share a batch: the model runs on the example
+    cropped to half along them, and zero-padding that back to full size leaves every output that
+    does not follow the size unchanged (rtol 1e-4 of the output's scale).
+
+    Returns:
+        (paths of outputs whose shape follows the size, None or what went wrong).
+    """
+    cropped, padded = _crop_pad(example, dims)
+    try:
+        with torch.no_grad():
+            short, long_ = output_tensors(call_model(model, names, cropped)), output_tensors(call_model(model, names, padded))
+    except Exception as exc:  # noqa: BLE001 - the user's model refuses other sizes
+        return set(), f"the model fails on shorter rows ({one_line(exc)})"
+    short, long_ = dict(short), dict(long_)
+    varying = {p for p, t in short.items() if p in long_ and t.shape != long_[p].shape}
+    for path, t in short.items():
+        if path in varying or path not in long_ or not t.dtype.is_floating_point:
+            continue
+        diff = float((t.float() - long_[path].float()).abs().max()) if t.numel() else 0.0
+        scale = float(long_[path].float().abs().max()) if t.numel() else 0.0
+        if not diff <= 1e-4 * scale + 1e-6:
+            return varying, (f"zero padding changes output {path or '(the output)'} by up to {diff:.3g} (of {scale:.3g}): "
+                             "rows of different sizes cannot share a batch")
+    return varying, None
+
+
+def detect_dynamic_dims(model: nn.Module, names: Sequence[str] | None, example: Sequence[torch.Tensor],
+                        out: Any) -> tuple[dict[int, tuple[int, ...]], set[str]]:
+    """Dimensions that may vary, found by calling the model at two sizes: for each size shared at
+    one dimension by inputs that include an integer one (token ids, masks; images are never
+    guessed), the dimension is dynamic when `padding_check` passes and some output does not
+    follow the size.
+
+    Args:
+        out: the model's output on `example`.
+
+    Returns:
+        ({input index: dims}, paths of outputs that follow the sizes).
+    """
+    found: dict[int, tuple[int, ...]] = {}
+    varying: set[str] = set()
+    groups = {(d, t.shape[d]) for t in example if not t.dtype.is_floating_point and t.dtype != torch.bool
+              for d in range(1, t.dim()) if t.shape[d] >= 2}
+    for d, size in sorted(groups):
+        group = {i: (d,) for i, t in enumerate(example) if t.dim() > d and t.shape[d] == size}
+        paths, problem = padding_check(model, names, example, group)
+        if problem is None and {p for p, _ in output_tensors(out)} - paths:
+            for i, ds in group.items():
+                found[i] = tuple(sorted({*found.get(i, ()), *ds}))
+            varying |= paths
+    return found, varying
+
+
+def describe_dims(dims: dict[int, tuple[int, ...]], names: Sequence[str] | None) -> str:
+    return ", ".join(f"{names[i] if names else f'input {i}'} dim {', '.join(map(str, ds))}" for i, ds in sorted(dims.items()))
 
 
 # -- a tokenizer -----------------------------------------------------------------------------------
@@ -245,7 +350,8 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
     sentences = list(python_doc_sentences()[:2048])
     max_length = _max_length(tokenizer, model)
     try:
-        encoded = tokenizer(sentences[:2], **({"padding": True, "return_tensors": "pt"} if hf else {}))
+        encoded = tokenizer(sentences[:2], **({"padding": True, "truncation": True, "max_length": max_length,
+                                               "return_tensors": "pt"} if hf else {}))
         keys = list(encoded.keys())
     except Exception as exc:  # noqa: BLE001 - the user's tokenizer
         raise WorkloadError(f"{name}: the tokenizer failed on two sentences, or returned no dict of tensors: "
@@ -283,7 +389,7 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
         model=SignatureModel(model, names, paths).eval(),
         samples=sentences,
         collate=collate,
-        fidelity=logits_fidelity if len(paths) == 1 else outputs_fidelity(widths, paths),
+        fidelity=logits_fidelity if len(paths) == 1 else outputs_fidelity(widths),
         fidelity_key="min_cosine",
         default_batch_size=32,
         train_samples=python_docstring_sentences(),
@@ -292,5 +398,6 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
         input_names=names,
         output_names=paths,
         description="your model with its tokenizer, on Python reference sentences",
-        extra={"tokenizer": tokenizer if hf else None, "max_seq_length": max_length, "classifier": paths == ["logits"]},
+        extra={"tokenizer": tokenizer if hf else None, "max_seq_length": max_length, "classifier": paths == ["logits"],
+               "output_widths": widths},
     )

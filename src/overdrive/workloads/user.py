@@ -12,6 +12,7 @@ of its shape used, and the table says that fidelity is then on random inputs, sh
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 import copy
 import importlib
 import os
@@ -28,10 +29,14 @@ from torch import nn
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.core.graph_ops import is_graph_program, to_eval_ops, training_mode_modules, training_mode_ops
 from overdrive.core.input_limits import InputLimits, derive_input_limits
-from overdrive.core.workload import Workload, eval_mode, logits_fidelity
+from overdrive.core.workload import Workload, eval_mode, logits_fidelity, pad_stack
 from overdrive.workloads.signature import (
     SignatureModel,
     choose_outputs,
+    describe_dims,
+    detect_dynamic_dims,
+    normalize_dims,
+    padding_check,
     is_tokenizer,
     outputs_fidelity,
     pick_output,
@@ -116,7 +121,8 @@ def _eval_graph(name: str, model: nn.Module, *, owned: bool) -> tuple[nn.Module,
 
 def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...], *,
                         data: Iterable | None = None, metric: Callable[[torch.Tensor], float] | None = None,
-                        owned: bool = False, output: str | list[str] | None = None) -> Workload:
+                        owned: bool = False, output: str | list[str] | None = None,
+                        dynamic_dims: dict | None = None) -> Workload:
     """Wrap a model and one example batch into a Workload judged on real rows: those of `data` when
     given, else the example's own rows; seeded random rows of the example's shape and dtype only
     when the example is a placeholder (one value throughout), which the workload then says.
@@ -127,15 +133,22 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
 
     Args:
         name: the workload name (used for the output folder).
-        model: any module whose forward takes the example's tensors positionally and returns
-            one tensor [B, ...] with the example's batch size B.
-        example: a tensor or tuple of tensors, each [B, ...].
+        model: any module whose forward takes the example's tensors (by keyword for a dict) and
+            returns a tensor, tuple, dict, dataclass or ModelOutput holding floating [B, ...]
+            tensors with the example's batch size B.
+        example: a tensor, a tuple of tensors or a dict of keyword tensors, each [B, ...].
         data: evaluation batches, each shaped like `example` (a tensor, or a tuple of tensors
             with the same first dimension); their rows, in order, are the samples.
         metric: a task score of the model's outputs on all rows of `data`, float32 [N, ...] in
             data order -> float, higher is better (e.g. accuracy in percent, closing over your
             labels); `max_accuracy_drop` budgets it in its own units.
         owned: the model was loaded by overdrive (a file), so it may be changed in place.
+        output: the output(s) judged, by path ("logits", "0"); None: every floating [B, ...] one
+            (`overdrive.workloads.signature.choose_outputs`).
+        dynamic_dims: dimensions whose size varies from row to row, {"input_ids": {1: "seq"}} or
+            {input index: [dims]}; rows are zero-padded there per batch, after checking that padding
+            leaves the answers unchanged. None: found by calling the model at two sizes (inputs
+            with integer ids only); {}: none.
 
     Raises:
         WorkloadError: the example or data are not tensors of one layout, the model does not
@@ -150,7 +163,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
                      "e.g. " + ", ".join(training_mode_modules(model)[:3]) + "): overdrive measures copies in eval mode; "
                      "your module is not changed")
     batch = int(example[0].shape[0])
-    user_model, output_names = model, None
+    user_model, output_names, widths = model, None, None
     with _eval_for_probes(user_model):
         try:
             with torch.no_grad():
@@ -158,17 +171,29 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         except Exception as exc:  # noqa: BLE001 - any failure here is the user's model
             shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in zip(input_names or [""] * len(example), example))
             raise WorkloadError(f"{name}: the model failed on its example input ({shapes.strip()}): {one_line(exc)}") from None
+        dims = normalize_dims(name, dynamic_dims, example, input_names)
+        varying: set[str] = set()
+        if dims:
+            varying, problem = padding_check(model, input_names, example, dims)
+            if problem:
+                raise WorkloadError(f"{name}: {arg('dynamic_dims')} ({describe_dims(dims, input_names)}): {problem}")
+        elif dynamic_dims is None and not _is_placeholder(example):
+            dims, varying = detect_dynamic_dims(model, input_names, example, out)
+            if dims:
+                notes.append(f"{describe_dims(dims, input_names)} vary from row to row (found by calling the model at two "
+                             "sizes; zero padding leaves its answers unchanged): rows of any size there are taken and "
+                             "padded per batch; pass dynamic_dims={} to hold them fixed")
         if isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0] == batch and out.dtype.is_floating_point \
-                and input_names is None and output is None:
+                and input_names is None and output is None and not varying:
             pass  # the model already has overdrive's form: positional inputs, one tensor [B, ...]
         elif isinstance(out, torch.Tensor) and (out.dim() == 0 or out.shape[0] != batch):
             raise WorkloadError(f"{name}: the model must return a tensor [B, ...] with B = {batch} rows; it returned "
                                 f"shape {tuple(out.shape)}")
         else:
-            output_names, output_notes = choose_outputs(name, out, batch, output)
+            output_names, output_notes = choose_outputs(name, out, batch, output, varying)
             notes += output_notes
             widths = [pick_output(out, p)[0].numel() for p in output_names]
-            fidelity = outputs_fidelity(widths, output_names) if len(output_names) > 1 else logits_fidelity
+            fidelity = outputs_fidelity(widths) if len(output_names) > 1 else logits_fidelity
             model = SignatureModel(model, input_names, output_names)
         fixed = None if _accepts_other_batch_sizes(model, example) else batch
         placeholder = data is None and _is_placeholder(example)
@@ -176,7 +201,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
     if metric is not None and data is None:
         raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
     if data is not None:
-        samples, source = _rows_of(name, data, example, limits), "data"
+        samples, source = _rows_of(name, data, example, limits, dims), "data"
     elif not placeholder:
         samples, source = [tuple(t[r].detach().cpu() for t in example) for r in range(batch)], "example"
     else:
@@ -191,7 +216,8 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         name=name,
         model=model,
         samples=samples,
-        collate=stack_rows,
+        collate=partial(pad_stack, dims) if dims else stack_rows,
+        dynamic_dims=dims,
         fidelity=fidelity if output_names else logits_fidelity,
         input_names=input_names,
         output_names=output_names,
@@ -202,7 +228,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         real_weights=True,
         rows_source=source,
         notes=notes,
-        extra={"classifier": output_names == ["logits"]},  # a Hugging Face classifier's ModelOutput: `run` adds predictions
+        extra={"classifier": output_names == ["logits"], "output_widths": widths if output_names else None},  # a Hugging Face classifier's ModelOutput: `run` adds predictions
         description={"data": "user model on its own evaluation data", "example": "user model on its example's rows",
                      "random": "user model with seeded inputs of its example's shape (speed only)"}[source],
     )
@@ -214,7 +240,8 @@ def stack_rows(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]
 
 
 def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
-             limits: InputLimits | None = None) -> list[tuple[torch.Tensor, ...]]:
+             limits: InputLimits | None = None, dims: dict[int, tuple[int, ...]] | None = None
+             ) -> list[tuple[torch.Tensor, ...]]:
     """The rows of evaluation batches `data` as samples (tuples of row tensors, detached, on the CPU).
 
     Raises:
@@ -226,8 +253,10 @@ def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
         batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
         if len(batch) != len(example) or not all(isinstance(t, torch.Tensor) for t in batch):
             raise WorkloadError(f"{name}: batch {i} of {arg('data')} is not {len(example)} tensor(s) like the example")
-        for t, e in zip(batch, example):
-            if t.dim() != e.dim() or t.shape[0] != batch[0].shape[0] or t.dtype != e.dtype:
+        for j, (t, e) in enumerate(zip(batch, example)):
+            fixed = [d for d in range(1, e.dim()) if d not in (dims or {}).get(j, ())]
+            if t.dim() != e.dim() or t.shape[0] != batch[0].shape[0] or t.dtype != e.dtype or \
+                    any(t.shape[d] != e.shape[d] for d in fixed):
                 raise WorkloadError(f"{name}: batch {i} of {arg('data')} holds {t.dtype} {list(t.shape)}; expected rows "
                                     f"like the example's {e.dtype} {list(e.shape)} and one first dimension")
         columns = [t.detach().cpu() for t in batch]
@@ -242,7 +271,7 @@ def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
     return rows
 
 
-def build_from_import_path(spec: str) -> Workload:
+def build_from_import_path(spec: str, *, dynamic_dims: dict | None = None) -> Workload:
     """Import `package.module:factory` and call it with no arguments.
 
     Raises:
@@ -266,6 +295,9 @@ def build_from_import_path(spec: str) -> Workload:
     except (Exception, SystemExit) as exc:  # noqa: BLE001
         raise WorkloadError(f"{spec}() failed: {one_line(exc)}") from None
     name = attr if attr != "build" else module_name.rsplit(".", 1)[-1]
+    if dynamic_dims and not (isinstance(made, tuple) and len(made) == 2 and not is_tokenizer(made[1])):
+        raise ConfigError(f"{arg('dynamic_dims')} applies to a (model, example) factory; {spec}() brings its own rows "
+                          "(a Workload, or a tokenizer that pads)")
     if isinstance(made, Workload):
         return made
     if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):
@@ -274,7 +306,7 @@ def build_from_import_path(spec: str) -> Workload:
         if len(made) == 3 and is_tokenizer(made[2]):  # (model, example, tokenizer): the tokenizer makes the rows
             return text_workload(name, made[0], made[2])
         if len(made) == 2:
-            return workload_from_model(name, *made)
+            return workload_from_model(name, *made, dynamic_dims=dynamic_dims)
     raise WorkloadError(f"{spec}() returned {type(made).__name__}; expected an overdrive Workload, a (model, "
                         "example_input) pair, or (model, tokenizer) / (model, example_input, tokenizer)")
 
@@ -315,7 +347,8 @@ def archive_kind(path: Path) -> str:
     return "unknown"
 
 
-def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dtype: torch.dtype) -> Workload:
+def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dtype: torch.dtype,
+                    dynamic_dims: dict | None = None) -> Workload:
     """Load a torch.export program (torch.export.save, .pt2) or a TorchScript archive (torch.jit.save).
 
     Args:
@@ -352,7 +385,7 @@ def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dt
             example = (torch.zeros(input_shape, dtype=input_dtype),)
         if not example:
             raise WorkloadError(f"{path} carries no example inputs; pass {arg('input_shape', 'B,C,H,W')} (for example)")
-        return workload_from_model(name, program.module(), example, owned=True)
+        return workload_from_model(name, program.module(), example, owned=True, dynamic_dims=dynamic_dims)
     if input_shape is None:
         raise WorkloadError(f"{path} is TorchScript, which stores no input shape; pass {arg('input_shape', 'B,C,H,W')} "
                             "(for example)")
@@ -362,4 +395,5 @@ def build_from_file(path: Path, *, input_shape: tuple[int, ...] | None, input_dt
             model = torch.jit.load(str(path), map_location="cpu")
         except Exception as exc:  # noqa: BLE001
             raise WorkloadError(f"{path}: torch.jit.load failed: {one_line(exc)}") from None
-    return workload_from_model(name, model, torch.zeros(input_shape, dtype=input_dtype), owned=True)
+    return workload_from_model(name, model, torch.zeros(input_shape, dtype=input_dtype), owned=True,
+                               dynamic_dims=dynamic_dims)

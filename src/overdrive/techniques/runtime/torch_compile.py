@@ -53,7 +53,7 @@ class Compile(Technique):
         return None
 
     def apply(self, model, config, *, workload, device):
-        dynamic = config.dynamic if config.dynamic is not None else (True if workload.is_text else None)
+        dynamic = config.dynamic if config.dynamic is not None else (True if workload.is_text or workload.dynamic_dims else None)
         if config.mode == CompileMode.REDUCE_OVERHEAD and device.type != "cuda":
             raise RuntimeError("mode reduce-overhead uses CUDA graphs and needs a GPU")
         return torch.compile(model, backend="inductor", mode=config.mode.value, dynamic=dynamic)
