@@ -77,7 +77,7 @@ def test_optimize_then_bench_digits(tmp_path):
     result = run_cli("optimize", "digits-cnn", "--techniques", "bf16,channels-last,bn-fold,int8-dynamic",
                      "--max-accuracy-drop", "0.5", "--out", str(tmp_path), "--sweep-batch-sizes", "16,256")
     assert result.returncode == 0, result.stderr
-    assert "kept? (why not)" in result.stdout and "speedup [99%]" in result.stdout
+    assert "kept?" in result.stdout and "speedup" in result.stdout and "samples/s" in result.stdout
     assert all(len(line) <= 100 for line in result.stdout.splitlines() if line[:1] in "│┃┏┡├└")  # the table fits 100 columns
     out = tmp_path / "digits-cnn"
     results = json.loads((out / "results.json").read_text())

@@ -142,7 +142,7 @@ def test_run_files_out_of_range_ids_as_errors_and_writes_the_rest(tmp_path):
     assert summary.failed == len(bad)
     errors = [json.loads(line) for line in Path(summary.errors_path).read_text().splitlines()]
     assert [e["index"] for e in errors] == sorted(bad)
-    assert errors[0]["reason"] == (f"not an input this model takes: model input 0 holds {VOCAB}, outside [0, {VOCAB}): "
+    assert errors[0]["reason"] == (f"not an input this model takes: input 'input' holds {VOCAB}, outside [0, {VOCAB}): "
                                    "the model looks it up in embed.weight (20 rows)")
     rows = np.load(out)
     good = [i for i in range(40) if i not in bad]

@@ -426,3 +426,89 @@ def test_your_data_keeps_a_held_out_fifth_for_calibration(tmp_path):
     assert any("held out for calibration" in n for n in workload.notes)
     few = open_session("tests.fixtures.user_models:build", device="cpu", data=[torch.from_numpy(rows[:40])]).workload
     assert len(few.samples) == 40 and few.train_samples is None
+
+
+TWO_INPUT_MODULE = '''
+import torch
+from torch import nn
+
+
+class TwoTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.meta = nn.Linear(4, 8)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, image, meta):
+        embedding = self.image(image)
+        return {"score": self.head(torch.cat([embedding, self.meta(meta)], dim=-1)), "embedding": embedding}
+
+
+def build():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    return TwoTower().eval(), {"image": torch.randn(16, 16, generator=g), "meta": torch.randn(16, 4, generator=g)}
+'''
+
+
+def test_user_files_end_to_end_from_a_fresh_folder(tmp_path, monkeypatch):
+    """A two-input model fed from .npz, a TorchScript model used from another folder, and trained
+    weights (--weights) carried by the plan into run — each through optimize, bench, run and serve."""
+    import httpx
+    import torchvision
+
+    from overdrive.serve.runner import load_served_model
+    from tests.fixtures.live_server import LiveServer
+
+    (tmp_path / "mine.py").write_text(TWO_INPUT_MODULE)
+    quick = ("--techniques", "bf16", "--sweep-batch-sizes", "4", "--out", "out")
+    assert run_cli("optimize", "mine:build", *quick, cwd=tmp_path).returncode == 0
+    plan = tmp_path / "out" / "mine" / "plan.json"
+    assert run_cli("bench", "mine:build", "--plan", str(plan), "--out", "out", cwd=tmp_path).returncode == 0
+    rng = np.random.default_rng(0)
+    image, meta = rng.standard_normal((20, 16)).astype("float32"), rng.standard_normal((20, 4)).astype("float32")
+    np.savez(tmp_path / "x.npz", image=image, meta=meta)
+    run = run_cli("run", str(plan), "--input", "x.npz", "--output", "y.npy", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    served, _, _ = load_served_model(str(plan), device="cpu", instances=1)
+    body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 16], "data": image[0].tolist()},
+                       {"name": "meta", "datatype": "FP32", "shape": [1, 4], "data": meta[0].tolist()}]}
+    with LiveServer(served.workload, served=served, max_batch_size=8) as live:
+        answer = {o["name"]: o["data"] for o in httpx.post(live.infer_url, json=body).json()["outputs"]}
+    written = np.load(tmp_path / "y.npy")
+    assert written.shape == (20, 3 + 8)  # run writes the outputs side by side, in the model's order
+    np.testing.assert_allclose(answer["score"], written[0, :3], rtol=0.05, atol=0.02)  # bf16 plan both ways
+
+    model = torchvision.models.squeezenet1_1(num_classes=10).eval()
+    (tmp_path / "models").mkdir()
+    torch.jit.save(torch.jit.trace(model, torch.randn(2, 3, 64, 64)), tmp_path / "models" / "sq.pt")
+    ts = run_cli("optimize", "models/sq.pt", "--input-shape", "2,3,64,64", *quick, cwd=tmp_path)
+    assert ts.returncode == 0, ts.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    np.save(elsewhere / "images.npy", rng.standard_normal((6, 3, 64, 64)).astype("float32"))
+    run = run_cli("run", str(tmp_path / "out" / "sq" / "plan.json"), "--input", "images.npy", "--output", "p.npy",
+                  cwd=elsewhere)  # the plan finds models/sq.pt and its input shape
+    assert run.returncode == 0, run.stderr
+    assert np.load(elsewhere / "p.npy").shape == (6, 10)
+
+    from tests.fixtures.user_models import build
+
+    trained, _ = build()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(2.0)
+    torch.save(trained.state_dict(), tmp_path / "trained.pt")
+    weighted = run_cli("optimize", "tests.fixtures.user_models:build", "--weights", "trained.pt", *quick, cwd=tmp_path)
+    assert weighted.returncode == 0, weighted.stderr
+    rows = rng.standard_normal((8, 16)).astype("float32")
+    np.save(tmp_path / "rows.npy", rows)
+    run = run_cli("run", str(tmp_path / "out" / "user_models" / "plan.json"), "--input", str(tmp_path / "rows.npy"),
+                  "--output", "w.npy", cwd=elsewhere)
+    assert run.returncode == 0, run.stderr
+    with torch.no_grad():
+        expected = trained(torch.from_numpy(rows)).numpy()
+    np.testing.assert_allclose(np.load(elsewhere / "w.npy"), expected, rtol=0.05, atol=0.05)  # the trained weights

@@ -26,6 +26,7 @@ def main(args, argv: list[str]) -> int:
         format_fidelity,
         make_console,
         plot_latency_vs_batch,
+        print_table,
         write_results,
     )
     from overdrive.techniques import describe_report
@@ -61,7 +62,7 @@ def main(args, argv: list[str]) -> int:
             table.add_row(label, str(b), f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f} / {m.latency_ms['p99']:.2f}",
                           f"{m.samples_per_s:,.1f}", m.gain.describe() if m.gain else ("1.00×" if label == first else ""),
                           format_bytes(m.peak_memory_bytes), format_fidelity(m, key))
-    console.print(table)
+    print_table(console, table)
     console.print(f"{session.describe_samples()} per measurement; {session.workload.describe_rows(session.num_distinct_samples)}; "
                   "speedup over the baseline at the same batch size, timed interleaved with it", highlight=False)
     for report in (r for label_reports in reports.values() for r in label_reports):

@@ -43,7 +43,7 @@ def main(args, argv: list[str]) -> int:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from overdrive.core import devices
-    from overdrive.core.report import make_console
+    from overdrive.core.report import make_console, print_table
     from overdrive.tuning.api import OptimizeJob
     from overdrive.tuning.report import compile_times, detail_lines, reasons_in_full, rows_table, table_note
 
@@ -87,8 +87,9 @@ def main(args, argv: list[str]) -> int:
         result = job.run(step)
 
     key = workload.fidelity_key
-    console.print(rows_table(result, fidelity_key=key, rows_description=result.rows_description,
-                             title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}"))
+    table = rows_table(result, fidelity_key=key, rows_description=result.rows_description,
+                       title=f"overdrive optimize {workload.name} — {device_name}, batch {session.batch_size}")
+    print_table(console, table)
     console.print(table_note(result, result.rows_description), style="dim", highlight=False, soft_wrap=True)
     for line in reasons_in_full(result):
         console.print(f"  why not, {line}", highlight=False, soft_wrap=True)

@@ -213,7 +213,7 @@ def _finish(args, config: TrainConfig, summary: TrainSummary) -> None:
     from rich.table import Table
 
     from overdrive.core.devices import resolve_device
-    from overdrive.core.report import format_bytes, make_console
+    from overdrive.core.report import format_bytes, make_console, print_table
     from overdrive.train.launch import DistEnv
     from overdrive.train.loop import run_training
     from overdrive.train.parallel import ParallelDims
@@ -232,7 +232,8 @@ def _finish(args, config: TrainConfig, summary: TrainSummary) -> None:
     table = Table(title=f"overdrive train {summary.workload} — {summary.objective}")
     for col in ("run", "strategy × processes", "precision", "samples/s", "speedup", "peak memory", "step memory",
                 "step memory ratio", "loss first → last"):
-        table.add_column(col, justify="left" if col in ("run", "strategy × processes", "precision") else "right")
+        table.add_column(col, justify="left" if col in ("run", "strategy × processes", "precision") else "right",
+                         no_wrap=col == "run")
     first = rows[0][1]
     for label, s in rows:
         extras = [x for x, on in (("checkpointing", s.checkpoint_activations), ("compile", s.compile)) if on]
@@ -240,7 +241,7 @@ def _finish(args, config: TrainConfig, summary: TrainSummary) -> None:
                       f"{s.samples_per_s / first.samples_per_s:.2f}×", format_bytes(s.peak_memory_bytes),
                       format_bytes(s.step_memory_bytes), f"{s.step_memory_bytes / max(1, first.step_memory_bytes):.2f}×",
                       f"{s.first_loss:.4g} → {s.last_loss:.4g}")
-    console.print(table)
+    print_table(console, table)
     console.print(f"global batch {summary.global_batch_size} rows, steps {summary.start_step}→{summary.steps}; "
                   f"peak memory is {summary.peak_memory_kind} (largest rank); step memory is what the steps added to it", highlight=False)
     if summary.pipeline:

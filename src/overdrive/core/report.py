@@ -47,13 +47,22 @@ def format_fidelity(m: Measurement | None, key: str, compact: bool = False) -> s
 
 
 def make_console() -> Console:
-    """The terminal's width; when stdout is not a terminal (make, CI, pipes), `COLUMNS` when set,
-    else 100 columns (the tables are laid out for that; long lines are printed unwrapped)."""
+    """The terminal's width; when stdout is not a terminal (make, CI, pipes), tables are laid out for
+    `COLUMNS` when set, else 100 columns, and lines of text are not wrapped (one line each, for logs
+    and grep)."""
     console = Console()
     if console.is_terminal:
         return console
     columns = os.environ.get("COLUMNS", "")
-    return Console(width=int(columns) if columns.isdigit() and int(columns) >= 40 else 100)
+    return Console(width=int(columns) if columns.isdigit() and int(columns) >= 40 else 100, soft_wrap=True)
+
+
+def print_table(console: Console, table) -> None:
+    """Print a rich Table within the console's width: rich 15 collapses a table that is too wide to
+    one column past the width (and crops its last border), so it gets the width minus one then."""
+    if table.width is None and console.measure(table).maximum > console.width:
+        table.width = console.width - 1
+    console.print(table)
 
 
 def environment() -> dict:

@@ -16,11 +16,13 @@ from overdrive.techniques import describe_report
 from overdrive.tuning.tuner import Row, TuneResult
 
 
-def short_reason(reason: str) -> str:
-    """A reason as the terminal table shows it: up to its first parenthesis or semicolon (the whole
-    reason is in report.md, results.json and the lines after the table)."""
+def short_reason(reason: str, width: int = 40) -> str:
+    """A reason as the terminal table shows it: up to its first parenthesis or semicolon, at most
+    `width` characters (the whole reason is in report.md, results.json and the lines after the table)."""
+    import textwrap
+
     cut = min([i for i in (reason.find(" ("), reason.find("; ")) if i > 0], default=len(reason))
-    return reason[:cut]
+    return textwrap.shorten(reason[:cut], width, placeholder="…")
 
 
 def _kept(row: Row, short: bool = False) -> str:
@@ -34,9 +36,8 @@ def _kept(row: Row, short: bool = False) -> str:
 
 
 def reasons_in_full(result: TuneResult) -> list[str]:
-    """"label: reason" for each row whose reason the terminal table shortened."""
-    return [f"{row.label}: {row.reason}" for row in result.rows
-            if row.reason and not row.kept and short_reason(row.reason) != row.reason]
+    """"label: reason" for each row not kept, one line each (the table shows them shortened)."""
+    return [f"{row.label}: {row.reason}" for row in result.rows if row.reason and not row.kept]
 
 
 def _speedup(row: Row) -> str:
@@ -58,14 +59,14 @@ def caption(result: TuneResult, rows_description: str) -> str:
 
 def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_description: str = "") -> Table:
     """The per-technique table for a terminal of 100 columns: technique | kept? | p50/p90 ms |
-    speedup [99%] | samples/s | peak mem | fidelity, reasons shortened (`reasons_in_full`); what it
-    shows is said by `table_note`, printed after it."""
+    speedup [99% interval] | samples/s | peak mem | fidelity, reasons shortened (`reasons_in_full`
+    gives them whole); what it shows is said by `table_note`, printed after it."""
     table = Table(title=title, show_lines=False)
     longest_word = max((len(w) for row in result.rows for w in row.label.split()), default=9)
-    for col, justify in [("technique", "left"), ("kept? (why not)", "left"), ("p50/p90 ms", "right"),
-                         ("speedup [99%]", "right"), ("samples/s", "right"), ("peak mem", "right"), ("fidelity", "left")]:
-        table.add_column(col, justify=justify, overflow="fold", min_width=longest_word if col == "technique" else None,
-                         no_wrap=col in ("p50/p90 ms", "speedup [99%]", "samples/s", "peak mem"))
+    for col, justify in [("technique", "left"), ("kept?", "left"), ("p50/p90 ms", "right"), ("speedup", "right"),
+                         ("samples/s", "right"), ("peak mem", "right"), ("fidelity", "left")]:
+        table.add_column(col, justify=justify, min_width={"technique": longest_word, "p50/p90 ms": 7}.get(col),
+                         no_wrap=col in ("samples/s", "peak mem"))
     previous_phase = None
     for row in result.rows:
         if previous_phase is not None and row.phase != previous_phase:
