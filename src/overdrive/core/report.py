@@ -60,7 +60,7 @@ def make_console() -> Console:
 def print_table(console: Console, table) -> None:
     """Print a rich Table within the console's width: rich 15 collapses a table that is too wide to
     one column past the width (and crops its last border), so it gets the width minus one then."""
-    if table.width is None and console.measure(table).maximum > console.width:
+    if table.width is None and console.measure(table).maximum >= console.width:
         table.width = console.width - 1
     console.print(table)
 
