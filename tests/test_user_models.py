@@ -310,7 +310,9 @@ def test_a_sequence_length_is_found_by_calling_the_model_at_two_sizes():
 def test_declared_dimensions_are_checked_and_refused_when_padding_changes_answers():
     torch.manual_seed(0)
     ids = torch.randint(1, 50, (4, 10))
-    assert workload_from_model("mean", _MeanOfIds(), ids).dynamic_dims == {}  # padding changes it: not guessed
+    guessed = workload_from_model("mean", _MeanOfIds(), ids)
+    assert guessed.dynamic_dims == {}  # padding changes it: not guessed, and said
+    assert any("could vary" in n and "rows must have size 10" in n for n in guessed.notes)
     with pytest.raises(WorkloadError, match="zero padding changes output"):
         workload_from_model("mean", _MeanOfIds(), ids, dynamic_dims={0: [1]})
     model, example = hf_models.bert_keywords()
@@ -334,9 +336,14 @@ def test_run_and_serve_take_rows_of_any_length(tmp_path):
     with open(tmp_path / "rows.jsonl", "w") as f:
         for n in lengths:
             f.write(json.dumps({"input_ids": list(range(5, 5 + n)), "attention_mask": [1] * n}) + "\n")
+        f.write(json.dumps({"input_ids": [5, 6, 7], "attention_mask": [1, 1]}) + "\n")  # a mask shorter than its ids
+        f.write(json.dumps({"input_ids": list(range(5, 205)), "attention_mask": [1] * 200}) + "\n")  # > 128 positions
+        f.write(json.dumps({"input_ids": [5, 6.5], "attention_mask": [1, 1]}) + "\n")  # not an id
     summary = run_offline(RunConfig(workload="bert", input=tmp_path / "rows.jsonl", output=tmp_path / "out.jsonl",
                                     device="cpu"), workload=workload)
-    assert summary.records == 4 and summary.failed == 0
+    assert summary.records == 7 and summary.failed == 3  # filed, not padded into another answer or fatal
+    reasons = (tmp_path / "out.jsonl.errors.jsonl").read_text()
+    assert "must have one size at dimension 1" in reasons and "at most 128" in reasons and "6.5" in reasons
     written = [json.loads(line)["output"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     with torch.no_grad():
         alone = [model(input_ids=torch.arange(5, 5 + n)[None], attention_mask=torch.ones(1, n, dtype=torch.int64)).logits[0]
@@ -355,7 +362,9 @@ def test_run_and_serve_take_rows_of_any_length(tmp_path):
         assert answer.status_code == 200, answer.text
         np.testing.assert_allclose(answer.json()["outputs"][0]["data"], alone[1].numpy(), rtol=1e-4, atol=1e-5)
         mismatch = httpx.post(live.infer_url, json=body(list(range(5, 14)), [1] * 4))
-        assert mismatch.status_code == 400 and "same size at dimension 1" in mismatch.text
+        assert mismatch.status_code == 400 and "must have one size at dimension 1" in mismatch.text
+        too_long = httpx.post(live.infer_url, json=body(list(range(5, 205)), [1] * 200))  # past max_position_embeddings
+        assert too_long.status_code == 400 and "at most 128" in too_long.text
 
 
 def test_a_plan_records_the_varying_dimensions(tmp_path):

@@ -12,6 +12,7 @@ FLAGS: dict[str, str | None] = {
     "resume_dir": "--resume",
     "save_dir": "--save",
     "world_size": "--nproc",
+    "dynamic_dims": "--dynamic-dim",
     "model": None,
     "workload": None,
 }

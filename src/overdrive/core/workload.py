@@ -142,10 +142,39 @@ class Workload:
         return {"accuracy_pct": 100.0 * correct}
 
 
-def pad_stack(dims: dict[int, tuple[int, ...]], rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+def row_size_problem(dims: dict[int, tuple[int, ...]], row: tuple[torch.Tensor, ...],
+                     max_size: int | None = None, names: list[str] | None = None) -> str | None:
+    """Why one row (a tensor per input, without the batch dimension) cannot be padded with others,
+    or None: inputs that vary at one dimension must have one size there (input_ids and its
+    attention_mask), of at least 1 and at most `max_size` (a model's max_position_embeddings)."""
+    for d in sorted({d for ds in dims.values() for d in ds}):
+        sizes = [(i, row[i].shape[d - 1]) for i, ds in sorted(dims.items()) if d in ds and row[i].dim() >= d]
+        name = (lambda i: repr(names[i]) if names else f"input {i}")
+        if len({n for _, n in sizes}) > 1:
+            return (f"inputs {', '.join(name(i) for i, _ in sizes)} must have one size at dimension {d} (they vary "
+                    f"together); got {', '.join(f'{name(i)}: {n}' for i, n in sizes)}")
+        if sizes and sizes[0][1] < 1:
+            return f"input {name(sizes[0][0])} has size 0 at dimension {d}; expected at least 1"
+        if sizes and max_size and sizes[0][1] > max_size:
+            return (f"input {name(sizes[0][0])} has size {sizes[0][1]} at dimension {d}; the model takes at most "
+                    f"{max_size} (its max_position_embeddings)")
+    return None
+
+
+def pad_stack(dims: dict[int, tuple[int, ...]], rows: list[tuple[torch.Tensor, ...]],
+              max_size: int | None = None) -> tuple[torch.Tensor, ...]:
     """Samples that are tuples of row tensors -> the model's inputs [B, ...]; input i is zero-padded
     at the end of its dimensions `dims[i]` (of the batched tensor, ≥ 1) to the batch's largest.
-    A zero in an attention mask marks a pad, and 0 is the pad id of BERT-family vocabularies."""
+    A zero in an attention mask marks a pad, and 0 is the pad id of BERT-family vocabularies.
+
+    Raises:
+        ValueError: a row whose inputs cannot be padded (`row_size_problem`): a mask shorter than its
+            ids would otherwise be padded into a different answer without a word.
+    """
+    for r, row in enumerate(rows):
+        problem = row_size_problem(dims, row, max_size)
+        if problem:
+            raise ValueError(f"row {r}: {problem}")
     columns = []
     for i, column in enumerate(zip(*rows)):
         padded_dims = dims.get(i, ())

@@ -474,9 +474,12 @@ class JsonlTensorSource(RecordSource):
         for n, (shape, dtype) in zip(self.names, self.specs):
             if n not in obj:
                 raise RecordError(f"no field {n!r}")
-            try:
-                value = torch.tensor(obj[n], dtype=torch.float64 if dtype.is_floating_point else torch.int64)
-            except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            try:  # as written: 1.5 stays 1.5, so an integer input refuses it instead of reading 1
+                array = np.asarray(obj[n])
+                if array.dtype.kind not in "biuf":
+                    raise ValueError(f"it holds {array.dtype.name} values")
+                value = torch.from_numpy(array.astype(np.int64 if array.dtype.kind in "biu" else np.float64))
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise RecordError(f"field {n!r} is not an array of numbers ({exc})") from None
             if not _fits(value.shape, shape):
                 raise RecordError(f"field {n!r} has shape {list(value.shape)}; the model takes {_describe_shape(shape)}")

@@ -213,7 +213,8 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         replicas = [Replica(m, d, workload.fixed_batch_size, max(1, cores // on_cpu) if d.type == "cpu" else None)
                     for m, d in zip(models, devices)]
         limits = replicas[0].in_own_thread(workload_input_limits, workload)  # one call of the fp32 model, off the main thread
-        padded = functools.partial(pad_records, workload.dynamic_dims) if workload.dynamic_dims else None
+        padded = functools.partial(pad_records, workload.dynamic_dims, max_size=workload.extra.get("max_dynamic_size")) \
+            if workload.dynamic_dims else None
         names = [f"input {n!r}" for n in input_names(workload)] if source.kind == "tensor" else None
         collate = Collate(workload.collate if source.kind == "text" else padded, 1, limits, names)
         # The manifest: everything a resumed run must share with the first one to give the same bytes.

@@ -69,10 +69,11 @@ class RecordDataset(torch.utils.data.Dataset):
         return i, value, failed, time.perf_counter() - start
 
 
-def pad_records(dims: dict[int, tuple[int, ...]], values: list) -> tuple[torch.Tensor, ...]:
+def pad_records(dims: dict[int, tuple[int, ...]], values: list, max_size: int | None = None) -> tuple[torch.Tensor, ...]:
     """Tensor records (a tensor, or a tuple per input) whose sizes vary at `dims`
-    (`Workload.dynamic_dims`) -> the model's inputs, zero-padded per batch (`pad_stack`)."""
-    return pad_stack(dims, [v if isinstance(v, tuple) else (v,) for v in values])
+    (`Workload.dynamic_dims`) -> the model's inputs, zero-padded per batch (`pad_stack`; a record
+    that cannot be padded raises ValueError, and `Collate` files it)."""
+    return pad_stack(dims, [v if isinstance(v, tuple) else (v,) for v in values], max_size=max_size)
 
 
 class Collate:

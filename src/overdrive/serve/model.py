@@ -26,7 +26,7 @@ from torch import nn
 
 from overdrive.core.input_limits import InputLimits, workload_input_limits
 from overdrive.core.measure import owned_host_float32, to_device
-from overdrive.core.workload import Workload, pad_stack
+from overdrive.core.workload import Workload, pad_stack, row_size_problem
 from overdrive.run.replica import text_lengths
 from overdrive.serve.protocol import DATATYPES, InferRequest, Tensor, datatype_of
 
@@ -160,7 +160,7 @@ class ServedModel:
             return TextPayload([t for p in payloads for t in p.texts], [n for p in payloads for n in p.lengths])
         if self.workload.dynamic_dims and len(payloads) > 1:  # rows of other sizes: zero-padded to the largest
             rows = [tuple(t[r] for t in p) for p in payloads for r in range(p[0].shape[0])]
-            return pad_stack(self.workload.dynamic_dims, rows)
+            return pad_stack(self.workload.dynamic_dims, rows, self.workload.extra.get("max_dynamic_size"))
         return tuple(torch.cat(col) for col in zip(*payloads))
 
     def split_output(self, output: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -201,12 +201,11 @@ class ServedModel:
         rows = {t.shape[0] for t in tensors}
         if len(rows) != 1:
             raise ValidationError(f"all inputs must have the same first (batch) dimension; got {sorted(rows)}")
-        dims = self.workload.dynamic_dims  # inputs that vary at one dimension vary together (input_ids, attention_mask)
-        for d in sorted({d for ds in dims.values() for d in ds}):
-            sizes = [(self.inputs[i].name, tensors[i].shape[d]) for i, ds in sorted(dims.items()) if d in ds]
-            if len({n for _, n in sizes}) > 1:
-                raise ValidationError(f"inputs {', '.join(n for n, _ in sizes)} must have the same size at dimension {d}; "
-                                      f"got {', '.join(f'{n}: {k}' for n, k in sizes)}")
+        if self.workload.dynamic_dims:  # inputs that vary together agree, within the model's positions
+            problem = row_size_problem(self.workload.dynamic_dims, tuple(t[0] for t in tensors),
+                                       self.workload.extra.get("max_dynamic_size"), [s.name for s in self.inputs])
+            if problem:
+                raise ValidationError(problem)
         self._check_limits(tuple(tensors), [f"input {s.name!r}" for s in self.inputs], "row")
         return tuple(tensors)
 
@@ -248,7 +247,7 @@ class ServedModel:
         row = spec.shape[1:]
         if len(tensor.shape) != len(spec.shape) or tensor.shape[0] < 1 or \
                 any(want not in (-1, got) or got < 1 for want, got in zip(row, tensor.shape[1:])):
-            sizes = ", ".join("any" if n == -1 else str(n) for n in row)
+            sizes = ", ".join("any ≥ 1" if n == -1 else str(n) for n in row)
             raise ValidationError(f"input {spec.name!r} must have shape [N, {sizes}] with N ≥ 1, got {list(tensor.shape)}")
         return torch.from_numpy(np.ascontiguousarray(tensor.data, dtype=DATATYPES[spec.datatype]))
 

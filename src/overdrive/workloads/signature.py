@@ -257,7 +257,7 @@ def padding_check(model: nn.Module, names: Sequence[str] | None, example: Sequen
 
 
 def detect_dynamic_dims(model: nn.Module, names: Sequence[str] | None, example: Sequence[torch.Tensor],
-                        out: Any) -> tuple[dict[int, tuple[int, ...]], set[str]]:
+                        out: Any) -> tuple[dict[int, tuple[int, ...]], set[str], list[str]]:
     """Dimensions that may vary, found by calling the model at two sizes: for each size shared at
     one dimension by inputs that include an integer one (token ids, masks; images are never
     guessed), the dimension is dynamic when `padding_check` passes and some output does not
@@ -267,10 +267,12 @@ def detect_dynamic_dims(model: nn.Module, names: Sequence[str] | None, example: 
         out: the model's output on `example`.
 
     Returns:
-        ({input index: dims}, paths of outputs that follow the sizes).
+        ({input index: dims}, paths of outputs that follow the sizes, notes on sizes the model takes
+        but whose padding changes its answers, so rows must keep the example's size).
     """
     found: dict[int, tuple[int, ...]] = {}
     varying: set[str] = set()
+    notes: list[str] = []
     groups = {(d, t.shape[d]) for t in example if not t.dtype.is_floating_point and t.dtype != torch.bool
               for d in range(1, t.dim()) if t.shape[d] >= 2}
     for d, size in sorted(groups):
@@ -280,7 +282,10 @@ def detect_dynamic_dims(model: nn.Module, names: Sequence[str] | None, example: 
             for i, ds in group.items():
                 found[i] = tuple(sorted({*found.get(i, ()), *ds}))
             varying |= paths
-    return found, varying
+        elif problem and problem.startswith("zero padding"):
+            notes.append(f"{describe_dims(group, names)} could vary (the model runs at another size), but {problem}: rows "
+                         f"must have size {size} there")
+    return found, varying, notes
 
 
 def describe_dims(dims: dict[int, tuple[int, ...]], names: Sequence[str] | None) -> str:

@@ -178,7 +178,8 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             if problem:
                 raise WorkloadError(f"{name}: {arg('dynamic_dims')} ({describe_dims(dims, input_names)}): {problem}")
         elif dynamic_dims is None and not _is_placeholder(example):
-            dims, varying = detect_dynamic_dims(model, input_names, example, out)
+            dims, varying, size_notes = detect_dynamic_dims(model, input_names, example, out)
+            notes += size_notes
             if dims:
                 notes.append(f"{describe_dims(dims, input_names)} vary from row to row (found by calling the model at two "
                              "sizes; zero padding leaves its answers unchanged): rows of any size there are taken and "
@@ -198,6 +199,9 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         fixed = None if _accepts_other_batch_sizes(model, example) else batch
         placeholder = data is None and _is_placeholder(example)
         limits = derive_input_limits(model, example) if data is not None or placeholder else None
+    # A Hugging Face model's position table bounds its sequence length: longer rows are refused, not run.
+    positions = getattr(getattr(user_model, "config", None), "max_position_embeddings", None)
+    max_size = positions if dims and isinstance(positions, int) and positions > 0 else None
     if metric is not None and data is None:
         raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
     if data is not None:
@@ -216,7 +220,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         name=name,
         model=model,
         samples=samples,
-        collate=partial(pad_stack, dims) if dims else stack_rows,
+        collate=partial(pad_stack, dims, max_size=max_size) if dims else stack_rows,
         dynamic_dims=dims,
         fidelity=fidelity if output_names else logits_fidelity,
         input_names=input_names,
@@ -228,7 +232,8 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         real_weights=True,
         rows_source=source,
         notes=notes,
-        extra={"classifier": output_names == ["logits"], "output_widths": widths if output_names else None},  # a Hugging Face classifier's ModelOutput: `run` adds predictions
+        extra={"classifier": output_names == ["logits"], "output_widths": widths if output_names else None,
+               "max_dynamic_size": max_size},  # a Hugging Face classifier's ModelOutput: `run` adds predictions
         description={"data": "user model on its own evaluation data", "example": "user model on its example's rows",
                      "random": "user model with seeded inputs of its example's shape (speed only)"}[source],
     )
