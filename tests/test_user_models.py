@@ -437,28 +437,6 @@ def test_your_data_keeps_a_held_out_fifth_for_calibration(tmp_path):
     assert len(few.samples) == 40 and few.train_samples is None
 
 
-TWO_INPUT_MODULE = '''
-import torch
-from torch import nn
-
-
-class TwoTower(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.image = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
-        self.meta = nn.Linear(4, 8)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, image, meta):
-        embedding = self.image(image)
-        return {"score": self.head(torch.cat([embedding, self.meta(meta)], dim=-1)), "embedding": embedding}
-
-
-def build():
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(2)
-    return TwoTower().eval(), {"image": torch.randn(16, 16, generator=g), "meta": torch.randn(16, 4, generator=g)}
-'''
 
 
 def test_user_files_end_to_end_from_a_fresh_folder(tmp_path, monkeypatch):
@@ -470,11 +448,11 @@ def test_user_files_end_to_end_from_a_fresh_folder(tmp_path, monkeypatch):
     from overdrive.serve.runner import load_served_model
     from tests.fixtures.live_server import LiveServer
 
-    (tmp_path / "mine.py").write_text(TWO_INPUT_MODULE)
+    shutil.copy(Path(hf_models.__file__), tmp_path / "mine.py")
     quick = ("--techniques", "bf16", "--sweep-batch-sizes", "4", "--out", "out")
-    assert run_cli("optimize", "mine:build", *quick, cwd=tmp_path).returncode == 0
-    plan = tmp_path / "out" / "mine" / "plan.json"
-    assert run_cli("bench", "mine:build", "--plan", str(plan), "--out", "out", cwd=tmp_path).returncode == 0
+    assert run_cli("optimize", "mine:two_tower_dict", *quick, cwd=tmp_path).returncode == 0
+    plan = tmp_path / "out" / "two_tower_dict" / "plan.json"
+    assert run_cli("bench", "mine:two_tower_dict", "--plan", str(plan), "--out", "out", cwd=tmp_path).returncode == 0
     rng = np.random.default_rng(0)
     image, meta = rng.standard_normal((20, 16)).astype("float32"), rng.standard_normal((20, 4)).astype("float32")
     np.savez(tmp_path / "x.npz", image=image, meta=meta)
@@ -521,3 +499,21 @@ def test_user_files_end_to_end_from_a_fresh_folder(tmp_path, monkeypatch):
     with torch.no_grad():
         expected = trained(torch.from_numpy(rows)).numpy()
     np.testing.assert_allclose(np.load(elsewhere / "w.npy"), expected, rtol=0.05, atol=0.05)  # the trained weights
+
+
+def test_serve_counts_and_logs_graphs_compiled_after_its_warm_up(monkeypatch, caplog):
+    import overdrive.serve.model as served_module
+    from overdrive.serve.model import ServedModel
+
+    model, example = hf_models.bert_keywords()
+    workload = workload_from_model("bert", model, example)
+    served = ServedModel("bert", workload, [workload.model], [torch.device("cpu")])
+    graphs = iter([10, 10, 12])  # warm, then a batch that compiled nothing, then one that compiled two graphs
+    monkeypatch.setattr(served_module, "compiled_graphs", lambda: next(graphs))
+    served.watch_recompiles()
+    rows = (example["input_ids"][:1, :5], example["attention_mask"][:1, :5])
+    served.execute([rows], 0)
+    assert served.recompiles == 0
+    with caplog.at_level("WARNING", logger="overdrive.cli.serve"):
+        served.execute([rows], 0)
+    assert served.recompiles == 2 and "compiled a new graph for a batch of shape [1, 5]" in caplog.text

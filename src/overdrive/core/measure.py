@@ -454,3 +454,13 @@ def count_flops_per_sample(model: nn.Module, workload: Workload, *, device: torc
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)
     return counter.get_total_flops() / len(chunk)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (TorchDynamo's `unique_graphs`
+    counter); 0 when unknown. `run` and `serve` compare it before and after their warm-up."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])

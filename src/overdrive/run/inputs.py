@@ -114,6 +114,18 @@ def _decode_utf8(raw: bytes) -> str:
 # -- sources -------------------------------------------------------------------------------------
 
 
+def _json_object(raw: bytes) -> dict:
+    """One JSONL line as a JSON object; RecordError with the reason (bad UTF-8, not JSON, not an object)."""
+    _decode_utf8(raw)  # a precise reason for bad bytes
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise RecordError(f"not a JSON object ({str(exc).split(':')[0]})") from None
+    if not isinstance(obj, dict):
+        raise RecordError(f"not a JSON object (a {type(obj).__name__})")
+    return obj
+
+
 class RecordSource:
     """Base of the record sources; see the module docstring for what each one reads.
 
@@ -199,14 +211,7 @@ class JsonlSource(RecordSource):
         return len(self.records.offsets) - 1
 
     def read(self, i: int) -> str:
-        raw = self.records.raw(i)
-        _decode_utf8(raw)  # a precise reason for bad bytes
-        try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise RecordError(f"not a JSON object ({str(exc).split(':')[0]})") from None
-        if not isinstance(obj, dict):
-            raise RecordError(f"not a JSON object (a {type(obj).__name__})")
+        obj = _json_object(self.records.raw(i))
         if self.text_field not in obj:
             raise RecordError(f"no field {self.text_field!r}")
         value = obj[self.text_field]
@@ -462,14 +467,7 @@ class JsonlTensorSource(RecordSource):
         return len(self.records.offsets) - 1
 
     def read(self, i: int):
-        raw = self.records.raw(i)
-        _decode_utf8(raw)
-        try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise RecordError(f"not a JSON object ({str(exc).split(':')[0]})") from None
-        if not isinstance(obj, dict):
-            raise RecordError(f"not a JSON object (a {type(obj).__name__})")
+        obj = _json_object(self.records.raw(i))
         row = []
         for n, (shape, dtype) in zip(self.names, self.specs):
             if n not in obj:

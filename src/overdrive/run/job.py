@@ -48,6 +48,7 @@ import torch
 from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread
 from overdrive.core.errors import ConfigError, DataError, OverdriveError, RunAborted, arg, one_line
 from overdrive.core.input_limits import workload_input_limits
+from overdrive.core.measure import compiled_graphs
 from overdrive.core.workload import Workload
 from overdrive.run.inputs import RecordSource, input_names, open_source
 from overdrive.run.outputs import OutputChunk, write_output
@@ -287,7 +288,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         progress(done_before, failed_before, 0.0)
     start = time.perf_counter()
     setup_s = start - setup_start
-    graphs_before = _compiled_graphs()
+    graphs_before = compiled_graphs()
     if pending:
         _execute(run, source, collate, batch_size, chunk_size, config.bucket, num_workers, devices[0].type == "cuda",
                  text_lengths(workload) if source.kind == "text" else None)
@@ -300,7 +301,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
     run.clock.add("assemble", time.perf_counter() - start)
     wall += run.clock.phases["assemble"]
     busy = run.clock.phases["compute"] / max(wall, 1e-9) / len(replicas)
-    compiled = _compiled_graphs() - graphs_before
+    compiled = compiled_graphs() - graphs_before
     warnings = _slower_than_the_plan(plan, run.processed, run.clock.phases["compute"], batch_size, compiled)
     if workload.extra.get("weights_differ_from_plan"):
         warnings.insert(0, workload.extra["weights_differ_from_plan"])
@@ -311,15 +312,6 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         auto_batch=auto, device=str(devices[0]) if len(set(devices)) == 1 else f"{len(set(devices))} × {devices[0].type}",
         replicas=len(replicas), num_workers=num_workers, device_busy_fraction=busy, phases_s=dict(run.clock.phases),
         setup_s=setup_s, recompiles=compiled, warnings=warnings)
-
-
-def _compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far (TorchDynamo's `unique_graphs`); 0 when unknown."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return 0
-    return int(counters["stats"]["unique_graphs"])
 
 
 def _slower_than_the_plan(plan, processed: int, compute_s: float, batch_size: int, recompiles: int) -> list[str]:

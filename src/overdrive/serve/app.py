@@ -156,6 +156,7 @@ class InferenceServer:
                 lambda i: self.served.warmup(self.config.max_batch_size, self.config.warmup_s, instance=i))
             sizes, seconds = min(n for n, _ in warmed), max(s for _, s in warmed)
             log.info("ready: warmed batch sizes up to %d in %.1f s", sizes, seconds)
+        self.served.watch_recompiles()
         self.warmed = True
 
     async def drain(self) -> None:

@@ -17,6 +17,7 @@ ids the model has no rows for), and floating-point inputs must be finite (no NaN
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -25,12 +26,13 @@ import torch
 from torch import nn
 
 from overdrive.core.input_limits import InputLimits, workload_input_limits
-from overdrive.core.measure import owned_host_float32, to_device
+from overdrive.core.measure import compiled_graphs, owned_host_float32, to_device
 from overdrive.core.workload import Workload, pad_stack, row_size_problem
 from overdrive.run.replica import text_lengths
 from overdrive.serve.protocol import DATATYPES, InferRequest, Tensor, datatype_of
 
 OUTPUT = "output"
+log = logging.getLogger("overdrive.cli.serve")
 
 
 class ValidationError(ValueError):
@@ -88,6 +90,8 @@ class ServedModel:
         self.devices = devices
         self.fixed_batch_size = workload.fixed_batch_size
         self.threads_per_instance: int | None = None  # intra-op threads each instance thread sets (None: leave)
+        self.recompiles = 0  # graphs torch.compile compiled for live batches, after the warm-up
+        self._graphs_seen: int | None = None  # compiled_graphs() once warm; None: still warming up
         # Token counts for the length buckets, computed in the request handler: the tokenizer reads
         # at most 128 × max_seq_length characters of a text (a string of megabytes tokenised whole
         # would block every other request on the event loop meanwhile).
@@ -154,6 +158,22 @@ class ServedModel:
                 self.execute([payload], i)
             done = size
         return done, time.perf_counter() - start
+
+    def watch_recompiles(self) -> None:
+        """From now on (the warm-up is done), a batch that makes torch.compile compile a new graph
+        is logged and counted in `recompiles`: its requests waited for the compilation."""
+        self._graphs_seen = compiled_graphs()
+
+    def _check_recompiles(self, inputs: tuple) -> None:
+        if self._graphs_seen is None:
+            return
+        now = compiled_graphs()
+        if now > self._graphs_seen:
+            self.recompiles += now - self._graphs_seen
+            shapes = ", ".join(str(list(t.shape)) for t in inputs)
+            log.warning("torch.compile compiled a new graph for a batch of shape %s after the warm-up (%d so far): its "
+                        "requests waited for the compilation", shapes, self.recompiles)
+        self._graphs_seen = now
 
     def concat_payloads(self, payloads: list):
         if isinstance(payloads[0], TextPayload):
@@ -284,6 +304,7 @@ class ServedModel:
             if pad > 0:
                 inputs = tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in inputs)
         output = model(*to_device(inputs, device))
+        self._check_recompiles(inputs)
         if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != sum(sizes) + max(pad, 0):
             shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
             raise ValueError(f"the model returned {shape} for a batch of {sum(sizes)} rows; expected [rows, ...]")
