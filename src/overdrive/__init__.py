@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 # Exported lazily (PEP 562): `import overdrive` and the command line's start stay light; each
 # name imports its module on first use.
 _EXPORTS = {
-    "optimize": "overdrive.tuning.api", "load": "overdrive.tuning.api", "bench": "overdrive.tuning.api",
+    "optimize": "overdrive.tuning.api", "load": "overdrive.tuning.reuse", "bench": "overdrive.tuning.reuse",
     "OptimizeResult": "overdrive.tuning.api", "Plan": "overdrive.tuning.plan", "Measurement": "overdrive.core.measure",
     "Workload": "overdrive.core.workload", "list_techniques": "overdrive.techniques", "list_workloads": "overdrive.workloads",
     **{name: "overdrive.core.errors" for name in ("OverdriveError", "ConfigError", "WorkloadError", "PlanError",

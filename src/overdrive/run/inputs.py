@@ -13,6 +13,7 @@ A *record source* is a random-access view of the user's input, one record per ou
 | `.jsonl`, a field per input    | (tensor models) each field's  | "line 12" (from 1)    |
 |                                | nested list, as a tensor      |                       |
 
+The three tensor sources are in `overdrive.run.tensor_sources`; `open_source` picks among all.
 Records are located once at open time (byte offsets of lines / CSV rows, a sorted file list,
 a memory map), so any worker process can read any record by index without reading the others.
 `read(i)` decodes one record and raises `RecordError` with a reason when that record alone is
@@ -85,7 +86,7 @@ def csv_record_offsets(path: Path) -> np.ndarray:
     return np.asarray(offsets, dtype=np.int64)
 
 
-class _ByteRecords:
+class ByteRecords:
     """Records that are byte ranges of one file; opens its own handle per process (workers)."""
 
     def __init__(self, path: Path, offsets: np.ndarray):
@@ -114,7 +115,7 @@ def _decode_utf8(raw: bytes) -> str:
 # -- sources -------------------------------------------------------------------------------------
 
 
-def _json_object(raw: bytes) -> dict:
+def json_object(raw: bytes) -> dict:
     """One JSONL line as a JSON object; RecordError with the reason (bad UTF-8, not JSON, not an object)."""
     _decode_utf8(raw)  # a precise reason for bad bytes
     try:
@@ -169,7 +170,7 @@ class TextLinesSource(RecordSource):
 
     def __init__(self, path: Path):
         self.path = path
-        self.records = _ByteRecords(path, line_offsets(path))
+        self.records = ByteRecords(path, line_offsets(path))
 
     def __len__(self) -> int:
         return len(self.records.offsets) - 1
@@ -196,7 +197,7 @@ class JsonlSource(RecordSource):
         self.path = path
         self.text_field = text_field
         offsets = line_offsets(path)
-        self.records = _ByteRecords(path, offsets)
+        self.records = ByteRecords(path, offsets)
         for i in range(min(len(self), 100)):  # the first record that parses decides whether the field exists
             try:
                 obj = json.loads(self.records.raw(i))
@@ -211,7 +212,7 @@ class JsonlSource(RecordSource):
         return len(self.records.offsets) - 1
 
     def read(self, i: int) -> str:
-        obj = _json_object(self.records.raw(i))
+        obj = json_object(self.records.raw(i))
         if self.text_field not in obj:
             raise RecordError(f"no field {self.text_field!r}")
         value = obj[self.text_field]
@@ -245,7 +246,7 @@ class CsvSource(RecordSource):
         offsets = csv_record_offsets(path)
         if len(offsets) < 2:
             raise DataError(f"{path}: empty CSV file; expected a header row naming a column {text_field!r}")
-        self.records = _ByteRecords(path, offsets)
+        self.records = ByteRecords(path, offsets)
         try:
             header = next(csv.reader(io.StringIO(self.records.raw(0).decode("utf-8-sig"))))
         except (UnicodeDecodeError, StopIteration, csv.Error) as exc:
@@ -312,177 +313,6 @@ class ImageFolderSource(RecordSource):
         return {"path": str(self.path.resolve()), "format": self.format, "records": len(self),
                 "size_bytes": sum(s.st_size for s in stats), "mtime_ns": max(s.st_mtime_ns for s in stats),
                 "files_hash": hash_strings(self.files)}
-
-
-class NpySource(RecordSource):
-    """Rows of a .npy array [N, *row], memory-mapped; row i is record i, as the model's dtype.
-
-    Raises:
-        DataError: not a readable .npy file, or rows of another shape than `row_shape`.
-    """
-
-    format = "npy"
-    kind = "tensor"
-
-    def __init__(self, path: Path, row_shape: tuple[int, ...], dtype: torch.dtype):
-        self.path = path
-        try:
-            self.array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as exc:
-            raise DataError(f"{path}: not a readable .npy array ({exc})") from None
-        if self.array.ndim < 1 or not _fits(self.array.shape[1:], row_shape):
-            raise DataError(f"{path}: array of shape {list(self.array.shape)}; this model takes rows of shape "
-                            f"{_describe_shape(row_shape)}, i.e. an array [N, {_describe_shape(row_shape)[1:]}")
-        if self.array.dtype.kind not in "biuf":
-            raise DataError(f"{path}: array of dtype {self.array.dtype}; expected a numeric array")
-        self.dtype = dtype
-
-    def __len__(self) -> int:
-        return int(self.array.shape[0])
-
-    def source_key(self, i: int) -> str:
-        return f"{self.path.name}[{i}]"
-
-    def read(self, i: int) -> torch.Tensor:
-        return _cast_row(torch.from_numpy(np.array(self.array[i])), self.dtype)
-
-    def __getstate__(self):  # workers re-open the memory map rather than pickling the data
-        return {k: v for k, v in self.__dict__.items() if k != "array"} | {"array": None}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self.array = np.load(self.path, mmap_mode="r", allow_pickle=False)
-
-
-def _cast_row(row: torch.Tensor, dtype: torch.dtype, name: str = "row") -> torch.Tensor:
-    """`row` as the model input's dtype; RecordError for NaN/inf or a value the dtype cannot hold exactly."""
-    if not torch.isfinite(row.float()).all():
-        raise RecordError(f"{name} holds NaN or infinite values")
-    cast = row.to(dtype)
-    if not dtype.is_floating_point and not torch.equal(cast.to(row.dtype), row):  # 3.5 -> 3, 2**40 -> int32
-        bad = row.reshape(-1)[(cast.to(row.dtype) != row).reshape(-1)][0].item()
-        raise RecordError(f"{name} holds {bad}, which the model's {str(dtype).removeprefix('torch.')} input cannot hold exactly")
-    return cast
-
-
-def input_names(workload) -> list[str]:
-    """The names of a tensor workload's inputs, as `serve` and `run` spell them: the model's keywords
-    (`input_ids`, `attention_mask`) when it has them, else `input`, or `input__0`, `input__1`, ..."""
-    sample = workload.samples[0]
-    count = len(sample) if isinstance(sample, tuple) else 1
-    return list(workload.input_names or (["input"] if count == 1 else [f"input__{i}" for i in range(count)]))
-
-
-def _row_specs(workload) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Per input: its row shape, with -1 where the size varies from row to row (`Workload.dynamic_dims`),
-    and its dtype."""
-    sample = workload.samples[0]
-    dims = getattr(workload, "dynamic_dims", {}) or {}
-    return [(tuple(-1 if d in dims.get(i, ()) else n for d, n in enumerate(c.shape, start=1)), c.dtype)
-            for i, c in enumerate(sample if isinstance(sample, tuple) else (sample,))]
-
-
-def _fits(shape: Sequence[int], want: Sequence[int]) -> bool:
-    """A row shape against a spec with -1 for sizes that vary (≥ 1)."""
-    return len(shape) == len(want) and all(w in (-1, n) and n >= 1 for n, w in zip(shape, want))
-
-
-def _describe_shape(want: Sequence[int]) -> str:
-    return "[" + ", ".join("any" if n == -1 else str(n) for n in want) + "]"
-
-
-class NpzSource(RecordSource):
-    """A .npz archive with one array [N, *row] per model input, named as the inputs are (see
-    `input_names`); record i is the tuple of row i of each (a lone tensor for one input).
-
-    Raises:
-        DataError: not a readable .npz, an input's array missing, rows of another shape, or arrays
-            of different lengths.
-    """
-
-    format = "npz"
-    kind = "tensor"
-
-    def __init__(self, path: Path, names: list[str], specs: list[tuple[tuple[int, ...], torch.dtype]]):
-        self.path, self.names, self.specs = path, names, specs
-        try:
-            archive = np.load(path, allow_pickle=False)
-        except (ValueError, OSError) as exc:
-            raise DataError(f"{path}: not a readable .npz archive ({exc})") from None
-        if len(names) == 1 and names[0] not in archive.files and len(archive.files) == 1:
-            names = self.names = [archive.files[0]]  # one input, one array: its name does not matter
-        missing = [n for n in names if n not in archive.files]
-        if missing:
-            raise DataError(f"{path}: no array {missing[0]!r}; this model takes arrays {names} (one per input, named as "
-                            f"its inputs), the archive holds {archive.files}")
-        self.arrays = [archive[n] for n in names]
-        for n, a, (shape, _) in zip(names, self.arrays, specs):
-            if a.ndim < 1 or not _fits(a.shape[1:], shape):
-                raise DataError(f"{path}: array {n!r} of shape {list(a.shape)}; this model takes rows of shape "
-                                f"{_describe_shape(shape)}, i.e. an array [N, {_describe_shape(shape)[1:]}")
-            if a.dtype.kind not in "biuf":
-                raise DataError(f"{path}: array {n!r} of dtype {a.dtype}; expected a numeric array")
-        if len({len(a) for a in self.arrays}) != 1:
-            raise DataError(f"{path}: the arrays hold different numbers of rows "
-                            f"({', '.join(f'{n}: {len(a)}' for n, a in zip(names, self.arrays))}); one row per record each")
-
-    def __len__(self) -> int:
-        return int(len(self.arrays[0]))
-
-    def source_key(self, i: int) -> str:
-        return f"{self.path.name}[{i}]"
-
-    def read(self, i: int):
-        row = tuple(_cast_row(torch.from_numpy(np.array(a[i])), dtype, f"{n!r}")
-                    for a, n, (_, dtype) in zip(self.arrays, self.names, self.specs))
-        return row[0] if len(row) == 1 else row
-
-
-class JsonlTensorSource(RecordSource):
-    """One JSON object per line with a field per model input (see `input_names`) holding its row as
-    nested lists of numbers; record i is the tuple of those rows (a lone tensor for one input).
-
-    Raises:
-        DataError: the first object lacks an input's field.
-    """
-
-    format = "jsonl"
-    kind = "tensor"
-
-    def __init__(self, path: Path, names: list[str], specs: list[tuple[tuple[int, ...], torch.dtype]]):
-        self.path, self.names, self.specs = path, names, specs
-        self.records = _ByteRecords(path, line_offsets(path))
-        for i in range(min(len(self), 100)):
-            try:
-                obj = json.loads(self.records.raw(i))
-            except (ValueError, UnicodeDecodeError):
-                continue
-            missing = [n for n in names if isinstance(obj, dict) and n not in obj]
-            if missing:
-                raise DataError(f"{path}: the first JSON record has no field {missing[0]!r}; this model takes fields "
-                                f"{names} (one per input), the record has {sorted(obj)[:20]}")
-            break
-
-    def __len__(self) -> int:
-        return len(self.records.offsets) - 1
-
-    def read(self, i: int):
-        obj = _json_object(self.records.raw(i))
-        row = []
-        for n, (shape, dtype) in zip(self.names, self.specs):
-            if n not in obj:
-                raise RecordError(f"no field {n!r}")
-            try:  # as written: 1.5 stays 1.5, so an integer input refuses it instead of reading 1
-                array = np.asarray(obj[n])
-                if array.dtype.kind not in "biuf":
-                    raise ValueError(f"it holds {array.dtype.name} values")
-                value = torch.from_numpy(array.astype(np.int64 if array.dtype.kind in "biu" else np.float64))
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise RecordError(f"field {n!r} is not an array of numbers ({exc})") from None
-            if not _fits(value.shape, shape):
-                raise RecordError(f"field {n!r} has shape {list(value.shape)}; the model takes {_describe_shape(shape)}")
-            row.append(_cast_row(value, dtype, f"field {n!r}"))
-        return row[0] if len(row) == 1 else tuple(row)
 
 
 def hash_strings(items: Iterable[str]) -> str:
@@ -590,12 +420,14 @@ def open_source(path: Path, workload, *, text_field: str | None = None, argument
         transform, mode = image_transform(workload)
         return ImageFolderSource(path, transform, mode)
     suffix = path.suffix.lower()
+    from overdrive.run.tensor_sources import JsonlTensorSource, NpySource, NpzSource, input_names, row_specs
+
     if suffix == ".npz" or (suffix in (".jsonl", ".ndjson") and not workload.is_text):
         if workload.is_text:
             raise DataError(f"{arg(argument, path)}: {workload.name!r} is a text model; give a .txt, .jsonl or .csv file")
         if text_field is not None:
             raise ConfigError(f"{arg('text_field')} names the text field of a text model's input; this model takes tensors")
-        return (NpzSource if suffix == ".npz" else JsonlTensorSource)(path, input_names(workload), _row_specs(workload))
+        return (NpzSource if suffix == ".npz" else JsonlTensorSource)(path, input_names(workload), row_specs(workload))
     if suffix in TEXT_FORMATS:
         if not workload.is_text:
             raise DataError(f"{arg(argument, path)}: {workload.name!r} takes tensors, not text; give a folder of images or a .npy array")
@@ -612,6 +444,6 @@ def open_source(path: Path, workload, *, text_field: str | None = None, argument
         if not isinstance(sample, torch.Tensor):
             raise ConfigError(f"workload {workload.name!r} takes several inputs per row ({', '.join(input_names(workload))}); "
                               ".npy input holds one: give a .npz with an array per input, or .jsonl with a field per input")
-        return NpySource(path, *_row_specs(workload)[0])
+        return NpySource(path, *row_specs(workload)[0])
     known = sorted(TEXT_FORMATS) + [*TENSOR_FORMATS, "a folder of images"]
     raise DataError(f"{arg(argument, path)}: unknown format {suffix or '(no suffix)'!r}; expected one of {', '.join(known)}")

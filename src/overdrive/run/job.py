@@ -50,7 +50,8 @@ from overdrive.core.errors import ConfigError, DataError, OverdriveError, RunAbo
 from overdrive.core.input_limits import workload_input_limits
 from overdrive.core.measure import compiled_graphs
 from overdrive.core.workload import Workload
-from overdrive.run.inputs import RecordSource, input_names, open_source
+from overdrive.run.inputs import RecordSource, open_source
+from overdrive.run.tensor_sources import input_names
 from overdrive.run.outputs import OutputChunk, write_output
 from overdrive.run.replica import (
     Collate,

@@ -1,4 +1,5 @@
-"""The Python API of the optimize flow: `optimize`, `load` and `bench` (exported by `overdrive`).
+"""The Python API of the optimize flow: `optimize` (exported by `overdrive`; `load` and `bench`,
+which use a plan once it is made, are in `overdrive.tuning.reuse`).
 
 `optimize` is `OptimizeJob.prepare(...)` (every argument checked, the workload built, nothing
 measured yet) followed by `job.run()` (baseline, each technique alone, composition, the
@@ -17,15 +18,15 @@ import torch
 from torch import nn
 
 from overdrive.core import devices
-from overdrive.core.errors import ConfigError, WorkloadError, arg
-from overdrive.core.measure import Measurement, cycle_indices, measure
+from overdrive.core.errors import ConfigError, arg
+from overdrive.core.measure import Measurement
 from overdrive.core.report import environment, plot_latency_vs_batch, write_results
 from overdrive.core.workload import Workload
 from overdrive.run.resume import weights_fingerprint
 from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
-from overdrive.tuning.plan import Plan, build, load_plan, save_checkpoints
+from overdrive.tuning.plan import Plan, build, save_checkpoints
 from overdrive.tuning.report import rows_markdown, write_report_md
-from overdrive.tuning.sweep import Session, compare_plan, open_session, sweep
+from overdrive.tuning.sweep import Session, open_session, sweep
 from overdrive.tuning.guard import FidelityRule, Guard
 from overdrive.tuning.tuner import Row, Tuner
 
@@ -97,7 +98,7 @@ def as_workload(model: str | nn.Module | Workload, example_inputs=None, *, data:
     return model
 
 
-def _data_left(model, data):
+def data_left(model, data):
     """The `data` `open_session` still has to read: all of it for a workload, a file for a module."""
     return data if not isinstance(model, nn.Module) or isinstance(data, (str, Path)) else None
 
@@ -273,7 +274,7 @@ class OptimizeJob:
         session = open_session(as_workload(model, example_inputs, data=data, metric=metric, output=output,
                                            dynamic_dims=dynamic_dims), device=device,
                                batch_size=batch_size, num_samples=num_samples, out=out, input_shape=input_shape,
-                               input_dtype=input_dtype, data=_data_left(model, data), text_field=text_field,
+                               input_dtype=input_dtype, data=data_left(model, data), text_field=text_field,
                                weights=weights, dynamic_dims=dynamic_dims if isinstance(model, str) else None)
         workload = session.workload
         if max_accuracy_drop and not workload.has_task_metric:  # 0 is a lossless budget, which needs no metric
@@ -400,104 +401,3 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
         sweep_batch_sizes=sweep_batch_sizes, out=out, input_shape=input_shape, input_dtype=input_dtype,
         text_field=text_field, weights=weights, output=output, dynamic_dims=dynamic_dims,
     ).run(progress)
-
-
-def load(plan: str | Path, model: nn.Module | Workload | None = None, *, example_inputs=None,
-         device: str | torch.device = "auto") -> nn.Module:
-    """Rebuild a saved plan: its techniques applied to a fresh copy of the model, on the device.
-
-    Args:
-        plan: a plan.json written by `optimize` (`result.save`, or `overdrive optimize`).
-        model: the model (or Workload) the plan was made for; it is copied, not changed. None:
-            the plan's own workload (a built-in name, factory or file).
-        example_inputs: inputs [B, ...] for techniques that trace the model (channel pruning);
-            None: seeded rows of the shapes the plan recorded.
-        device: "auto" (the device type the plan was tuned on), "cpu", "cuda" or "cuda:N".
-
-    Returns:
-        The optimized module in eval mode, on the device.
-
-    Raises:
-        PlanError: the file is not a plan, names missing checkpoints, or was tuned on another device type.
-        ConfigError: a plan made from a Python module, loaded without `model`.
-    """
-    device_name = str(device) if isinstance(device, torch.device) else device
-    loaded, resolved, _ = load_plan(plan, device=device_name)
-    if model is None:
-        if loaded.workload.startswith(PYTHON_MODEL_PREFIX):
-            raise ConfigError(f"{plan} was made from a Python module ({loaded.workload}); pass it as {arg('model')}")
-        workload = open_session(loaded.create_workload(), device=resolved, batch_size=loaded.batch_size).workload
-    elif isinstance(model, Workload):
-        workload = model
-    else:
-        workload = as_workload(model, example_inputs if example_inputs is not None else _example_from(loaded))
-    return build(workload, loaded.steps, resolved)[0]
-
-
-def _example_from(plan: Plan) -> tuple[torch.Tensor, ...]:
-    if not plan.inputs:
-        raise ConfigError(f"the plan records no input shapes; pass {arg('example_inputs')}")
-    generator = torch.Generator().manual_seed(0)
-    example = []
-    for spec in plan.inputs:
-        dtype = getattr(torch, spec["dtype"])
-        shape = (plan.batch_size, *spec["shape"])
-        example.append(torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point
-                       else torch.zeros(shape, dtype=dtype))
-    return tuple(example)
-
-
-def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int] | None = None,
-          device: str | torch.device | None = None, plan: str | Path | None = None,
-          data: Iterable | str | Path | None = None, num_samples: int | None = None,
-          text_field: str | None = None) -> dict[int, Measurement]:
-    """Measure latency, throughput and peak memory at each batch size.
-
-    Args:
-        model: a module (measured as it is, e.g. `result.model` or `load(...)`) with
-            `example_inputs`, or a workload name / spec (its eager fp32 model, or `plan`'s).
-        example_inputs: for a module: a tensor or tuple of tensors [B, ...].
-        batch_sizes: rows per call; None: B, the example's (or the plan's, the workload's).
-        device: for a module: where its inputs go (None: the device of its first parameter,
-            else the CPU); for a workload: "auto", "cpu", "cuda", "cuda:N".
-        plan: for a workload: a plan.json whose model is measured; its fidelity against the eager
-            fp32 model at the same batch size is filled in.
-        data: the rows measured: for a module, batches like `example_inputs` (default: the
-            example's rows); for any model, a file as for `optimize`; `text_field` names the text
-            column of a .jsonl / .csv file.
-        num_samples: rows per measurement (≥ the batch size); None: 512 for text, all otherwise.
-
-    Returns:
-        {batch size: Measurement}, in the order of `batch_sizes` (static-batch models: their one size).
-
-    Raises:
-        ConfigError, WorkloadError, PlanError: as for `optimize` and `load`.
-    """
-    if isinstance(model, nn.Module):
-        workload = as_workload(model, example_inputs, data=data)
-        if device is None:
-            first = next(iter([*model.parameters(), *model.buffers()]), None)
-            device = first.device if first is not None else torch.device("cpu")
-        session = open_session(workload, device=device, num_samples=num_samples, data=_data_left(model, data),
-                               text_field=text_field)
-        workload = session.workload
-        if session.refused_sizes(batch_sizes or []):
-            raise ConfigError(f"{arg('batch_sizes', batch_sizes)}: {session.refused_sizes(batch_sizes)[0]}")
-        sizes = session.sweep_sizes(batch_sizes or [session.batch_size])
-        out = {}
-        for b in sizes:
-            indices = cycle_indices(max(session.num_distinct_samples, b), len(workload.samples))
-            out[b] = measure(model, workload, device=session.device, batch_size=b, indices=indices,
-                             min_timed_calls=5, min_timed_s=0.5)[0]
-        return out
-    loaded = None
-    if plan is not None:
-        loaded, device, _ = load_plan(plan, device=device or "auto", workload=model)
-    session = open_session(model, device=device or "auto", batch_size=loaded.batch_size if loaded else None,
-                           num_samples=num_samples, data=data, text_field=text_field)
-    if session.refused_sizes(batch_sizes or []):
-        raise ConfigError(f"{arg('batch_sizes', batch_sizes)}: {session.refused_sizes(batch_sizes)[0]}")
-    curves, failures, _ = compare_plan(session, loaded, session.sweep_sizes(batch_sizes or [session.batch_size]))
-    if failures:
-        raise WorkloadError("; ".join(failures))
-    return dict(curves[list(curves)[-1]])

@@ -222,6 +222,7 @@ class Plan:
             WorkloadError: as `overdrive.workloads.create_workload`.
             ConfigError: the plan's weights are gone or no longer fit.
         """
+        from overdrive.run.resume import weights_fingerprint
         from overdrive.workloads import create_workload
         from overdrive.workloads.user import archive_kind
         from overdrive.workloads.weights import load_weights
@@ -233,8 +234,6 @@ class Plan:
         else:
             workload = create_workload(self.workload, dynamic_dims=self.dynamic_dims)
         workload = load_weights(workload, self.weights) if self.weights else workload
-        from overdrive.run.resume import weights_fingerprint
-
         if self.model_sha256 and weights_fingerprint(workload.model) != self.model_sha256:
             message = ("the model's weights differ from those optimize measured for this plan (a factory that initialises "
                        "without a seed, or a changed model file or --weights?): its speedup and fidelity were measured on "
