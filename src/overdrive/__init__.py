@@ -7,6 +7,7 @@
     result.save("out/mymodel")                                   # plan.json, results.json, report.md
     fast = overdrive.load("out/mymodel/plan.json", model)        # the plan rebuilt on a fresh copy
     overdrive.bench(fast, example_inputs, batch_sizes=[1, 8])    # {batch size: Measurement}
+    overdrive.export(result, "onnx", "mymodel.onnx")             # also pt2, triton, kserve
 
 The flow (docs/ARCHITECTURE.md): a Workload is measured eager in fp32, then with each technique
 alone, then with the winners composed in canonical order; the result is a Plan that `serve`,
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 # Exported lazily (PEP 562): `import overdrive` and the command line's start stay light; each
 # name imports its module on first use.
 _EXPORTS = {
-    "optimize": "overdrive.tuning.api", "load": "overdrive.tuning.reuse", "bench": "overdrive.tuning.reuse",
+    "optimize": "overdrive.tuning.api", "export": "overdrive.deploy.formats", "load": "overdrive.tuning.reuse", "bench": "overdrive.tuning.reuse",
     "OptimizeResult": "overdrive.tuning.api", "Plan": "overdrive.tuning.plan", "Measurement": "overdrive.core.measure",
     "Workload": "overdrive.core.workload", "list_techniques": "overdrive.techniques", "list_workloads": "overdrive.workloads",
     **{name: "overdrive.core.errors" for name in ("OverdriveError", "ConfigError", "WorkloadError", "PlanError",

@@ -1,4 +1,4 @@
-"""`overdrive` command line: optimize, bench, serve, run, train, list.
+"""`overdrive` command line: optimize, bench, serve, run, train, export, list.
 
 Each verb is a module here with `add_parser(subparsers)` and `main(args, argv) -> exit code`
 (and `FLAGS`, where its flags spell an API argument unlike the others): it parses flags, calls
@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import sys
 
-from overdrive.cli import bench, listing, optimize, run, serve, train
+from overdrive.cli import bench, export, listing, optimize, run, serve, train
 from overdrive.cli.args import Parser, flag
 from overdrive.core.errors import OverdriveError, RunAborted
 
-VERBS = {"optimize": optimize, "bench": bench, "serve": serve, "train": train, "run": run, "list": listing}
+VERBS = {"optimize": optimize, "bench": bench, "serve": serve, "train": train, "run": run, "export": export, "list": listing}
 
 
 def build_parser() -> Parser:

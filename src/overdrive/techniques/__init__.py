@@ -13,6 +13,7 @@ from overdrive.techniques.registry import (
     TechniqueConfig,
     config_from_dict,
     config_to_dict,
+    conflict,
     default_config,
     describe_report,
     get_technique,
@@ -21,9 +22,9 @@ from overdrive.techniques.registry import (
     technique_for,
     unregister,
 )
-from overdrive.techniques.runtime import inference_mode, torch_compile  # noqa: F401
+from overdrive.techniques.runtime import inference_mode, onnx_runtime, openvino_runtime, tensorrt, torch_compile  # noqa: F401
 from overdrive.techniques.sparsity import semi_structured  # noqa: F401
 
-__all__ = ["BatchingPolicy", "Stage", "Technique", "TechniqueConfig", "config_from_dict", "config_to_dict", "default_config",
+__all__ = ["BatchingPolicy", "Stage", "Technique", "TechniqueConfig", "config_from_dict", "config_to_dict", "conflict", "default_config",
            "describe_report", "get_technique", "list_techniques", "register", "technique_for",
            "unregister"]

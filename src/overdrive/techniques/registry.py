@@ -97,6 +97,11 @@ class Technique:
             follow-up step, or slow to apply).
         batch_dependence: for a technique whose rows can depend on their batch-mates, how (named
             when the tuner's batch-invariance check rejects it); "" otherwise.
+        exportable: True when the model it leaves still exports (ONNX, OpenVINO) with its effect
+            kept (pruning, folding, batching); False when its effect lives in PyTorch's execution
+            (autocast, torch.compile, torch.ao int8), so no `leaves_pytorch` step may follow it.
+        leaves_pytorch: True for a runtime outside PyTorch (ONNX Runtime, OpenVINO, TensorRT): it
+            exports the model built so far; only exportable steps may come before it, none after.
     """
 
     config_cls: ClassVar[type[TechniqueConfig]]
@@ -107,6 +112,8 @@ class Technique:
     rewrites_modules: ClassVar[bool] = False  # needs nn.Module internals, which TorchScript hides
     opt_in: ClassVar[bool] = False  # tried only when named in `techniques`
     batch_dependence: ClassVar[str] = ""
+    exportable: ClassVar[bool] = False
+    leaves_pytorch: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
     @property
@@ -201,6 +208,24 @@ def config_from_dict(data: dict[str, Any]) -> TechniqueConfig:
         KeyError: an unknown technique; ValueError: unknown or invalid fields.
     """
     return get_technique(data["name"]).config_cls.from_dict(data.get("config", {}))
+
+
+def conflict(steps: list[TechniqueConfig], step: TechniqueConfig) -> str | None:
+    """Why `step` cannot follow `steps` in one plan, or None: two techniques of one group
+    (alternatives: bf16 / int8, one runtime per plan), a runtime outside PyTorch after a step that
+    does not survive export, or any step after such a runtime."""
+    new = technique_for(step)
+    for before in steps:
+        old = technique_for(before)
+        if old.group and old.group == new.group:
+            return f"alternative to {old.name}, already kept ({new.group}: a plan keeps one)"
+        if old.leaves_pytorch:
+            return f"{new.name} cannot follow {old.name}: the model has left PyTorch"
+    blocking = [technique_for(s).name for s in steps if not technique_for(s).exportable]
+    if new.leaves_pytorch and blocking:
+        return (f"{new.name} runs the exported model, so it cannot follow {', '.join(blocking)} (whose effect lives in "
+                "PyTorch's execution); it is tried instead of them")
+    return None
 
 
 def describe_report(report: dict[str, Any], fidelity_key: str) -> str:

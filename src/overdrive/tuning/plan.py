@@ -15,7 +15,7 @@ from torch import nn
 
 from overdrive.core.errors import PlanError, arg, one_line
 from overdrive.core.workload import Workload, eval_mode
-from overdrive.techniques import BatchingPolicy, TechniqueConfig, config_from_dict, config_to_dict, technique_for
+from overdrive.techniques import BatchingPolicy, TechniqueConfig, config_from_dict, config_to_dict, conflict, technique_for
 
 PLAN_VERSION = 1
 
@@ -37,9 +37,9 @@ def build(workload: Workload, steps: list[TechniqueConfig], device: torch.device
     """
     model = eval_mode(copy.deepcopy(workload.model).to(device))
     policy = BatchingPolicy()
-    for step in steps:
+    for i, step in enumerate(steps):
         technique = technique_for(step)
-        reason = technique.unsupported_reason(workload, device)
+        reason = technique.unsupported_reason(workload, device) or conflict(steps[:i], step)
         if reason:
             raise RuntimeError(f"{step.name}: {reason}")
         model = technique.apply(model, step, workload=workload, device=device)

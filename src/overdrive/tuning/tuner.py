@@ -2,8 +2,10 @@
 
 Composition follows the canonical order of `Stage` (batching → prune → precision → graph →
 compile → runtime). Only techniques that were kept alone are tried; of a group of
-alternatives (bf16 / fp16 / int8) the fastest kept one is tried first and the others are
-skipped once one is kept.
+alternatives (bf16 / fp16 / int8; one runtime per plan) the fastest kept one is tried first
+and the others are skipped once one is kept (`techniques.conflict`). A runtime outside PyTorch
+(ONNX Runtime, OpenVINO) that cannot follow the steps kept before it (autocast, compile) is
+tried last, instead of them, against the plan so far, and kept only when it beats it.
 
 The guard (DESIGN.md's "what every kept technique must pass"):
 - Accuracy (`guard.py`): the baseline runs twice and must repeat itself; candidates are judged by
@@ -39,7 +41,7 @@ from overdrive.core.measure import (
     judge_outputs,
 )
 from overdrive.core.workload import Workload
-from overdrive.techniques import TechniqueConfig, default_config, get_technique, list_techniques, technique_for
+from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
 from overdrive.tuning.invariance import InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan, build
@@ -305,14 +307,19 @@ class Tuner:
         current: list[TechniqueConfig] = []
         current_row: Row | None = None
         current_runner: Runner = base
-        kept_groups: dict[str, str] = {}
+        deferred: list[Row] = []  # runtimes outside PyTorch that cannot follow the steps kept: tried instead of them
         for winner in winners:
             technique = get_technique(winner.label)
-            if technique.group and technique.group in kept_groups:
-                rows.append(Row(phase="compose", label=f"+ {winner.label}", steps=[s.name for s in current] + [winner.label],
-                                kept=False, reason=f"alternative to {kept_groups[technique.group]}, already kept"))
+            step = self._step(winner.label)
+            clash = conflict(current, step)
+            if clash and technique.leaves_pytorch and not any(get_technique(s.name).leaves_pytorch for s in current):
+                deferred.append(winner)
                 continue
-            candidate = current + [self._step(winner.label)]
+            if clash:
+                rows.append(Row(phase="compose", label=f"+ {winner.label}", steps=[s.name for s in current] + [winner.label],
+                                kept=False, reason=clash))
+                continue
+            candidate = current + [step]
             if not current:  # the first winner composed with nothing is its alone row; its model is built again
                 step_row = Row(**{**winner.__dict__, "phase": "compose", "label": f"+ {winner.label}"})
                 try:
@@ -330,8 +337,28 @@ class Tuner:
                 if current_runner is not base:
                     self._release(current_runner)
                 current, current_row, current_runner = candidate, step_row, runner
-                if technique.group:
-                    kept_groups[technique.group] = winner.label
+            else:
+                self._release(runner)
+
+        # 2b. A runtime outside PyTorch runs the exported fp32 graph: it is tried instead of the steps it
+        # cannot follow (autocast, compile), kept when the plan with it beats the plan without it.
+        for winner in deferred:
+            step = self._step(winner.label)
+            kept_steps = [s for s in current if get_technique(s.name).exportable]
+            clash = conflict(kept_steps, step)
+            dropped = [s.name for s in current if s not in kept_steps]
+            label = f"+ {winner.label}" + (f" instead of {', '.join(dropped)}" if dropped else "")
+            if clash:
+                rows.append(Row(phase="compose", label=label, steps=[s.name for s in kept_steps] + [winner.label],
+                                kept=False, reason=clash))
+                continue
+            candidate = kept_steps + [step]
+            step_row, runner = self._try("compose", label, candidate, current_runner, "the plan so far")
+            rows.append(step_row)
+            if step_row.kept:
+                if current_runner is not base:
+                    self._release(current_runner)
+                current, current_row, current_runner = candidate, step_row, runner
             else:
                 self._release(runner)
 

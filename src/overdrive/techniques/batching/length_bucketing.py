@@ -23,6 +23,7 @@ class LengthBucketing(Technique):
     the longest of similar-length neighbours; outputs are returned in input order."""
 
     config_cls = LengthBucketingConfig
+    exportable = True  # survives export to ONNX / OpenVINO
     stage = Stage.BATCHING
     lossless = True
     description = "sort text by length, pad per batch (batching)"

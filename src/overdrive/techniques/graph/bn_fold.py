@@ -277,6 +277,7 @@ class BatchNormFold(Technique):
     """
 
     config_cls = BatchNormFoldConfig
+    exportable = True  # survives export to ONNX / OpenVINO
     stage = Stage.GRAPH
     lossless = True
     rewrites_modules = True

@@ -47,6 +47,7 @@ class ChannelsLast(Technique):
     """NHWC memory layout for conv nets (cuDNN/oneDNN pick faster kernels for it); input conversion is timed."""
 
     config_cls = ChannelsLastConfig
+    exportable = True  # survives export to ONNX / OpenVINO
     stage = Stage.GRAPH
     lossless = True
     rewrites_modules = True

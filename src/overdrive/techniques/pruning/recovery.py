@@ -174,6 +174,7 @@ def default_learning_rate(workload: Workload) -> float:
 class PruningTechnique(Technique):
     """Base of structural pruning techniques: opt-in, lossy until recovered, rewrites modules."""
 
+    exportable = True  # survives export to ONNX / OpenVINO
     stage = Stage.PRUNE
     lossless = False
     opt_in = True

@@ -1,0 +1,230 @@
+"""ONNX export with proof: the model is exported, run by ONNX Runtime on real rows, and refused
+when its answers differ from PyTorch's beyond float tolerance.
+
+The exporter is torch.onnx's dynamo exporter (`torch.onnx.export(..., dynamo=True)`, built on
+torch.export), falling back to the TorchScript exporter (`dynamo=False`) when the dynamo one
+fails. The batch axis is dynamic (unless the model takes one batch size), and so is every
+dimension whose size varies from row to row: a text workload's sequence axis, or the workload's
+`dynamic_dims`. Inputs are named as the model takes them (`input_ids`, `attention_mask`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from overdrive.core.errors import WorkloadError, one_line
+from overdrive.core.workload import Workload
+
+# The export is refused when max |ONNX Runtime − PyTorch| > EXPORT_ATOL + EXPORT_RTOL × max |PyTorch|
+# on the proof rows (fp32 both sides; ORT's fusions reorder float sums, which stays far below this).
+EXPORT_ATOL = 1e-4
+EXPORT_RTOL = 1e-4
+PROOF_ROWS = 64
+
+
+class ExportError(WorkloadError, RuntimeError):
+    """The model could not be exported, or its export gives other answers than PyTorch."""
+
+
+@dataclass(kw_only=True)
+class OnnxExport:
+    """An exported ONNX file and how it was made.
+
+    Attributes:
+        path: the .onnx file (weights inside; models over 2 GB keep an external-data file beside it).
+        exporter: "dynamo" or "torchscript".
+        input_names, output_names: the graph's input and output names, in the model's order.
+        dynamic_axes: input name -> {axis: axis name} of the axes whose size may vary.
+        max_abs_diff: max |ONNX Runtime − PyTorch| over the proof rows (fp32), or None when unproven.
+        proof_rows: how many real rows the proof ran.
+        notes: what happened on the way (the dynamo exporter's failure before the fallback).
+    """
+
+    path: Path
+    exporter: str
+    input_names: list[str]
+    output_names: list[str]
+    dynamic_axes: dict[str, dict[int, str]]
+    max_abs_diff: float | None = None
+    proof_rows: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def varying_dims(workload: Workload, num_inputs: int) -> dict[int, tuple[int, ...]]:
+    """Input index -> the dimensions (of the batched tensor, ≥ 1) whose size varies between batches:
+    the workload's `dynamic_dims`, or the sequence axis of every input of a text workload."""
+    if workload.dynamic_dims:
+        return dict(workload.dynamic_dims)
+    if workload.is_text:
+        return {i: (1,) for i in range(num_inputs)}
+    return {}
+
+
+def input_names(workload: Workload, num_inputs: int) -> list[str]:
+    """The names of the model's positional inputs: the workload's `input_names`, else its forward's
+    parameter names (`x`), else input_0, input_1, ..."""
+    import inspect
+
+    names = list(workload.input_names or [])
+    if len(names) != num_inputs:
+        try:
+            params = inspect.signature(workload.model.forward).parameters.values()
+            names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:num_inputs]
+        except (TypeError, ValueError):
+            names = []
+    return names if len(names) == num_inputs and len(set(names)) == num_inputs else [f"input_{i}" for i in range(num_inputs)]
+
+
+def output_name(workload: Workload) -> str:
+    """The name of the model's one output tensor."""
+    names = workload.output_names or []
+    return names[0] if len(names) == 1 else "output"
+
+
+def example_inputs(workload: Workload, rows: int = 4) -> tuple[torch.Tensor, ...]:
+    """A small real batch to trace with: at least 2 rows (a batch of 1 is specialised as a constant),
+    of different lengths for a text workload (training rows when there are some)."""
+    pool = list(workload.train_samples or workload.samples)
+    n = workload.fixed_batch_size or max(2, min(rows, len(pool)))
+    if workload.sample_length is not None:
+        pool = sorted(pool[:256], key=workload.sample_length)[-n:]  # the longest: a sequence axis of size 1 would specialise
+    chosen = [pool[i % len(pool)] for i in range(n)]
+    return tuple(workload.collate(chosen))
+
+
+def axes_for(workload: Workload, inputs: tuple[torch.Tensor, ...]) -> dict[str, dict[int, str]]:
+    """Input name -> {axis: name} of the dynamic axes: the batch (unless the model takes one batch
+    size) and the varying dimensions; inputs that vary together share an axis name."""
+    names = input_names(workload, len(inputs))
+    dims = varying_dims(workload, len(inputs))
+    axes = {}
+    for i, (name, tensor) in enumerate(zip(names, inputs)):
+        a = {} if workload.fixed_batch_size else {0: "batch"}
+        for d in dims.get(i, ()):
+            if d < tensor.dim():
+                a[d] = "sequence" if workload.is_text and d == 1 else f"dim{d}"
+        axes[name] = a
+    return axes
+
+
+def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, inputs: tuple[torch.Tensor, ...] | None = None,
+                prove: bool = True, opset: int | None = None) -> OnnxExport:
+    """Export `model` (fp32, CPU, `model(*inputs) -> tensor [B, ...]`) to `path` and prove it.
+
+    Args:
+        model: the module to export (a plan's model before any runtime step: pruning and folding
+            are exported, autocast and torch.compile are not).
+        workload: gives the input names, the dynamic axes, a traced example and the proof rows.
+        inputs: the example to trace with (default: `example_inputs(workload)`).
+        prove: run the file with ONNX Runtime on up to PROOF_ROWS of the workload's rows (in
+            batches of the example's size) and compare with `model`.
+        opset: the ONNX opset (default: the exporter's).
+
+    Returns:
+        the OnnxExport (path, exporter used, names, dynamic axes, proof figures).
+
+    Raises:
+        ExportError: both exporters failed (both reasons given), or the proof found
+            max |ONNX Runtime − PyTorch| beyond EXPORT_ATOL + EXPORT_RTOL × max |PyTorch|.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = model.eval().cpu()
+    inputs = tuple(t.cpu() for t in (inputs if inputs is not None else example_inputs(workload)))
+    names = input_names(workload, len(inputs))
+    outputs = [output_name(workload)]
+    axes = axes_for(workload, inputs)
+    notes: list[str] = []
+    exporter = None
+    errors = []
+    for kind in ("dynamo", "torchscript"):
+        try:
+            _export(kind, model, inputs, path, names, outputs, axes, opset)
+            exporter = kind
+            break
+        except Exception as exc:  # noqa: BLE001 - try the other exporter, then report both
+            errors.append(f"{kind} exporter: {one_line(exc)}")
+            path.unlink(missing_ok=True)
+    if exporter is None:
+        raise ExportError(f"{workload.name}: ONNX export failed. " + " | ".join(errors))
+    notes += [f"{e}; the TorchScript exporter was used" for e in errors]
+    result = OnnxExport(path=path, exporter=exporter, input_names=names, output_names=outputs, dynamic_axes=axes, notes=notes)
+    if prove:
+        prove_onnx(result, model, workload, batch_size=len(inputs[0]))
+    return result
+
+
+def _export(kind: str, model: nn.Module, inputs, path: Path, names, outputs, axes, opset) -> None:
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        if kind == "dynamo":
+            dims: dict[str, torch.export.Dim] = {}
+            shapes = tuple({a: dims.setdefault(n, torch.export.Dim(n)) for a, n in axes[name].items()} or None
+                           for name in names)
+            onnx_program = torch.onnx.export(model, inputs, input_names=names, output_names=outputs, dynamic_shapes=shapes,
+                                             dynamo=True, opset_version=opset, verbose=False)
+            onnx_program.save(str(path), external_data=_too_large(model))
+        else:
+            torch.onnx.export(model, inputs, str(path), input_names=names, output_names=outputs, dynamic_axes=axes,
+                              dynamo=False, opset_version=opset or 17)
+
+
+def _too_large(model: nn.Module) -> bool:
+    """True when the weights exceed protobuf's 2 GB limit (they go to an external-data file)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) > 1_800_000_000
+
+
+def ort_session(path: str | Path, *, threads: int | None = None, providers: list | None = None,
+                optimization: str = "all"):
+    """An onnxruntime.InferenceSession for `path`: graph optimisation `optimization` ("all",
+    "extended", "basic", "none"), `threads` intra-op threads (default torch's), CPU provider by default."""
+    import onnxruntime as ort
+
+    levels = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL, "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}
+    options = ort.SessionOptions()
+    options.graph_optimization_level = levels[optimization]
+    options.intra_op_num_threads = threads or torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+
+
+def prove_onnx(export: OnnxExport, model: nn.Module, workload: Workload, *, batch_size: int = 8,
+               rows: int = PROOF_ROWS) -> float:
+    """Run the exported file with ONNX Runtime (CPU, basic graph optimisation) on up to `rows` of the
+    workload's real rows and compare with `model`; sets and returns `export.max_abs_diff`.
+
+    Raises:
+        ExportError: the difference is beyond EXPORT_ATOL + EXPORT_RTOL × max |PyTorch| (the figure is given).
+    """
+    session = ort_session(export.path, optimization="basic")
+    samples = list(workload.samples)[:rows]
+    step = workload.fixed_batch_size or batch_size
+    worst, scale = 0.0, 0.0
+    for start in range(0, len(samples), step):
+        chunk = samples[start:start + step]
+        if workload.fixed_batch_size and len(chunk) < step:
+            chunk += chunk[:1] * (step - len(chunk))
+        inputs = workload.collate(chunk)
+        with torch.no_grad():
+            expected = model(*inputs).float().numpy()
+        (got,) = session.run(export.output_names, {n: t.numpy() for n, t in zip(export.input_names, inputs)})
+        if got.shape != expected.shape:
+            raise ExportError(f"{workload.name}: the ONNX model gives shape {list(got.shape)} where PyTorch gives "
+                              f"{list(expected.shape)} (batch of {len(chunk)})")
+        worst = max(worst, float(np.max(np.abs(got.astype(np.float32) - expected))) if got.size else 0.0)
+        scale = max(scale, float(np.max(np.abs(expected))) if expected.size else 0.0)
+    export.max_abs_diff, export.proof_rows = worst, len(samples)
+    bound = EXPORT_ATOL + EXPORT_RTOL * scale
+    if not worst <= bound or math.isnan(worst):
+        raise ExportError(f"{workload.name}: the ONNX export differs from PyTorch by max |diff| {worst:.3g} on "
+                          f"{len(samples)} real rows (allowed {bound:.3g}); refused")
+    return worst

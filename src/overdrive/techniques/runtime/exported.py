@@ -1,0 +1,80 @@
+"""What the runtimes outside PyTorch share (ONNX Runtime, OpenVINO, TensorRT): one runtime per plan,
+only steps that survive export before it, and a session per thread count.
+
+A runtime technique exports the model built so far (pruned and folded in PyTorch) and hands it
+to another runtime; its `apply` returns a `RuntimeModule`, an nn.Module with no parameters whose
+forward takes and returns torch tensors like the model it replaced. Steps whose effect lives in
+PyTorch's own execution (autocast, torch.compile, torch.ao int8, inference_mode) cannot come
+before it: the registry's `conflict` says so, `build` refuses such a plan, and the tuner tries
+the runtime instead of them (measured), never on top of them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from overdrive.core.workload import Workload
+from overdrive.techniques.registry import Stage, Technique
+
+RUNTIME_GROUP = "runtime"
+
+
+class RuntimeModule(nn.Module):
+    """A model run by another runtime behind the nn.Module call convention.
+
+    forward(*inputs: torch.Tensor [B, ...]) -> torch.Tensor [B, ...] (float32, owned by the
+    caller: the runtime's output buffer is copied before the next call can overwrite it).
+
+    Sessions are made by `make_session(threads)` and kept per intra-op thread count: `serve` and
+    `run` set `torch.set_num_threads` in each instance/replica thread before its first call, and
+    that thread count is the one its session uses.
+    """
+
+    def __init__(self, make_session: Callable[[int], Any], run: Callable[[Any, tuple[torch.Tensor, ...]], torch.Tensor],
+                 *, runtime: str, keep: Any = None):
+        super().__init__()
+        self._make_session, self._run, self.runtime = make_session, run, runtime
+        self._sessions: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._keep = keep  # e.g. the temporary folder holding the exported file
+        self.session()  # fail at build time, not at the first request
+
+    def session(self) -> Any:
+        threads = torch.get_num_threads()
+        with self._lock:
+            if threads not in self._sessions:
+                self._sessions[threads] = self._make_session(threads)
+            return self._sessions[threads]
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._run(self.session(), inputs)
+
+    def extra_repr(self) -> str:
+        return self.runtime
+
+
+class ExportedRuntime(Technique):
+    """Base of the runtime techniques that take the model out of PyTorch."""
+
+    stage = Stage.RUNTIME
+    group = RUNTIME_GROUP
+    leaves_pytorch = True
+    package: str = ""  # the Python package it needs
+    install_hint: str = ""
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        import importlib.util
+
+        if self.package and importlib.util.find_spec(self.package) is None:
+            return f"{self.package} is not installed{f' ({self.install_hint})' if self.install_hint else ''}"
+        return None
+
+
+def cpu_model(model: nn.Module) -> nn.Module:
+    """The model on the CPU in eval mode, for export (the caller's copy is private)."""
+    return model.cpu().eval()

@@ -1,0 +1,141 @@
+"""OpenVINO as a technique (CPU: Intel and AMD x86): the plan's model converted from the PyTorch
+module with `openvino.convert_model` (its TorchScript/FX frontend, dynamic shapes), compiled for
+the CPU plugin with the latency hint and the instance's thread count.
+
+`openvino` takes the CPU plugin's inference precision: its default (bf16 on a CPU with
+AVX512-BF16 or AMX, f32 elsewhere; the plan records which), or f32, or bf16. `openvino-int8`
+quantises weights and activations to int8 with NNCF post-training quantisation
+(`nncf.quantize`, the transformer model type for text), calibrated on the workload's training
+rows, never its evaluation rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import io
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from overdrive.core.workload import Workload
+from overdrive.techniques.registry import TechniqueConfig, register
+from overdrive.techniques.runtime.exported import ExportedRuntime, RuntimeModule, cpu_model
+
+CALIBRATION_ROWS = 128
+
+
+class Precision(str, enum.Enum):
+    DEFAULT = "default"  # the CPU plugin's own choice for this CPU
+    F32 = "f32"
+    BF16 = "bf16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenVinoConfig(TechniqueConfig):
+    """Attributes:
+    precision: the CPU plugin's INFERENCE_PRECISION_HINT (default: the plugin's choice for this CPU).
+    """
+    name: ClassVar[str] = "openvino"
+
+    precision: Precision = Precision.DEFAULT
+
+    def __post_init__(self):
+        object.__setattr__(self, "precision", Precision(self.precision))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenVinoInt8Config(TechniqueConfig):
+    """Attributes:
+    calibration_rows: training rows NNCF calibrates the activation ranges on.
+    """
+    name: ClassVar[str] = "openvino-int8"
+
+    calibration_rows: int = CALIBRATION_ROWS
+
+    def __post_init__(self):
+        if not isinstance(self.calibration_rows, int) or self.calibration_rows < 1:
+            raise ValueError(f"calibration_rows must be a positive integer, not {self.calibration_rows!r}")
+
+
+def convert(model: torch.nn.Module, workload: Workload):
+    """The openvino.Model of `model` (fp32, CPU), traced on a small real batch, every axis dynamic."""
+    import openvino as ov
+
+    from overdrive.deploy.onnx import example_inputs
+
+    example = example_inputs(workload)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings about Python values in the model's code
+        return ov.convert_model(cpu_model(model), example_input=example)
+
+
+def ov_module(ov_model, *, config: dict, runtime: str, technique: str) -> RuntimeModule:
+    """A RuntimeModule running `ov_model` on the CPU plugin; one compiled model and infer request
+    per thread count, the output copied out of the request's buffer before the next call."""
+    import openvino as ov
+
+    core = ov.Core()
+    seen = {}
+
+    def make(threads: int):
+        compiled = core.compile_model(ov_model, "CPU", {**config, "INFERENCE_NUM_THREADS": threads,
+                                                       "PERFORMANCE_HINT": "LATENCY"})
+        precision = compiled.get_property("INFERENCE_PRECISION_HINT")
+        seen["precision"] = precision.to_string() if hasattr(precision, "to_string") else str(precision)
+        return compiled.create_infer_request()
+
+    def run(request, inputs):
+        request.infer([np.ascontiguousarray(t.detach().cpu().numpy()) for t in inputs])
+        return torch.from_numpy(np.array(request.get_output_tensor(0).data, dtype=np.float32, copy=True))
+
+    module = RuntimeModule(make, run, runtime=runtime)
+    module.runtime = f"{runtime}, inference precision {seen.get('precision', '?')}"
+    module.overdrive_report = {"technique": technique, "runtime": module.runtime}
+    return module
+
+
+@register
+class OpenVino(ExportedRuntime):
+    config_cls = OpenVinoConfig
+    lossless = False  # bf16 by default on CPUs that have it; fusions reorder float math
+    devices = ("cpu",)
+    package = "openvino"
+    install_hint = "pip install openvino"
+    description = "OpenVINO on CPU (converted from PyTorch; the CPU plugin's precision: bf16 where the CPU has it)"
+
+    def apply(self, model, config, *, workload, device):
+        ov_model = convert(model, workload)
+        hint = {} if config.precision == Precision.DEFAULT else {"INFERENCE_PRECISION_HINT": config.precision.value}
+        return ov_module(ov_model, config=hint, runtime="openvino", technique=self.name)
+
+
+@register
+class OpenVinoInt8(ExportedRuntime):
+    config_cls = OpenVinoInt8Config
+    lossless = False
+    devices = ("cpu",)
+    package = "nncf"
+    install_hint = "pip install nncf openvino"
+    description = "OpenVINO int8 (NNCF post-training quantisation calibrated on training rows)"
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        if not workload.train_samples:
+            return "not applicable: int8 calibrates on the workload's training rows, and it has none (pass --data with 100+ rows)"
+        return super().applicability(workload, device)
+
+    def apply(self, model, config, *, workload, device):
+        import nncf
+
+        nncf.set_log_level(logging.ERROR)
+        ov_model = convert(model, workload)
+        rows = list(workload.train_samples)[:config.calibration_rows]
+        batches = [[t.numpy() for t in workload.collate(rows[i:i + 8])] for i in range(0, len(rows), 8)]
+        model_type = nncf.ModelType.TRANSFORMER if workload.is_text else None
+        with contextlib.redirect_stdout(io.StringIO()):  # NNCF draws progress bars on stdout
+            quantized = nncf.quantize(ov_model, nncf.Dataset(batches), model_type=model_type, subset_size=len(batches))
+        return ov_module(quantized, config={}, runtime=f"openvino int8 (NNCF, {len(rows)} training rows)", technique=self.name)

@@ -1,0 +1,239 @@
+"""Runtimes outside PyTorch (ONNX Runtime, OpenVINO) as techniques, ONNX export with proof, and
+`overdrive export`'s formats. How each could be silently wrong, and the test that says no:
+
+- an export that answers differently from PyTorch is refused, with the figure;
+- a runtime step after bf16/compile would run the fp32 graph and drop them without a word: the
+  registry refuses that plan, and the tuner tries the runtime instead of them, measured;
+- a runtime's output buffer reused by the next call: outputs are owned by the caller;
+- a session made for one thread count used by an instance set to another: one session per count;
+- a Triton config whose dims or names do not match the file: parsed with Triton's own protobuf
+  and the names checked against the ONNX model.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from overdrive.core.workload import Workload
+from overdrive.deploy.formats import describe, dynamic_batching, export
+from overdrive.deploy.onnx import ExportError, export_onnx, ort_session, prove_onnx
+from overdrive.techniques import (
+    Stage,
+    Technique,
+    TechniqueConfig,
+    conflict,
+    default_config,
+    register,
+    unregister,
+)
+from overdrive.tuning.plan import Plan, build
+from tests.conftest import make_conv_workload, make_text_workload
+
+CPU = torch.device("cpu")
+
+
+def _rows(workload, n=6):
+    return workload.collate([workload.samples[i] for i in range(n)])
+
+
+@pytest.mark.parametrize("factory", [make_conv_workload, make_text_workload], ids=["conv", "text"])
+def test_onnx_export_is_proved_and_takes_other_batch_sizes_and_lengths(factory, tmp_path):
+    workload = factory()
+    exported = export_onnx(workload.model, workload, tmp_path / "m.onnx")
+    assert exported.max_abs_diff is not None and exported.max_abs_diff < 1e-4 and exported.proof_rows > 0
+    session = ort_session(exported.path)
+    assert [i.name for i in session.get_inputs()] == exported.input_names
+    for n in (1, 3, 7):  # batch sizes (and, for text, lengths) the trace never saw
+        inputs = _rows(workload, n)
+        (got,) = session.run(None, {name: t.numpy() for name, t in zip(exported.input_names, inputs)})
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(got), workload.model(*inputs), rtol=1e-4, atol=1e-4)
+    if workload.is_text:
+        assert exported.dynamic_axes[exported.input_names[0]] == {0: "batch", 1: "sequence"}
+
+
+def test_an_export_that_answers_differently_is_refused_with_the_figure(tmp_path):
+    workload = make_conv_workload()
+    exported = export_onnx(workload.model, workload, tmp_path / "m.onnx")
+    other = copy.deepcopy(workload.model)
+    with torch.no_grad():
+        next(other.parameters()).add_(0.5)  # the file no longer matches this model
+    with pytest.raises(ExportError, match=r"max \|diff\| .* refused"):
+        prove_onnx(exported, other, workload)
+
+
+def test_a_runtime_cannot_follow_steps_whose_effect_lives_in_pytorch():
+    bf16, ort, fold = default_config("bf16"), default_config("onnxruntime"), default_config("bn-fold")
+    assert "cannot follow bf16" in conflict([bf16], ort)
+    assert conflict([fold], ort) is None  # folding survives export
+    assert "left PyTorch" in conflict([ort], fold)
+    assert "alternative to onnxruntime" in conflict([ort], default_config("openvino"))
+    with pytest.raises(RuntimeError, match="cannot follow bf16"):
+        build(make_conv_workload(), [bf16, ort], CPU)
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "openvino"])
+def test_runtime_outputs_are_owned_and_sessions_follow_the_thread_count(name):
+    workload = make_text_workload()
+    model, _ = build(workload, [default_config(name)], CPU)
+    first_inputs, second_inputs = _rows(workload, 4), workload.collate(list(workload.samples[10:14]))
+    first = model(*first_inputs)
+    kept = first.clone()
+    model(*second_inputs)  # a runtime that hands out its own buffer would overwrite `first` here
+    assert torch.equal(first, kept)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        model(*first_inputs)
+        assert set(model._sessions) == {threads, 1}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_openvino_int8_calibrates_on_training_rows_only():
+    workload = make_text_workload()
+    from overdrive.techniques import get_technique
+
+    assert "training rows" in get_technique("openvino-int8").unsupported_reason(workload, CPU)
+
+
+# -- the tuner tries a runtime instead of the steps it cannot follow ----------------------------
+
+
+class _Sleepy(nn.Module):
+    """A model whose forward sleeps in Python: invisible to an exported graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+        self.sleep_s = 0.02
+
+    def forward(self, x):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.linear(x)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _NoSleepConfig(TechniqueConfig):
+    name: ClassVar[str] = "no-sleep-test"
+
+
+@pytest.fixture
+def no_sleep_technique():
+    class NoSleep(Technique):  # lossless, kept alone, and its effect lives in PyTorch's execution (not exportable)
+        config_cls = _NoSleepConfig
+        stage = Stage.GRAPH
+        lossless = True
+        description = "test: a forward-only setting"
+
+        def apply(self, model, config, *, workload, device):
+            model.sleep_s = 0.01
+            return model
+
+    register(NoSleep)
+    yield _NoSleepConfig.name
+    unregister(_NoSleepConfig.name)
+
+
+def test_the_tuner_tries_a_runtime_instead_of_steps_it_cannot_follow(no_sleep_technique):
+    from overdrive.tuning.tuner import Tuner
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(16, generator=g) for _ in range(32)]
+    workload = Workload(name="sleepy", model=_Sleepy().eval(), samples=rows, collate=lambda r: (torch.stack(r),),
+                        fidelity=lambda o, r: {"min_cosine": torch.nn.functional.cosine_similarity(o, r, dim=-1).min().item()},
+                        fidelity_key="min_cosine", default_batch_size=16, real_weights=False)
+    result = Tuner(workload=workload, device=CPU, batch_size=16, techniques=[no_sleep_technique, "onnxruntime"],
+                   min_rounds=3, max_rounds=6).run()
+    labels = {r.label: r for r in result.rows}
+    instead = labels[f"+ onnxruntime instead of {no_sleep_technique}"]
+    assert instead.kept, instead.reason
+    assert [s.name for s in result.plan.steps] == ["onnxruntime"]
+
+
+# -- export formats -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def digits_plan(tmp_path):
+    path = tmp_path / "plan" / "plan.json"
+    Plan(workload="digits-cnn", device="cpu", batch_size=32, steps=[default_config("bn-fold"), default_config("bf16")],
+         measured={"samples_per_s": 5000.0, "latency_ms": {"p50": 6.4}}).save(path)
+    return path
+
+
+def test_export_onnx_says_what_it_carries_and_matches_pytorch(digits_plan, tmp_path):
+    result = export(digits_plan, "onnx", tmp_path / "digits.onnx")
+    assert result.carried == ["bn-fold"] and result.not_carried == ["bf16 (PyTorch's execution, not the graph)"]
+    assert result.max_abs_diff < 1e-4
+    assert any("not carried: bf16" in line for line in describe(result))
+    assert ort_session(result.path).get_inputs()[0].name == "x"  # named as the model's forward names it
+
+
+def test_export_pt2_loads_back_as_a_model(digits_plan, tmp_path):
+    result = export(digits_plan, "pt2", tmp_path / "digits.pt2")
+    program = torch.export.load(str(result.path)).module()
+    assert program(torch.zeros(5, 1, 8, 8)).shape == (5, 10)  # another batch size than the trace's
+
+
+def test_export_triton_repository_parses_with_tritons_protobuf_and_its_model_loads(digits_plan, tmp_path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    result = export(digits_plan, "triton", tmp_path / "repo")
+    config = text_format.Parse((tmp_path / "repo" / "digits-cnn" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert config.platform == "onnxruntime_onnx" and config.max_batch_size >= 32
+    assert list(config.dynamic_batching.preferred_batch_size) == [32]
+    assert config.dynamic_batching.max_queue_delay_microseconds == 3200  # half the measured p50 latency
+    assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+    session = ort_session(tmp_path / "repo" / "digits-cnn" / "1" / "model.onnx")
+    assert [i.name for i in session.get_inputs()] == [i.name for i in config.input]
+    assert list(config.input[0].dims) == [1, 8, 8] and list(config.output[0].dims) == [10]
+    (out,) = session.run(None, {"x": np.zeros((3, 1, 8, 8), np.float32)})
+    assert out.shape == (3, 10)
+    assert result.files[0].name == "config.pbtxt"
+
+
+def test_triton_dynamic_batching_from_a_measured_curve():
+    curve = [(1, 100.0, 1.0), (8, 700.0, 11.4), (32, 1000.0, 32.0), (64, 980.0, 65.0)]
+    assert dynamic_batching(curve, 64) == ([32, 64], 16000)
+    assert dynamic_batching(curve, 16) == ([8], 5700)  # sizes above the cap are not offered
+
+
+def test_export_kserve_manifest(digits_plan, tmp_path):
+    result = export(digits_plan, "kserve", tmp_path / "deploy")
+    manifest = yaml.safe_load(result.path.read_text())
+    assert manifest["kind"] == "InferenceService" and manifest["apiVersion"] == "serving.kserve.io/v1beta1"
+    container = manifest["spec"]["predictor"]["containers"][0]
+    assert container["command"][:3] == ["overdrive", "serve", "/mnt/models/plan.json"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert manifest["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    assert (tmp_path / "deploy" / "plan.json").is_file()
+
+
+def test_export_command_line(digits_plan, tmp_path, capsys):
+    from overdrive.cli import main
+
+    assert main(["export", str(digits_plan), "--format", "onnx", "--out", str(tmp_path / "d.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "wrote onnx" in out and "not carried: bf16" in out
+    assert main(["export", str(tmp_path / "missing.json"), "--format", "onnx", "--out", str(tmp_path / "x.onnx")]) == 2
+
+
+def test_a_plan_that_keeps_onnxruntime_exports_the_file_it_ran(tmp_path):
+    path = tmp_path / "plan.json"
+    Plan(workload="digits-cnn", device="cpu", batch_size=16, steps=[default_config("onnxruntime")]).save(path)
+    result = export(path, "onnx", tmp_path / "ran.onnx")
+    assert result.carried == ["onnxruntime"] and "the file ONNX Runtime ran" in result.notes[0]
+    assert result.max_abs_diff is not None and result.max_abs_diff < 1e-4
