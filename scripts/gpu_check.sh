@@ -12,7 +12,7 @@ OUT_DIR=${OUT:-out/gpu-check}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-# ONLY="tests run" runs just those parts (tests optimize sparsity train run); the whole check is longer than
+# ONLY="tests run" runs just those parts (tests optimize sparsity train run backends); the whole check is longer than
 # one device loan of 15 minutes can hold with its start-up, so a loan runs the parts its issue needs.
 ONLY=${ONLY:-tests optimize sparsity train run}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
@@ -64,5 +64,19 @@ PY
 timeout 150 $PY -m overdrive run resnet50 --device cuda --input /tmp/od_images --output /tmp/od_logits.npy --batch-size auto \
   --overwrite 2>&1 | tail -n 25 | tee "$OUT_DIR/run_resnet50.txt" || status=1
 fi
-rm -rf "$OUT_DIR/runs" "$OUT_DIR/runs24" "$OUT_DIR/train"  # nested folders do not come back from the device tool; the flat copies do
+if want backends; then
+# ONLY=backends (≤ 4 minutes): resnet50 and bert-base-random through ONNX Runtime (CUDA provider, and the
+# TensorRT provider where the onnxruntime build has it, IOBinding on device memory) and torch-tensorrt when
+# installed (else listed as unsupported with the reason), each against eager fp32 and bf16 in one optimize run.
+$PY -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())" 2>&1 | tee "$OUT_DIR/backends_env.txt"
+for spec in "resnet50 --batch-size 64 --num-samples 512" "bert-base-random --batch-size 32 --num-samples 512"; do
+  name=${spec%% *}
+  echo "== optimize $spec --techniques bf16,onnxruntime,tensorrt --device cuda"
+  # shellcheck disable=SC2086
+  timeout 110 $PY -m overdrive optimize $spec --techniques bf16,onnxruntime,tensorrt --device cuda --overwrite \
+    --out "$OUT_DIR/runsb" 2>&1 | tail -n 40 | tee "$OUT_DIR/backends_${name}.txt" || status=1
+  cp "$OUT_DIR/runsb/$name/results.json" "$OUT_DIR/backends_${name}_results.json" 2>/dev/null || status=1
+done
+fi
+rm -rf "$OUT_DIR/runs" "$OUT_DIR/runs24" "$OUT_DIR/train" "$OUT_DIR/runsb"  # nested folders do not come back from the device tool; the flat copies do
 exit $status

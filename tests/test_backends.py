@@ -36,7 +36,7 @@ from overdrive.techniques import (
     unregister,
 )
 from overdrive.tuning.plan import Plan, build
-from tests.conftest import make_conv_workload, make_text_workload
+from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
 CPU = torch.device("cpu")
 
@@ -237,3 +237,62 @@ def test_a_plan_that_keeps_onnxruntime_exports_the_file_it_ran(tmp_path):
     result = export(path, "onnx", tmp_path / "ran.onnx")
     assert result.carried == ["onnxruntime"] and "the file ONNX Runtime ran" in result.notes[0]
     assert result.max_abs_diff is not None and result.max_abs_diff < 1e-4
+
+
+# -- serve and run take plans that use a runtime ---------------------------------------------------
+
+
+def test_serve_builds_a_session_per_instance_and_answers_as_the_runtime(tmp_path):
+    from overdrive.serve.runner import load_served_model
+    from overdrive.workloads import create_workload
+
+    path = tmp_path / "plan.json"
+    Plan(workload="tests.fixtures.user_models:build", device="cpu", batch_size=4,
+         steps=[default_config("onnxruntime")]).save(path)
+    served, plan, instances = load_served_model(str(path), device="cpu", instances=2)
+    assert plan.names == ["onnxruntime"] and instances == 2
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = create_workload("tests.fixtures.user_models:build").model(x).numpy()
+    for instance in range(2):
+        np.testing.assert_allclose(served.execute([(x[:1],), (x[1:],)], instance)[1], expected[1:], rtol=1e-4, atol=1e-5)
+
+
+def test_run_with_an_openvino_plan_matches_the_model(tmp_path):
+    from sklearn.datasets import load_digits
+
+    from overdrive import cli
+    from overdrive.workloads import create_workload
+
+    images = (load_digits().images[:70, None] / 16.0).astype(np.float32)
+    np.save(tmp_path / "digits.npy", images)
+    path = tmp_path / "plan.json"
+    Plan(workload="digits-cnn", device="cpu", batch_size=16, steps=[default_config("openvino")]).save(path)
+    out = tmp_path / "out.npy"
+    assert cli.main(["run", str(path), "--input", str(tmp_path / "digits.npy"), "--output", str(out)]) == 0
+    got = np.load(out)
+    with torch.no_grad():
+        expected = create_workload("digits-cnn").model(torch.from_numpy(images)).numpy()
+    assert got.shape == expected.shape
+    cosine = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosine.min() > 0.999 and (got.argmax(1) == expected.argmax(1)).mean() == 1.0  # bf16 inside OpenVINO
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("factory", [make_conv_workload, make_text_workload], ids=["conv", "text"])
+def test_onnxruntime_on_cuda_binds_device_memory_and_matches(factory):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip(f"this onnxruntime build has no CUDA provider: {onnxruntime.get_available_providers()}")
+    workload = factory()
+    cuda = torch.device("cuda")
+    model, _ = build(workload, [default_config("onnxruntime")], cuda)
+    for n in (2, 5, 5):  # the second call at one shape writes into a tensor overdrive allocated
+        inputs = tuple(t.to(cuda) for t in _rows(workload, n))
+        out = model(*inputs)
+        assert out.device.type == "cuda"
+        with torch.no_grad():
+            expected = workload.model(*(t.cpu() for t in inputs))
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-3, atol=1e-3)

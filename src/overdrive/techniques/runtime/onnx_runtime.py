@@ -104,10 +104,12 @@ def ort_module(path: Path, *, device: torch.device, optimization: str, providers
             for name, t in zip(names, inputs):
                 binding.bind_input(name, "cuda", device.index or 0, _numpy_dtype(t.dtype), list(t.shape), t.data_ptr())
             key = tuple(tuple(t.shape) for t in inputs)
+            torch.cuda.current_stream(device).synchronize()  # ORT reads on its own stream: torch's writes must be done
             if key in shapes:  # the output's shape for these input shapes is known: ORT writes into torch's memory
                 out = torch.empty(shapes[key], dtype=torch.float32, device=device)
                 binding.bind_output(output, "cuda", device.index or 0, np.float32, list(out.shape), out.data_ptr())
                 session.run_with_iobinding(binding)
+                binding.synchronize_outputs()
                 return out
             binding.bind_output(output, "cuda", device.index or 0)
             session.run_with_iobinding(binding)
