@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -94,9 +95,14 @@ def test_runtime_outputs_are_owned_and_sessions_follow_the_thread_count(name):
     try:
         torch.set_num_threads(1)
         model(*first_inputs)
-        assert set(model._sessions) == {threads, 1}
+        assert {n for _, n in model._sessions} == {threads, 1}
     finally:
         torch.set_num_threads(threads)
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(model(*first_inputs)))  # another thread: its own session
+    worker.start()
+    worker.join()
+    assert torch.allclose(seen[0], kept) and len({thread for thread, _ in model._sessions}) == 2
 
 
 def test_openvino_int8_calibrates_on_training_rows_only():

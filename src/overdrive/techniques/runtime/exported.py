@@ -30,26 +30,27 @@ class RuntimeModule(nn.Module):
     forward(*inputs: torch.Tensor [B, ...]) -> torch.Tensor [B, ...] (float32, owned by the
     caller: the runtime's output buffer is copied before the next call can overwrite it).
 
-    Sessions are made by `make_session(threads)` and kept per intra-op thread count: `serve` and
-    `run` set `torch.set_num_threads` in each instance/replica thread before its first call, and
-    that thread count is the one its session uses.
+    Sessions are made by `make_session(threads)` and kept per calling thread and intra-op thread
+    count: `serve` and `run` set `torch.set_num_threads` in each instance/replica thread before its
+    first call, and that thread count is the one its session uses; a session (an OpenVINO infer
+    request holds its output buffer) is never shared by two threads at once.
     """
 
     def __init__(self, make_session: Callable[[int], Any], run: Callable[[Any, tuple[torch.Tensor, ...]], torch.Tensor],
                  *, runtime: str, keep: Any = None):
         super().__init__()
         self._make_session, self._run, self.runtime = make_session, run, runtime
-        self._sessions: dict[int, Any] = {}
+        self._sessions: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
         self._keep = keep  # e.g. the temporary folder holding the exported file
         self.session()  # fail at build time, not at the first request
 
     def session(self) -> Any:
-        threads = torch.get_num_threads()
+        key = (threading.get_ident(), torch.get_num_threads())
         with self._lock:
-            if threads not in self._sessions:
-                self._sessions[threads] = self._make_session(threads)
-            return self._sessions[threads]
+            if key not in self._sessions:
+                self._sessions[key] = self._make_session(key[1])
+            return self._sessions[key]
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self._run(self.session(), inputs)
