@@ -183,7 +183,7 @@ def test_export_onnx_says_what_it_carries_and_matches_pytorch(digits_plan, tmp_p
     assert result.carried == ["bn-fold"] and result.not_carried == ["bf16 (PyTorch's execution, not the graph)"]
     assert result.max_abs_diff < 1e-4
     assert any("not carried: bf16" in line for line in describe(result))
-    assert ort_session(result.path).get_inputs()[0].name == "x"  # named as the model's forward names it
+    assert ort_session(result.path).get_inputs()[0].name == "input"  # as serve and run name it
 
 
 def test_export_pt2_loads_back_as_a_model(digits_plan, tmp_path):
@@ -205,7 +205,7 @@ def test_export_triton_repository_parses_with_tritons_protobuf_and_its_model_loa
     session = ort_session(tmp_path / "repo" / "digits-cnn" / "1" / "model.onnx")
     assert [i.name for i in session.get_inputs()] == [i.name for i in config.input]
     assert list(config.input[0].dims) == [1, 8, 8] and list(config.output[0].dims) == [10]
-    (out,) = session.run(None, {"x": np.zeros((3, 1, 8, 8), np.float32)})
+    (out,) = session.run(None, {"input": np.zeros((3, 1, 8, 8), np.float32)})
     assert out.shape == (3, 10)
     assert result.files[0].name == "config.pbtxt"
 
@@ -302,3 +302,55 @@ def test_onnxruntime_on_cuda_binds_device_memory_and_matches(factory):
         with torch.no_grad():
             expected = workload.model(*(t.cpu() for t in inputs))
         torch.testing.assert_close(out.cpu(), expected, rtol=1e-3, atol=1e-3)
+
+
+class _Branchy(nn.Module):
+    """A data-dependent branch: a trace keeps the traced rows' branch for every row."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if h.sum() > 0:
+            return h * 3
+        return h - 1
+
+
+def _branchy_workload():
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(8, generator=g) + 2.0 for _ in range(8)]  # every example row takes one branch
+    return Workload(name="branchy", model=_Branchy().eval(), samples=rows, collate=lambda r: (torch.stack(r),),
+                    fidelity=lambda o, r: {}, fidelity_key="min_cosine", default_batch_size=4, real_weights=False)
+
+
+def test_a_trace_that_fixed_a_data_dependent_branch_is_refused_not_proved_on_its_own_rows(tmp_path):
+    workload = _branchy_workload()
+    with pytest.raises(ExportError, match="fixed a value computed from a tensor"):
+        export_onnx(workload.model, workload, tmp_path / "b.onnx")
+    with pytest.raises(RuntimeError, match="fixed a value computed from a tensor"):
+        build(workload, [default_config("openvino")], CPU)
+
+
+def test_export_refuses_bad_outputs_and_invalid_plans_in_one_line(digits_plan, tmp_path):
+    from overdrive.core.errors import ConfigError, PlanError
+
+    (tmp_path / "taken.onnx").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="exists; pass overwrite=True"):
+        export(digits_plan, "onnx", tmp_path / "taken.onnx")
+    with pytest.raises(ConfigError, match="is a folder"):
+        export(digits_plan, "onnx", tmp_path, overwrite=True)
+    with pytest.raises(ConfigError, match="cannot write there"):
+        export(digits_plan, "pt2", "/proc/x.pt2")
+    bad = tmp_path / "bad.json"
+    Plan(workload="digits-cnn", device="cpu", batch_size=8, steps=[default_config("bf16"), default_config("onnxruntime")]).save(bad)
+    with pytest.raises(PlanError, match="cannot follow bf16"):
+        export(bad, "onnx", tmp_path / "bad.onnx")
+
+
+def test_pt2_says_it_does_not_carry_a_runtime(tmp_path):
+    path = tmp_path / "plan.json"
+    Plan(workload="digits-cnn", device="cpu", batch_size=8, steps=[default_config("bn-fold"), default_config("onnxruntime")]).save(path)
+    result = export(path, "pt2", tmp_path / "d.pt2")
+    assert result.carried == ["bn-fold"] and result.not_carried == ["onnxruntime (a runtime of its own)"]

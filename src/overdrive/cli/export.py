@@ -13,7 +13,10 @@ def add_parser(sub) -> None:
     export.add_argument("--out", required=True, help="the file (onnx, pt2) or folder (triton repository, kserve manifest)")
     export.add_argument("--name", help="the model's name in the Triton repository / KServe manifest (default: the workload's)")
     export.add_argument("--image", default="overdrive:latest", help="kserve: a container image with overdrive installed")
+    export.add_argument("--overwrite", action="store_true", help="replace what is at --out")
 
+
+FLAGS = {"plan": None}  # the plan is the positional PLAN
 
 def main(args, argv: list[str]) -> int:
     from rich.console import Console
@@ -22,7 +25,7 @@ def main(args, argv: list[str]) -> int:
 
     console = Console(soft_wrap=True)
     with console.status(f"exporting {args.plan} as {args.format}"):
-        result = export(args.plan, args.format, args.out, name=args.name, image=args.image)
+        result = export(args.plan, args.format, args.out, name=args.name, image=args.image, overwrite=args.overwrite)
     for line in describe(result):
         console.print(line, markup=False, highlight=False)
     return 0

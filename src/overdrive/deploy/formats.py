@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from overdrive.core.errors import ConfigError, arg
+from overdrive.core.errors import ConfigError, PlanError, arg
 from overdrive.core.workload import Workload
 from overdrive.deploy.onnx import (
     EXPORT_ATOL,
@@ -35,11 +35,14 @@ from overdrive.deploy.onnx import (
     axes_for,
     example_inputs,
     export_onnx,
+    export_shapes,
     input_names,
     ort_session,
     output_name,
+    quiet_export,
+    reason,
 )
-from overdrive.techniques import get_technique
+from overdrive.techniques import conflict, get_technique
 
 FORMATS = ("onnx", "pt2", "triton", "kserve")
 SERVE_PORT = 8080  # KServe's default container port
@@ -69,7 +72,7 @@ class Exported:
 
 
 def export(plan: Any, format: str, path: str | Path, *, model: Any = None, name: str | None = None,
-           image: str = "overdrive:latest") -> Exported:
+           image: str = "overdrive:latest", overwrite: bool = False) -> Exported:
     """Write what `plan` found in `format` at `path`.
 
     Args:
@@ -79,27 +82,52 @@ def export(plan: Any, format: str, path: str | Path, *, model: Any = None, name:
         model: the model (or Workload) a plan made from a Python module was made for.
         name: the model's name in Triton's repository and KServe's manifest (default: the workload's).
         image: the container image that has overdrive installed (kserve).
+        overwrite: replace what is at `path` (else an existing file or folder is refused).
 
     Raises:
-        ConfigError: an unknown format, or a Python-module plan without `model`.
+        ConfigError: an unknown format, a Python-module plan without `model`, `path` existing (without
+            `overwrite`) or not writable.
         ExportError: the model cannot be exported, or its export differs from PyTorch beyond tolerance.
         PlanError: the plan file cannot be read.
     """
     if format not in FORMATS:
         raise ConfigError(f"{arg('format', format)}: expected one of {', '.join(FORMATS)}")
-    loaded, workload, plan_path = _resolve(plan, model)
     path = Path(path)
+    target = path / "inferenceservice.yaml" if format == "kserve" else path
+    if target.exists() and not overwrite and not (format == "triton" and path.is_dir() and not any(path.iterdir())):
+        raise ConfigError(f"{arg('out', path)} exists; pass {arg('overwrite', True)} to replace it")
+    if format in ("onnx", "pt2") and path.is_dir():
+        raise ConfigError(f"{arg('out', path)} is a folder; {format} writes a file (e.g. {path / ('model.' + format)})")
+    try:  # fail now, not after an export of minutes
+        (path if format in ("triton", "kserve") else path.parent).mkdir(parents=True, exist_ok=True)
+        if format in ("onnx", "pt2"):
+            existed = path.exists()
+            with open(path, "ab"):
+                pass
+            if not existed:
+                path.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{arg('out', path)}: cannot write there ({exc.strerror or exc})") from None
+    loaded, workload, plan_path = _resolve(plan, model)
     name = _model_name(name or workload.name)
-    if format == "kserve":
-        return _kserve(loaded, plan_path, workload, path, name, image)
-    carried, not_carried, steps = _split(loaded.steps)
-    if format == "onnx":
-        out = _onnx(workload, steps, path)
-    elif format == "pt2":
-        out = _pt2(workload, steps, path)
-    else:
-        out = _triton(loaded, plan_path, workload, steps, path, name)
-    out.carried, out.not_carried = carried, not_carried
+    try:
+        if format == "kserve":
+            out = _kserve(loaded, plan_path, workload, path, name, image)
+        else:
+            carried, not_carried, steps = _split(loaded.steps, format)
+            if format == "onnx":
+                out = _onnx(workload, steps, path)
+            elif format == "pt2":
+                out = _pt2(workload, steps, path)
+            else:
+                out = _triton(loaded, plan_path, workload, steps, path, name)
+            out.carried, out.not_carried = carried, not_carried
+    except OSError as exc:
+        raise ConfigError(f"{arg('out', path)}: cannot write there ({exc.strerror or exc})") from None
+    if len(workload.output_names or []) > 1:
+        out.notes.append(f"the model's outputs {', '.join(workload.output_names)} are flattened per row and concatenated, in "
+                         "that order, into the one output (as `serve` and `run` give them)")
+    out.notes += [n for n in workload.notes if "differ from those optimize measured" in n]
     return out
 
 
@@ -118,6 +146,10 @@ def _resolve(plan: Any, model: Any):
     if not isinstance(plan, Plan):
         plan_path = Path(plan)
         plan, _, _ = load_plan(plan_path, device="cpu")
+    for i, step in enumerate(plan.steps):  # a hand-edited plan that `build` would refuse is refused here too
+        clash = conflict(plan.steps[:i], step)
+        if clash:
+            raise PlanError(f"{plan_path or 'the plan'}: {step.name}: {clash}")
     if isinstance(model, Workload):
         return plan, model, plan_path
     if model is not None:
@@ -130,12 +162,12 @@ def _resolve(plan: Any, model: Any):
     return plan, workload, plan_path
 
 
-def _split(steps) -> tuple[list[str], list[str], list]:
+def _split(steps, format: str) -> tuple[list[str], list[str], list]:
     """(steps carried, steps not carried with why, the steps to build for the file)."""
     carried, not_carried, build_steps = [], [], []
     for step in steps:
         technique = get_technique(step.name)
-        if technique.name in ("onnxruntime", "onnxruntime-int8"):
+        if technique.name in ("onnxruntime", "onnxruntime-int8") and format != "pt2":
             carried.append(step.name)
             build_steps.append(step)
         elif technique.exportable:
@@ -178,25 +210,19 @@ def _onnx(workload: Workload, steps, path: Path) -> Exported:
 
 
 def _pt2(workload: Workload, steps, path: Path) -> Exported:
-    if any(get_technique(s.name).leaves_pytorch for s in steps):
-        steps = [s for s in steps if not get_technique(s.name).leaves_pytorch]
     model, _ = _model_for_file(workload, steps)
     inputs = example_inputs(workload)
-    axes = axes_for(workload, inputs)
-    names = input_names(workload, len(inputs))
-    dims: dict[str, torch.export.Dim] = {}
-    shapes = tuple({a: dims.setdefault(n, torch.export.Dim(n)) for a, n in axes[name].items()} or None for name in names)
     try:
-        with torch.no_grad():
-            program = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+        with torch.no_grad(), quiet_export():
+            program = torch.export.export(model, inputs, dynamic_shapes=export_shapes(workload, inputs), strict=False)
     except Exception as exc:  # noqa: BLE001 - the user's model; say why
-        raise ExportError(f"{workload.name}: torch.export failed: {exc}") from None
+        raise ExportError(f"{workload.name}: torch.export failed: {reason(exc)}") from None
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, str(path))
     loaded = torch.export.load(str(path)).module()
     worst, scale = 0.0, 0.0
     rows = list(workload.samples)[:64]
-    step = workload.fixed_batch_size or len(inputs[0])
+    step = workload.fixed_batch_size or max(1, len(inputs[0]) - 1)  # another batch size than the trace's
     for start in range(0, len(rows), step):
         chunk = rows[start:start + step]
         if workload.fixed_batch_size and len(chunk) < step:
@@ -208,6 +234,7 @@ def _pt2(workload: Workload, steps, path: Path) -> Exported:
         scale = max(scale, expected.abs().max().item())
     if not worst <= EXPORT_ATOL + EXPORT_RTOL * scale:
         raise ExportError(f"{workload.name}: the torch.export program differs from the model by max |diff| {worst:.3g}; refused")
+    axes = axes_for(workload, inputs)
     return Exported(format="pt2", path=path, files=[path], max_abs_diff=worst,
                     notes=[f"torch.export program, dynamic axes {axes}; loaded back and proved on {len(rows)} real rows"])
 

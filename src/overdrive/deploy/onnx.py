@@ -10,6 +10,9 @@ dimension whose size varies from row to row: a text workload's sequence axis, or
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -68,11 +71,15 @@ def varying_dims(workload: Workload, num_inputs: int) -> dict[int, tuple[int, ..
 
 
 def input_names(workload: Workload, num_inputs: int) -> list[str]:
-    """The names of the model's positional inputs: the workload's `input_names`, else its forward's
-    parameter names (`x`), else input_0, input_1, ..."""
+    """The names of the model's positional inputs, as `serve` and `run` spell them: the workload's
+    `input_names` (a Hugging Face model's keywords); for a tensor model without them `input`, or
+    `input__0`, `input__1`, ... (`run.tensor_sources.input_names`); for text, its forward's
+    parameter names (`input_ids`, `attention_mask`), else input_0, input_1, ..."""
     import inspect
 
     names = list(workload.input_names or [])
+    if not names and not workload.is_text:
+        names = ["input"] if num_inputs == 1 else [f"input__{i}" for i in range(num_inputs)]
     if len(names) != num_inputs:
         try:
             params = inspect.signature(workload.model.forward).parameters.values()
@@ -150,7 +157,7 @@ def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, input
             exporter = kind
             break
         except Exception as exc:  # noqa: BLE001 - try the other exporter, then report both
-            errors.append(f"{kind} exporter: {one_line(exc)}")
+            errors.append(f"{kind} exporter: {reason(exc)}")
             path.unlink(missing_ok=True)
     if exporter is None:
         raise ExportError(f"{workload.name}: ONNX export failed. " + " | ".join(errors))
@@ -162,8 +169,7 @@ def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, input
 
 
 def _export(kind: str, model: nn.Module, inputs, path: Path, names, outputs, axes, opset) -> None:
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
+    with quiet_export(), torch.no_grad():
         if kind == "dynamo":
             dims: dict[str, torch.export.Dim] = {}
             shapes = tuple({a: dims.setdefault(n, torch.export.Dim(n)) for a, n in axes[name].items()} or None
@@ -172,8 +178,61 @@ def _export(kind: str, model: nn.Module, inputs, path: Path, names, outputs, axe
                                              dynamo=True, opset_version=opset, verbose=False)
             onnx_program.save(str(path), external_data=_too_large(model))
         else:
-            torch.onnx.export(model, inputs, str(path), input_names=names, output_names=outputs, dynamic_axes=axes,
-                              dynamo=False, opset_version=opset or 17)
+            traced(lambda: torch.onnx.export(model, inputs, str(path), input_names=names, output_names=outputs,
+                                             dynamic_axes=axes, dynamo=False, opset_version=opset or 17))
+
+
+def traced(fn):
+    """`fn()` (a TorchScript trace: torch.onnx's TorchScript exporter, OpenVINO's PyTorch frontend),
+    refused when the tracer warned that it turned a value computed from a tensor into a constant
+    (a data-dependent `if`, `.item()`, a shape read as a Python number): the graph then follows the
+    traced rows' branch for every row, and may answer other rows differently without a sign.
+
+    Raises:
+        RuntimeError: the tracer's first such warning, quoted.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    fixed = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+    if fixed:
+        first = str(fixed[0].message).split(". ")[0]
+        raise RuntimeError(f"the TorchScript trace fixed a value computed from a tensor into the graph ({first}), so the "
+                           "file could answer rows unlike the traced ones differently; refused")
+    return result
+
+
+@contextlib.contextmanager
+def quiet_export():
+    """Exporters print graphs, pass logs and symbolic-shape notes on stdout/stderr and at INFO level;
+    overdrive reports what matters (the exporter used, why one failed, the proof) itself."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch.fx.experimental.symbolic_shapes",
+                                               "torch._dynamo", "onnxscript", "onnx_ir", "openvino", "nncf")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def reason(exc: BaseException) -> str:
+    """One line saying why an exporter failed: the cause, where the message only points at a stack
+    trace ("Refer to the full stack trace above") that overdrive does not print."""
+    while "stack trace" in str(exc) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    return one_line(exc)
+
+
+def export_shapes(workload: Workload, inputs: tuple[torch.Tensor, ...]) -> tuple:
+    """torch.export `dynamic_shapes` for `inputs`: Dim.AUTO on each dynamic axis (torch.export finds
+    each axis's range, e.g. a sequence up to max_position_embeddings), None for static inputs."""
+    axes = axes_for(workload, inputs)
+    return tuple({a: torch.export.Dim.AUTO for a in axes[name]} or None for name in input_names(workload, len(inputs)))
 
 
 def _too_large(model: nn.Module) -> bool:

@@ -144,9 +144,8 @@ class _Run:
                                      "errors": [], "left": size})
         if result.output is not None:
             rows = result.output.numpy()
-            if self.normalize:  # as sentence-transformers' Normalize: x / max(‖x‖₂, 1e-12)
-                norms = np.linalg.norm(rows.reshape(len(rows), -1), axis=1)
-                rows = rows / np.maximum(norms, 1e-12).reshape((-1,) + (1,) * (rows.ndim - 1))
+            if self.normalize:
+                rows = normalize_rows(rows)
             buf["outputs"][np.asarray(batch.indices) - first] = rows
         buf["errors"].extend(batch.errors)
         if batch.errors and (self.first_error is None or batch.errors[0][0] < self.first_error[0]):
@@ -236,3 +235,9 @@ def _execute(run: _Run, source, collate, batch_size, chunk_size, bucket, num_wor
 
 def _records(n: int) -> str:
     return f"{n} record" + ("" if n == 1 else "s")
+
+
+def normalize_rows(rows: np.ndarray) -> np.ndarray:
+    """Each row over its L2 norm, as sentence-transformers' Normalize: x / max(‖x‖₂, 1e-12)."""
+    norms = np.linalg.norm(rows.reshape(len(rows), -1), axis=1)
+    return rows / np.maximum(norms, 1e-12).reshape((-1,) + (1,) * (rows.ndim - 1))

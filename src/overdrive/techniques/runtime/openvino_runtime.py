@@ -15,7 +15,6 @@ import contextlib
 import enum
 import io
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,15 +62,30 @@ class OpenVinoInt8Config(TechniqueConfig):
 
 
 def convert(model: torch.nn.Module, workload: Workload):
-    """The openvino.Model of `model` (fp32, CPU), traced on a small real batch, every axis dynamic."""
+    """The openvino.Model of `model` (fp32, CPU): from its torch.export program (dynamic batch and
+    sequence axes), else OpenVINO's TorchScript frontend on a small real batch, which is refused when
+    the trace fixed a data-dependent value (`deploy.onnx.traced`).
+
+    Raises:
+        RuntimeError: both conversions failed (both reasons given).
+    """
     import openvino as ov
 
-    from overdrive.deploy.onnx import example_inputs
+    from overdrive.deploy.onnx import example_inputs, export_shapes, quiet_export, reason, traced
 
+    model = cpu_model(model)
     example = example_inputs(workload)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the tracer's warnings about Python values in the model's code
-        return ov.convert_model(cpu_model(model), example_input=example)
+    with torch.no_grad(), quiet_export():
+        try:
+            program = torch.export.export(model, example, dynamic_shapes=export_shapes(workload, example), strict=False)
+            return ov.convert_model(program)
+        except Exception as exc:  # noqa: BLE001 - try the TorchScript frontend, then report both
+            first = reason(exc)
+        try:
+            return traced(lambda: ov.convert_model(model, example_input=example))
+        except Exception as exc:  # noqa: BLE001
+            raise RuntimeError(f"OpenVINO conversion failed: from torch.export: {first} | from a TorchScript trace: "
+                               f"{reason(exc)}") from None
 
 
 def ov_module(ov_model, *, config: dict, runtime: str, technique: str) -> RuntimeModule:
