@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
                                                            "as an uninterrupted run)")
     run.add_argument("--overwrite", action="store_true", help="replace an existing output")
     add_weights_arg(run)
+    run.add_argument("--engine", choices=("local", "ray"), default="local",
+                     help="local (default), or ray: Ray Data actors, one model each (needs --plan; ray[data] installed)")
+    run.add_argument("--concurrency", type=positive_int, default=1, help="--engine ray: the number of actors (default 1)")
     run.add_argument("--max-errors", type=nonnegative_int, help="stop once more records than this fail to read or decode "
                                                                 "(default: no limit; they go to OUTPUT.errors.jsonl)")
 
@@ -56,6 +59,8 @@ def main(args, argv: list[str]) -> int:
     if config.workload is None and config.plan is None:
         raise ConfigError(f"name a workload (e.g. minilm) or give {arg('plan')}")
     console = make_console()
+    if args.engine == "ray":
+        return _run_on_ray(args, config, console)
     columns = (TextColumn("run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
                TimeRemainingColumn())
     state = {"start": None, "first": 0, "shown": False}
@@ -86,6 +91,23 @@ def main(args, argv: list[str]) -> int:
         if state["shown"]:
             bar.stop()
     print_summary(console, summary)
+    return 0
+
+
+def _run_on_ray(args, config, console) -> int:
+    from overdrive.run.ray_engine import run_on_ray
+
+    if config.plan is None:
+        raise ConfigError(f"{arg('engine', 'ray')} runs a plan's model on each actor; give {arg('plan')} (or run PLAN.json)")
+    if args.resume or args.max_errors is not None or args.batch_size is not None or config.workload:
+        raise ConfigError(f"{arg('engine', 'ray')} takes the plan's model and batch size, and runs whole; leave out "
+                          f"{arg('resume', True)}, {arg('max_errors')}, {arg('batch_size')} and WORKLOAD")
+    with console.status(f"running on Ray Data with {args.concurrency} actor(s)"):
+        s = run_on_ray(plan=config.plan, input=config.input, output=config.output, concurrency=args.concurrency,
+                       text_field=config.text_field, overwrite=config.overwrite)
+    console.print(f"{s['records'] - s['failed']:,} of {s['records']:,} records → {config.output}; {s['failed']:,} failed; "
+                  f"{s['items_per_s']:,.1f} items/s over {s['wall_s']:.1f} s on {s['concurrency']} Ray actor(s) "
+                  "(actor start-up included)", highlight=False)
     return 0
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -164,13 +166,17 @@ def run_on_ray(*, plan: str | Path, input: Path, output: Path, concurrency: int 
     if started:
         ray.init(address=address, num_cpus=max(concurrency, 1) if address is None else None, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
+    logging.getLogger("ray").setLevel(logging.WARNING)  # Ray Data's progress lines; overdrive prints its own summary
     try:
-        ray.data.DataContext.get_current().execution_options.preserve_order = True
+        context = ray.data.DataContext.get_current()
+        context.execution_options.preserve_order = True
+        context.enable_progress_bars = False
         start = time.perf_counter()
         threads = max(1, torch.get_num_threads() // max(concurrency, 1))
-        ds = ray.data.from_items(items).map_batches(
-            Predictor, fn_constructor_kwargs={"plan": str(plan), "device": "cpu", "threads": threads},
-            concurrency=concurrency, batch_size=BLOCK_ROWS, batch_format="numpy", num_cpus=1)
+        blocks = max(concurrency, math.ceil(len(items) / BLOCK_ROWS))
+        ds = ray.data.from_items(items, override_num_blocks=blocks).map_batches(
+            Predictor, fn_constructor_kwargs={"plan": str(Path(plan).resolve()), "device": "cpu", "threads": threads},
+            concurrency=concurrency, batch_size=math.ceil(len(items) / blocks), batch_format="numpy", num_cpus=1)
         rows = sorted(ds.take_all(), key=lambda r: int(r["index"]))
         wall = time.perf_counter() - start
     finally:
