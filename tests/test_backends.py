@@ -354,3 +354,21 @@ def test_pt2_says_it_does_not_carry_a_runtime(tmp_path):
     Plan(workload="digits-cnn", device="cpu", batch_size=8, steps=[default_config("bn-fold"), default_config("onnxruntime")]).save(path)
     result = export(path, "pt2", tmp_path / "d.pt2")
     assert result.carried == ["bn-fold"] and result.not_carried == ["onnxruntime (a runtime of its own)"]
+
+
+def test_onnxruntime_static_int8_calibrates_on_training_rows_and_needs_them():
+    import dataclasses
+
+    from overdrive.techniques.runtime.onnx_runtime import OnnxRuntimeInt8Config
+
+    workload = make_conv_workload()
+    static = OnnxRuntimeInt8Config(calibration="static")
+    with pytest.raises(RuntimeError, match="training rows"):
+        build(workload, [static], CPU)
+    trained = dataclasses.replace(workload, train_samples=list(workload.samples), samples=list(workload.samples))
+    model, _ = build(trained, [static], CPU)
+    inputs = _rows(trained, 8)
+    with torch.no_grad():
+        cosine = torch.nn.functional.cosine_similarity(model(*inputs), trained.model(*inputs), dim=-1)
+    assert cosine.min() > 0.95
+    assert conflict([default_config("prune-channels")], default_config("onnxruntime")) is None  # prune in PyTorch, then export
