@@ -249,7 +249,7 @@ def test_static_batch_export_runs_at_its_batch_size_only(tmp_path):
 
 def test_fixed_batch_model_runs_at_its_own_batch_size(tmp_path):
     """A model that runs only at its example's batch size: optimize holds itself (and the sweep) to it."""
-    result = run_cli("optimize", "tests.fixtures.user_models:fixed_batch", "--out", str(tmp_path))
+    result = run_cli("optimize", "tests.fixtures.user_models:fixed_batch", "--techniques", "bf16,onnxruntime", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     sweep = json.loads((tmp_path / "fixed_batch" / "results.json").read_text())["sweep"]
     assert {p["batch_size"] for points in sweep.values() for p in points} == {4}

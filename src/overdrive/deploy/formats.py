@@ -362,7 +362,8 @@ def _kserve(plan, plan_path, workload: Workload, folder: Path, name: str, image:
     }
     path = folder / "inferenceservice.yaml"
     path.write_text("# written by overdrive export; the container serves the KServe v2 protocol (`overdrive serve`).\n"
-                    f"# Mount this folder (plan.json) at {mount}, and use an image with overdrive and the model installed.\n"
+                    f"# KServe's storage initializer copies STORAGE_URI to {mount}: put this folder (plan.json) on the PVC "
+                    f"{name}-plan, or point STORAGE_URI at s3:// or gs://; the image needs overdrive and the model installed.\n"
                     + yaml.safe_dump(manifest, sort_keys=False))
     return Exported(format="kserve", path=path, files=[path, copied], carried=[s.name for s in plan.steps],
                     notes=[f"the container runs `overdrive serve` on the plan: every step is carried; image {image}"])
