@@ -31,6 +31,7 @@ from overdrive.core.workload import Workload
 from overdrive.deploy.onnx import (
     EXPORT_ATOL,
     EXPORT_RTOL,
+    PROOF_ROWS,
     ExportError,
     axes_for,
     example_inputs,
@@ -39,6 +40,7 @@ from overdrive.deploy.onnx import (
     input_names,
     ort_session,
     output_name,
+    proof_batches,
     quiet_export,
     reason,
 )
@@ -221,13 +223,8 @@ def _pt2(workload: Workload, steps, path: Path) -> Exported:
     torch.export.save(program, str(path))
     loaded = torch.export.load(str(path)).module()
     worst, scale = 0.0, 0.0
-    rows = list(workload.samples)[:64]
-    step = workload.fixed_batch_size or max(1, len(inputs[0]) - 1)  # another batch size than the trace's
-    for start in range(0, len(rows), step):
-        chunk = rows[start:start + step]
-        if workload.fixed_batch_size and len(chunk) < step:
-            chunk += chunk[:1] * (step - len(chunk))
-        batch = workload.collate(chunk)
+    rows = min(PROOF_ROWS, len(workload.samples))
+    for _, batch in proof_batches(workload, max(1, len(inputs[0]) - 1)):  # another batch size than the trace's
         with torch.no_grad():
             expected, got = model(*batch).float(), loaded(*batch).float()
         worst = max(worst, (got - expected).abs().max().item())
@@ -236,7 +233,7 @@ def _pt2(workload: Workload, steps, path: Path) -> Exported:
         raise ExportError(f"{workload.name}: the torch.export program differs from the model by max |diff| {worst:.3g}; refused")
     axes = axes_for(workload, inputs)
     return Exported(format="pt2", path=path, files=[path], max_abs_diff=worst,
-                    notes=[f"torch.export program, dynamic axes {axes}; loaded back and proved on {len(rows)} real rows"])
+                    notes=[f"torch.export program, dynamic axes {axes}; loaded back and proved on {rows} real rows"])
 
 
 # -- triton ---------------------------------------------------------------------------------------

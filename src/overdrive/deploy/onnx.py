@@ -265,14 +265,8 @@ def prove_onnx(export: OnnxExport, model: nn.Module, workload: Workload, *, batc
         ExportError: the difference is beyond EXPORT_ATOL + EXPORT_RTOL × max |PyTorch| (the figure is given).
     """
     session = ort_session(export.path, optimization="basic")
-    samples = list(workload.samples)[:rows]
-    step = workload.fixed_batch_size or batch_size
     worst, scale = 0.0, 0.0
-    for start in range(0, len(samples), step):
-        chunk = samples[start:start + step]
-        if workload.fixed_batch_size and len(chunk) < step:
-            chunk += chunk[:1] * (step - len(chunk))
-        inputs = workload.collate(chunk)
+    for chunk, inputs in proof_batches(workload, batch_size, rows):
         with torch.no_grad():
             expected = model(*inputs).float().numpy()
         (got,) = session.run(export.output_names, {n: t.numpy() for n, t in zip(export.input_names, inputs)})
@@ -281,9 +275,21 @@ def prove_onnx(export: OnnxExport, model: nn.Module, workload: Workload, *, batc
                               f"{list(expected.shape)} (batch of {len(chunk)})")
         worst = max(worst, float(np.max(np.abs(got.astype(np.float32) - expected))) if got.size else 0.0)
         scale = max(scale, float(np.max(np.abs(expected))) if expected.size else 0.0)
-    export.max_abs_diff, export.proof_rows = worst, len(samples)
+    export.max_abs_diff, export.proof_rows = worst, min(rows, len(workload.samples))
     bound = EXPORT_ATOL + EXPORT_RTOL * scale
     if not worst <= bound or math.isnan(worst):
         raise ExportError(f"{workload.name}: the ONNX export differs from PyTorch by max |diff| {worst:.3g} on "
-                          f"{len(samples)} real rows (allowed {bound:.3g}); refused")
+                          f"{export.proof_rows} real rows (allowed {bound:.3g}); refused")
     return worst
+
+
+def proof_batches(workload: Workload, batch_size: int, rows: int = PROOF_ROWS):
+    """(rows, collated inputs) for up to `rows` of the workload's real rows in batches of `batch_size`
+    (its one batch size for a static-batch model, the last batch filled up with copies of its first row)."""
+    samples = list(workload.samples)[:rows]
+    step = workload.fixed_batch_size or batch_size
+    for start in range(0, len(samples), step):
+        chunk = samples[start:start + step]
+        if workload.fixed_batch_size and len(chunk) < step:
+            chunk += chunk[:1] * (step - len(chunk))
+        yield chunk, workload.collate(chunk)

@@ -164,6 +164,9 @@ class OnnxRuntimeInt8(ExportedRuntime):
 
         from overdrive.deploy.onnx import export_onnx
 
+        if config.calibration == Calibration.STATIC and not workload.train_samples:
+            raise RuntimeError("static int8 calibrates on the workload's training rows, and it has none (pass --data "
+                               "with 100+ rows, or use calibration dynamic)")
         folder = tempfile.TemporaryDirectory(prefix="overdrive-ort-int8-")
         exported = export_onnx(cpu_model(model), workload, Path(folder.name) / "model.onnx")
         fp32 = _preprocessed(exported.path)
@@ -171,9 +174,6 @@ class OnnxRuntimeInt8(ExportedRuntime):
         if config.calibration == Calibration.DYNAMIC:
             quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8, per_channel=config.per_channel)
         else:
-            if not workload.train_samples:
-                raise RuntimeError("static int8 calibrates on the workload's training rows, and it has none (pass --data "
-                                   "with 100+ rows, or use calibration dynamic)")
             quantize_static(str(fp32), str(int8), _CalibrationReader(workload, exported.input_names),
                             quant_format=QuantFormat.QDQ, per_channel=config.per_channel,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
