@@ -372,3 +372,13 @@ def test_onnxruntime_static_int8_calibrates_on_training_rows_and_needs_them():
         cosine = torch.nn.functional.cosine_similarity(model(*inputs), trained.model(*inputs), dim=-1)
     assert cosine.min() > 0.95
     assert conflict([default_config("prune-channels")], default_config("onnxruntime")) is None  # prune in PyTorch, then export
+
+
+def test_a_triton_repository_takes_a_second_model_but_not_the_same_one_twice(digits_plan, tmp_path):
+    from overdrive.core.errors import ConfigError
+
+    export(digits_plan, "triton", tmp_path / "repo")
+    with pytest.raises(ConfigError, match="already holds a model 'digits-cnn'"):
+        export(digits_plan, "triton", tmp_path / "repo")
+    export(digits_plan, "triton", tmp_path / "repo", name="digits-2")
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["digits-2", "digits-cnn"]

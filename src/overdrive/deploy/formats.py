@@ -96,7 +96,7 @@ def export(plan: Any, format: str, path: str | Path, *, model: Any = None, name:
         raise ConfigError(f"{arg('format', format)}: expected one of {', '.join(FORMATS)}")
     path = Path(path)
     target = path / "inferenceservice.yaml" if format == "kserve" else path
-    if target.exists() and not overwrite and not (format == "triton" and path.is_dir() and not any(path.iterdir())):
+    if format != "triton" and target.exists() and not overwrite:
         raise ConfigError(f"{arg('out', path)} exists; pass {arg('overwrite', True)} to replace it")
     if format in ("onnx", "pt2") and path.is_dir():
         raise ConfigError(f"{arg('out', path)} is a folder; {format} writes a file (e.g. {path / ('model.' + format)})")
@@ -112,6 +112,9 @@ def export(plan: Any, format: str, path: str | Path, *, model: Any = None, name:
         raise ConfigError(f"{arg('out', path)}: cannot write there ({exc.strerror or exc})") from None
     loaded, workload, plan_path = _resolve(plan, model)
     name = _model_name(name or workload.name)
+    if format == "triton" and (path / name).exists() and not overwrite:  # a repository holds other models too
+        raise ConfigError(f"{arg('out', path)} already holds a model {name!r}; pass {arg('overwrite', True)} to replace it, "
+                          f"or {arg('name')} to add it under another name")
     try:
         if format == "kserve":
             out = _kserve(loaded, plan_path, workload, path, name, image)
