@@ -382,3 +382,38 @@ def test_a_triton_repository_takes_a_second_model_but_not_the_same_one_twice(dig
         export(digits_plan, "triton", tmp_path / "repo")
     export(digits_plan, "triton", tmp_path / "repo", name="digits-2")
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["digits-2", "digits-cnn"]
+
+
+class _BatchBranch(nn.Module):
+    """A branch on the batch size: a graph traced at one batch size keeps its side of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x):
+        if x.shape[0] > 4:
+            return self.a(x)
+        return self.b(x) - 5
+
+
+def test_a_graph_that_fixed_a_branch_on_the_batch_size_is_refused(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(8, generator=g) for _ in range(8)]  # the example traces at batch 4
+    workload = Workload(name="batch-branch", model=_BatchBranch().eval(), samples=rows, collate=lambda r: (torch.stack(r),),
+                        fidelity=lambda o, r: {}, fidelity_key="min_cosine", default_batch_size=4, real_weights=False)
+    with pytest.raises(ExportError, match="max \\|diff\\||refused"):
+        export_onnx(workload.model, workload, tmp_path / "b.onnx")
+    from overdrive.deploy.formats import _pt2
+
+    with pytest.raises(ExportError, match="refuses a batch of|differs"):
+        _pt2(workload, [], tmp_path / "b.pt2")
+
+
+def test_kserve_refuses_a_folder_that_holds_other_files(digits_plan, tmp_path):
+    from overdrive.core.errors import ConfigError
+
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "other.txt").write_text("x")
+    with pytest.raises(ConfigError, match="exists and is not empty"):
+        export(digits_plan, "kserve", tmp_path / "deploy")

@@ -96,8 +96,10 @@ def export(plan: Any, format: str, path: str | Path, *, model: Any = None, name:
         raise ConfigError(f"{arg('format', format)}: expected one of {', '.join(FORMATS)}")
     path = Path(path)
     target = path / "inferenceservice.yaml" if format == "kserve" else path
-    if format != "triton" and target.exists() and not overwrite:
-        raise ConfigError(f"{arg('out', path)} exists; pass {arg('overwrite', True)} to replace it")
+    taken = target.exists() or (format == "kserve" and path.is_dir() and any(path.iterdir()))
+    if format != "triton" and taken and not overwrite:
+        raise ConfigError(f"{arg('out', path)} exists{' and is not empty' if format == 'kserve' else ''}; pass "
+                          f"{arg('overwrite', True)} to replace it")
     if format in ("onnx", "pt2") and path.is_dir():
         raise ConfigError(f"{arg('out', path)} is a folder; {format} writes a file (e.g. {path / ('model.' + format)})")
     try:  # fail now, not after an export of minutes
@@ -227,9 +229,14 @@ def _pt2(workload: Workload, steps, path: Path) -> Exported:
     loaded = torch.export.load(str(path)).module()
     worst, scale = 0.0, 0.0
     rows = min(PROOF_ROWS, len(workload.samples))
-    for _, batch in proof_batches(workload, max(1, len(inputs[0]) - 1)):  # another batch size than the trace's
+    for _, batch in proof_batches(workload, len(inputs[0])):  # the trace's batch size, 1, and above it
         with torch.no_grad():
-            expected, got = model(*batch).float(), loaded(*batch).float()
+            expected = model(*batch).float()
+            try:
+                got = loaded(*batch).float()
+            except Exception as exc:  # noqa: BLE001 - a guard torch.export added (e.g. batch ≤ 4): the file cannot serve it
+                raise ExportError(f"{workload.name}: the torch.export program refuses a batch of {len(batch[0])} rows "
+                                  f"({reason(exc)}); refused") from None
         worst = max(worst, (got - expected).abs().max().item())
         scale = max(scale, expected.abs().max().item())
     if not worst <= EXPORT_ATOL + EXPORT_RTOL * scale:

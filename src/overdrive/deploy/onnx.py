@@ -266,7 +266,9 @@ def prove_onnx(export: OnnxExport, model: nn.Module, workload: Workload, *, batc
     """
     session = ort_session(export.path, optimization="basic")
     worst, scale = 0.0, 0.0
+    sizes = set()
     for chunk, inputs in proof_batches(workload, batch_size, rows):
+        sizes.add(len(chunk))
         with torch.no_grad():
             expected = model(*inputs).float().numpy()
         (got,) = session.run(export.output_names, {n: t.numpy() for n, t in zip(export.input_names, inputs)})
@@ -276,6 +278,7 @@ def prove_onnx(export: OnnxExport, model: nn.Module, workload: Workload, *, batc
         worst = max(worst, float(np.max(np.abs(got.astype(np.float32) - expected))) if got.size else 0.0)
         scale = max(scale, float(np.max(np.abs(expected))) if expected.size else 0.0)
     export.max_abs_diff, export.proof_rows = worst, min(rows, len(workload.samples))
+    export.notes.append("proved at batch sizes " + ", ".join(str(b) for b in sorted(sizes)))
     bound = EXPORT_ATOL + EXPORT_RTOL * scale
     if not worst <= bound or math.isnan(worst):
         raise ExportError(f"{workload.name}: the ONNX export differs from PyTorch by max |diff| {worst:.3g} on "
@@ -284,12 +287,19 @@ def prove_onnx(export: OnnxExport, model: nn.Module, workload: Workload, *, batc
 
 
 def proof_batches(workload: Workload, batch_size: int, rows: int = PROOF_ROWS):
-    """(rows, collated inputs) for up to `rows` of the workload's real rows in batches of `batch_size`
-    (its one batch size for a static-batch model, the last batch filled up with copies of its first row)."""
-    samples = list(workload.samples)[:rows]
-    step = workload.fixed_batch_size or batch_size
-    for start in range(0, len(samples), step):
-        chunk = samples[start:start + step]
-        if workload.fixed_batch_size and len(chunk) < step:
-            chunk += chunk[:1] * (step - len(chunk))
+    """(rows, collated inputs) over up to `rows` of the workload's real rows (cycled when it has fewer,
+    so that every size below is reached), in batches of `batch_size`, 1 and 2·batch_size + 1 in turn:
+    a graph that fixed a branch on the batch size it was traced at answers wrongly on one side of it.
+    A static-batch model gets its one batch size (a short last batch filled with copies of its first row)."""
+    samples = list(workload.samples)
+    if workload.fixed_batch_size:
+        sizes = [workload.fixed_batch_size]
+    else:
+        sizes = [batch_size, 1, 2 * batch_size + 1]
+    total = max(min(rows, len(samples)), sum(sizes))
+    position, turn = 0, 0
+    while position < total:
+        size = sizes[turn % len(sizes)]
+        chunk = [samples[(position + k) % len(samples)] for k in range(size)]
+        position, turn = position + size, turn + 1
         yield chunk, workload.collate(chunk)
