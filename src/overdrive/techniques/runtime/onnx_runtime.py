@@ -201,7 +201,7 @@ def _preprocessed(path: Path) -> Path:
         from onnxruntime.quantization.shape_inference import quant_pre_process
 
         out = path.with_name("model.pre.onnx")
-        quant_pre_process(str(path), str(out), skip_symbolic_shape=False)
+        quant_pre_process(str(path), str(out), skip_symbolic_shape=True)  # its symbolic pass writes temporary files into the current folder
         return out
     except Exception:  # noqa: BLE001 - quantising the plain export still works
         return path
