@@ -417,3 +417,13 @@ def test_kserve_refuses_a_folder_that_holds_other_files(digits_plan, tmp_path):
     (tmp_path / "deploy" / "other.txt").write_text("x")
     with pytest.raises(ConfigError, match="exists and is not empty"):
         export(digits_plan, "kserve", tmp_path / "deploy")
+
+
+def test_an_int8_file_a_plan_ran_is_exported_with_its_own_difference_not_the_fp32_proof(tmp_path):
+    path = tmp_path / "plan.json"
+    Plan(workload="digits-cnn", device="cpu", batch_size=16, steps=[default_config("onnxruntime-int8")]).save(path)
+    result = export(path, "onnx", tmp_path / "int8.onnx")
+    assert result.carried == ["onnxruntime-int8"] and "int8 quantisation's" in result.notes[0]
+    assert result.max_abs_diff > 1e-4  # the quantised file's own difference, measured on real rows
+    got = ort_session(result.path).run(None, {"input": np.zeros((3, 1, 8, 8), np.float32)})[0]
+    assert got.shape == (3, 10)

@@ -33,6 +33,7 @@ from overdrive.deploy.onnx import (
     EXPORT_RTOL,
     PROOF_ROWS,
     ExportError,
+    OnnxExport,
     axes_for,
     example_inputs,
     export_onnx,
@@ -41,6 +42,7 @@ from overdrive.deploy.onnx import (
     ort_session,
     output_name,
     proof_batches,
+    prove_onnx,
     quiet_export,
     reason,
 )
@@ -205,11 +207,17 @@ def _model_name(name: str) -> str:
 def _onnx(workload: Workload, steps, path: Path) -> Exported:
     model, runtime_file = _model_for_file(workload, steps)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if runtime_file is not None:  # the file ONNX Runtime ran in the plan, proved when it was built
+    if runtime_file is not None:  # the file ONNX Runtime ran in the plan (int8 included): measured as written
         shutil.copyfile(runtime_file, path)
-        report = getattr(model, "export_report", {})
-        return Exported(format="onnx", path=path, files=[path], max_abs_diff=report.get("max_abs_diff"),
-                        notes=[f"the file ONNX Runtime ran in the plan ({model.runtime})"])
+        pytorch, _ = _model_for_file(workload, [s for s in steps if not get_technique(s.name).leaves_pytorch])
+        inputs = example_inputs(workload)
+        copied = OnnxExport(path=path, exporter="the plan's", input_names=input_names(workload, len(inputs)),
+                            output_names=[output_name(workload)], dynamic_axes=axes_for(workload, inputs))
+        quantised = "int8" in model.runtime
+        prove_onnx(copied, pytorch, workload, batch_size=len(inputs[0]), refuse=not quantised)
+        note = "; its difference is int8 quantisation's, judged by the plan's fidelity floor" if quantised else ""
+        return Exported(format="onnx", path=path, files=[path], max_abs_diff=copied.max_abs_diff,
+                        notes=[f"the file ONNX Runtime ran in the plan ({model.runtime}){note}", *copied.notes])
     exported = export_onnx(model, workload, path)
     return Exported(format="onnx", path=path, files=[path], max_abs_diff=exported.max_abs_diff,
                     notes=[f"{exported.exporter} exporter; dynamic axes {exported.dynamic_axes}; "

@@ -94,7 +94,8 @@ class Predictor:
         n = len(values)
         order = list(range(n))
         if self.lengths is not None:  # length bucketing inside the block: longest first, ties by position
-            order.sort(key=lambda i, counts=self.lengths(values): (-counts[i], i))
+            counts = self.lengths(values)
+            order.sort(key=lambda i: (-counts[i], i))
         outputs, errors = None, [""] * n
         for start in range(0, n, self.batch_size):
             chunk = order[start:start + self.batch_size]

@@ -187,7 +187,6 @@ def _reported(module: RuntimeModule, technique: str, exported, path: Path | None
     """The module with its report (the runtime, the exporter and the export's proof figure) and the
     ONNX file it runs (`onnx_path`, which `overdrive export` copies)."""
     module.onnx_path = path or exported.path
-    module.export_report = {"max_abs_diff": exported.max_abs_diff, "exporter": exported.exporter}
     providers = module.session().get_providers()
     module.overdrive_report = {"technique": technique, "runtime": module.runtime, "providers": ", ".join(providers),
                                "export max |diff|": f"{exported.max_abs_diff:.2g} on {exported.proof_rows} rows"}
@@ -212,11 +211,11 @@ class _CalibrationReader:
 
     def __init__(self, workload: Workload, names: list[str]):
         rows = list(workload.train_samples)[:CALIBRATION_ROWS]
-        self._batches = iter([dict(zip(names, (t.numpy() for t in workload.collate(rows[i:i + 8]))))
-                              for i in range(0, len(rows), 8)])
+        self._feeds = [dict(zip(names, (t.numpy() for t in workload.collate(rows[i:i + 8])))) for i in range(0, len(rows), 8)]
+        self.rewind()
 
     def get_next(self):
         return next(self._batches, None)
 
-    def rewind(self):  # some onnxruntime versions call it
-        pass
+    def rewind(self):  # a calibrator that reads the rows twice gets them twice, not an empty second pass
+        self._batches = iter(self._feeds)
