@@ -177,7 +177,7 @@ def test_pruned_encoder_reloads_from_a_checkpoint_and_exports(tmp_path):
     workload = make_text_workload()
     steps = [PruneHeadsConfig(ratio=0.5, finetune_steps=0),
              PruneFFNConfig(ratio=0.5, round_to=8, finetune_steps=0)]
-    # a step's checkpoint is the model after it (as `plan.save_checkpoints` writes them)
+    # a step's checkpoint is the model after it (as `plan.resolve_steps` writes them)
     paths = []
     for k in (1, 2):
         model, _ = build(workload, steps[:k], CPU)

@@ -298,7 +298,7 @@ def test_pruned_vit_reloads_from_a_checkpoint_and_exports(tmp_path):
     workload = make_vit_workload()
     steps = [PruneHeadsConfig(ratio=0.5, finetune_steps=0), PruneFFNConfig(ratio=0.5, round_to=16, finetune_steps=0)]
     paths = []
-    for k in (1, 2):  # a step's checkpoint is the model after it (as `plan.save_checkpoints` writes them)
+    for k in (1, 2):  # a step's checkpoint is the model after it (as `plan.resolve_steps` writes them)
         model, _ = build(workload, steps[:k], CPU)
         paths.append(tmp_path / f"after_{k}.pt")
         save_checkpoint(model, paths[-1], steps[k - 1].name)

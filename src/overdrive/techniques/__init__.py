@@ -4,7 +4,7 @@
 from overdrive.techniques.batching import length_bucketing  # noqa: F401
 from overdrive.techniques.graph import bn_fold, channels_last, remove_padding  # noqa: F401
 from overdrive.techniques.multi_device import pipeline_parallel  # noqa: F401
-from overdrive.techniques.precision import autocast, int8_dynamic  # noqa: F401
+from overdrive.techniques.precision import autocast, int8_dynamic, mixed  # noqa: F401
 from overdrive.techniques.pruning import channels, ffn, heads, unstructured  # noqa: F401
 from overdrive.techniques.registry import (
     BatchingPolicy,

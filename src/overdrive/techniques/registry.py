@@ -120,8 +120,10 @@ class Technique:
     def name(self) -> str:
         return self.config_cls.name
 
-    def unsupported_reason(self, workload: Workload, device: torch.device) -> str | None:
-        """Why this technique cannot run on this workload and device, or None when it can."""
+    def unsupported_reason(self, workload: Workload, device: torch.device,
+                           config: TechniqueConfig | None = None) -> str | None:
+        """Why this technique cannot run on this workload and device (with `config`, when the
+        reason depends on it), or None when it can."""
         if device.type not in self.devices:
             return f"runs on {'/'.join(self.devices)} only"
         if self.rewrites_modules and workload.is_torchscript:
@@ -137,6 +139,23 @@ class Technique:
 
     def batching(self, policy: BatchingPolicy, config: TechniqueConfig) -> BatchingPolicy:
         return policy
+
+    def includes(self, config: TechniqueConfig) -> tuple[str, ...]:
+        """Names of techniques whose effect this step already has (a searched precision step that
+        compiles its model includes `compile`): they cannot also be in its plan."""
+        return ()
+
+    def for_guard(self, config: TechniqueConfig, guard: Any) -> TechniqueConfig:
+        """The config the tuner uses under `guard` (tuning.guard.Guard): a searched step takes the
+        budget's floor as its own."""
+        return config
+
+    def resolve(self, step: TechniqueConfig, before: list[TechniqueConfig], *, workload: Workload,
+                device: torch.device, folder: Any) -> TechniqueConfig:
+        """The step as plan.json keeps it, once `optimize` chose it after the steps `before`: with
+        what it found written in (pruned weights in a checkpoint under `folder`, a search's layers),
+        so that reloading the plan rebuilds the same model without pruning or searching again."""
+        return step
 
     def describe_report(self, report: dict[str, Any], fidelity_key: str) -> str:
         """One line for the report this technique's `apply` left (`model.overdrive_report`)."""
@@ -211,12 +230,16 @@ def config_from_dict(data: dict[str, Any]) -> TechniqueConfig:
 
 
 def conflict(steps: list[TechniqueConfig], step: TechniqueConfig) -> str | None:
-    """Why `step` cannot follow `steps` in one plan, or None: two techniques of one group
-    (alternatives: bf16 / int8, one runtime per plan), a runtime outside PyTorch after a step that
+    """Why `step` cannot follow `steps` in one plan, or None: a technique another step includes, two
+    techniques of one group (alternatives: bf16 / int8, one runtime per plan), a runtime outside PyTorch after a step that
     does not survive export, or any step after such a runtime."""
     new = technique_for(step)
     for before in steps:
         old = technique_for(before)
+        if new.name in old.includes(before):
+            return f"{old.name} already includes {new.name}"
+        if old.name in new.includes(step):
+            return f"{new.name} includes {old.name}, already kept"
         if old.group and old.group == new.group:
             return f"alternative to {old.name}, already kept ({new.group}: a plan keeps one)"
         if old.leaves_pytorch:

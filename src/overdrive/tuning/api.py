@@ -24,7 +24,7 @@ from overdrive.core.report import environment, plot_latency_vs_batch, write_resu
 from overdrive.core.workload import Workload
 from overdrive.run.resume import weights_fingerprint
 from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
-from overdrive.tuning.plan import Plan, build, save_checkpoints
+from overdrive.tuning.plan import Plan, build, resolve_steps
 from overdrive.tuning.report import rows_markdown, write_report_md
 from overdrive.tuning.sweep import Session, open_session, sweep
 from overdrive.tuning.guard import FidelityRule, Guard
@@ -190,7 +190,7 @@ class OptimizeResult:
         """Write plan.json into `folder`, with the pruned weights of pruning steps beside it
         (`<technique>.pt`), so reloading the plan does not prune and fine-tune again. Returns its path."""
         folder = Path(folder)
-        self.plan.steps = save_checkpoints(self.plan.steps, self.session.workload, self.session.device, folder)
+        self.plan.steps = resolve_steps(self.plan.steps, self.session.workload, self.session.device, folder)
         self.plan.save(folder / "plan.json")
         return folder / "plan.json"
 

@@ -39,7 +39,7 @@ def build(workload: Workload, steps: list[TechniqueConfig], device: torch.device
     policy = BatchingPolicy()
     for i, step in enumerate(steps):
         technique = technique_for(step)
-        reason = technique.unsupported_reason(workload, device) or conflict(steps[:i], step)
+        reason = technique.unsupported_reason(workload, device, step) or conflict(steps[:i], step)
         if reason:
             raise RuntimeError(f"{step.name}: {reason}")
         model = technique.apply(model, step, workload=workload, device=device)
@@ -65,21 +65,14 @@ def build_on_devices(workload: Workload, steps: list[TechniqueConfig], devices: 
     return models
 
 
-def save_checkpoints(steps: list[TechniqueConfig], workload: Workload, device: torch.device,
-                     folder: Path) -> list[TechniqueConfig]:
-    """Write the weights of each pruning step to `folder/<technique>.pt` and return the steps
-    with `checkpoint` set, so that reloading the plan reuses the pruned, recovered model
-    instead of pruning and fine-tuning again."""
-    from overdrive.techniques.pruning.recovery import PruningTechnique, save_checkpoint
-
+def resolve_steps(steps: list[TechniqueConfig], workload: Workload, device: torch.device,
+                  folder: Path) -> list[TechniqueConfig]:
+    """The steps as plan.json keeps them (`Technique.resolve`): a pruning step with its weights in
+    `folder/<technique>.pt`, a searched precision step with its layers, so that reloading the plan
+    rebuilds the same model without pruning, fine-tuning or searching again."""
     out: list[TechniqueConfig] = []
     for step in steps:
-        if isinstance(technique_for(step), PruningTechnique) and not step.checkpoint:
-            model, _ = build(workload, out + [step], device)  # cached: reshapes and loads, no new fine-tune
-            path = Path(folder) / f"{step.name}.pt"
-            save_checkpoint(model, path, step.name)
-            step = dataclasses.replace(step, checkpoint=str(path))
-        out.append(step)
+        out.append(technique_for(step).resolve(step, list(out), workload=workload, device=device, folder=Path(folder)))
     return out
 
 

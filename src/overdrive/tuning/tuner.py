@@ -141,7 +141,7 @@ class Tuner:
         self.warnings: list[str] = []
 
     def _step(self, name: str) -> TechniqueConfig:
-        return self.configs.get(name) or default_config(name)
+        return get_technique(name).for_guard(self.configs.get(name) or default_config(name), self.guard)
 
     # -- runners ---------------------------------------------------------------------------------
 
@@ -256,7 +256,7 @@ class Tuner:
 
     def _skip_reason(self, name: str) -> str | None:
         technique = get_technique(name)
-        reason = technique.unsupported_reason(self.workload, self.device)
+        reason = technique.unsupported_reason(self.workload, self.device, self._step(name))
         if reason:
             return f"skipped: {reason}"
         if self.guard.lossless_only and not technique.lossless:

@@ -202,6 +202,17 @@ class PruningTechnique(Technique):
         weights are loaded afterwards)."""
         raise NotImplementedError
 
+    def resolve(self, step, before, *, workload, device, folder):
+        """The step with `checkpoint` set to its pruned, recovered weights, written to `folder/<technique>.pt`."""
+        if step.checkpoint:
+            return step
+        from overdrive.tuning.plan import build
+
+        model, _ = build(workload, before + [step], device)  # cached: reshapes and loads, no new fine-tune
+        path = Path(folder) / f"{step.name}.pt"
+        save_checkpoint(model, path, step.name)
+        return dataclasses.replace(step, checkpoint=str(path))
+
     def describe_report(self, report: dict[str, Any], fidelity_key: str) -> str:
         """One line: the structure before → after (`report_parts`), then the metric before, right
         after pruning and after recovery, with the fine-tune's steps, learning rate and time."""

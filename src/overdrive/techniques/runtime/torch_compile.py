@@ -38,6 +38,11 @@ class CompileConfig(TechniqueConfig):
             raise ValueError(f"CompileConfig.dynamic must be true, false or null, not {self.dynamic!r}")
 
 
+def default_dynamic(workload: Workload) -> bool | None:
+    """torch.compile's `dynamic` for a workload: True when its row shapes vary (text, dynamic dims)."""
+    return True if workload.is_text or workload.dynamic_dims else None
+
+
 @register
 class Compile(Technique):
     """torch.compile with the Inductor backend. Compile time is reported apart (Measurement.compile_s)."""
@@ -53,7 +58,7 @@ class Compile(Technique):
         return None
 
     def apply(self, model, config, *, workload, device):
-        dynamic = config.dynamic if config.dynamic is not None else (True if workload.is_text or workload.dynamic_dims else None)
+        dynamic = config.dynamic if config.dynamic is not None else default_dynamic(workload)
         if config.mode == CompileMode.REDUCE_OVERHEAD and device.type != "cuda":
             raise RuntimeError("mode reduce-overhead uses CUDA graphs and needs a GPU")
         return torch.compile(model, backend="inductor", mode=config.mode.value, dynamic=dynamic)

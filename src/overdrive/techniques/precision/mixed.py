@@ -1,0 +1,222 @@
+"""Mixed precision searched per layer: `mixed-int8` (CPU and CUDA) and `mixed-fp8` (CUDA, compute
+capability ≥ 8.9).
+
+The layers that carry the error stay in fp32; the rest run in low precision (`quantized_linear`:
+int8 or fp8, activations quantised per row, so a row's answer never depends on its batch-mates).
+Which layers is the search's (`sensitivity.search`, on the workload's training rows), unless the
+config names them: `optimize` writes the chosen layers into plan.json (`resolve`), so `bench`,
+`serve`, `run` and `export` rebuild the same model without searching again.
+
+The model is then compiled with Inductor on its first call (`CompiledOnFirstCall`): eager, the
+separate quantisation passes make int8 slower than fp32 on a CPU, and compiled they are fused.
+A `compile` step cannot follow it (`includes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from overdrive.core.workload import Workload
+from overdrive.techniques.graph_programs import LINEAR_OPS, missing_layers_reason
+from overdrive.techniques.precision.quantized_linear import fp8_reason, quantize_layers
+from overdrive.techniques.precision.sensitivity import SearchResult, linear_layers, search
+from overdrive.techniques.registry import ForwardWrapper, Stage, Technique, TechniqueConfig, register
+from overdrive.techniques.runtime.torch_compile import default_dynamic
+
+CALIBRATION_ROWS = 128
+# The search aims at 1 − (1 − floor) × SEARCH_MARGIN on the calibration rows, so that the floor still
+# holds on the evaluation rows, which the tuner judges next (0.9975 for the default floor 0.99). Measured on
+# MiniLM: the whole-model figure was 0.9962 on 128 calibration rows and 0.9899 on the 512 evaluation rows.
+SEARCH_MARGIN = 0.25
+_CACHE_SIZE = 4
+_CACHE: OrderedDict[tuple, SearchResult] = OrderedDict()
+_COMPILE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecisionConfig(TechniqueConfig):
+    """Fields of a searched precision step.
+
+    Attributes:
+        layers: module paths of the nn.Linear layers in low precision; None: search (the tuner's
+            case), and `optimize` writes the search's answer here in plan.json.
+        min_fidelity: the floor the search keeps on the calibration rows, with its margin; None: the
+            guard's `min_fidelity` (0.99 unless given).
+        calibration_rows: training rows the search measures on.
+        compile: compile the model with Inductor on its first call (False: eager, slower on CPU).
+    """
+
+    layers: tuple[str, ...] | None = None
+    min_fidelity: float | None = None
+    calibration_rows: int = CALIBRATION_ROWS
+    compile: bool = True
+
+    def __post_init__(self):
+        if self.layers is not None:
+            if isinstance(self.layers, str) or not all(isinstance(n, str) and n for n in self.layers):
+                raise ValueError(f"{type(self).__name__}.layers must be a list of module paths, not {self.layers!r}")
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if self.min_fidelity is not None and not 0.0 <= self.min_fidelity <= 1.0:
+            raise ValueError(f"{type(self).__name__}.min_fidelity must be in [0, 1], not {self.min_fidelity!r}")
+        if not isinstance(self.calibration_rows, int) or self.calibration_rows < 1:
+            raise ValueError(f"{type(self).__name__}.calibration_rows must be a positive integer, not {self.calibration_rows!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"{type(self).__name__}.compile must be true or false, not {self.compile!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if self.layers is not None:
+            data["layers"] = list(self.layers)
+        return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedInt8Config(MixedPrecisionConfig):
+    name: ClassVar[str] = "mixed-int8"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedFp8Config(MixedPrecisionConfig):
+    name: ClassVar[str] = "mixed-fp8"
+
+
+class CompiledOnFirstCall(ForwardWrapper):
+    """Compiles `inner` with Inductor at its first call, after every later plan step changed it."""
+
+    def __init__(self, inner: nn.Module, *, dynamic: bool | None):
+        super().__init__(inner)
+        self.dynamic = dynamic
+        self.__dict__["_compiled"] = None  # not a submodule: its parameters are inner's
+
+    def forward(self, *args):
+        compiled = self.__dict__["_compiled"]
+        if compiled is None:
+            with _COMPILE_LOCK:
+                if self.__dict__["_compiled"] is None:
+                    self.__dict__["_compiled"] = torch.compile(self.inner, backend="inductor", dynamic=self.dynamic)
+                compiled = self.__dict__["_compiled"]
+        return compiled(*args)
+
+
+class MixedPrecision(Technique):
+    """Base of the searched precision techniques; subclasses set `scheme` and the class attributes."""
+
+    scheme: ClassVar[str]
+    stage = Stage.PRECISION
+    lossless = False
+    group = "precision"
+    rewrites_modules = True
+
+    def includes(self, config: TechniqueConfig) -> tuple[str, ...]:
+        return ("compile",) if config.compile else ()
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        if not linear_layers(workload.model):
+            return missing_layers_reason(workload.model, layers="nn.Linear", ops=LINEAR_OPS,
+                                         rewrites=f"{self.name} switches nn.Linear layers to {self.scheme}")
+        return None
+
+    def unsupported_reason(self, workload: Workload, device: torch.device,
+                           config: TechniqueConfig | None = None) -> str | None:
+        reason = super().unsupported_reason(workload, device, config)
+        if reason is None and not workload.train_samples and (config is None or config.layers is None):
+            return ("not applicable: the per-layer search calibrates on the workload's training rows, and it has none "
+                    "(pass --data with 100+ rows)")  # a plan that names its layers needs none
+        return reason
+
+    def for_guard(self, config: MixedPrecisionConfig, guard) -> MixedPrecisionConfig:
+        if config.layers is None and config.min_fidelity is None:
+            return dataclasses.replace(config, min_fidelity=guard.min_fidelity)
+        return config
+
+    def searched(self, model: nn.Module, config: MixedPrecisionConfig, workload: Workload,
+                 device: torch.device) -> SearchResult:
+        """The search's answer for this model (in-process cache: the tuner builds a candidate several times)."""
+        from overdrive.techniques.pruning.recovery import fingerprint
+
+        key = (self.name, workload.name, str(device), fingerprint(model), id(workload.train_samples),
+               dataclasses.replace(config, compile=True))
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+        floor = config.min_fidelity if config.min_fidelity is not None else 0.99
+        result = search(model, workload, device, scheme=self.scheme, floor=floor, margin=SEARCH_MARGIN,
+                        calibration_rows=config.calibration_rows)
+        _CACHE[key] = result
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+        return result
+
+    def apply(self, model, config, *, workload, device):
+        total = len(linear_layers(model))
+        if config.layers is None:
+            result = self.searched(model, config, workload, device)
+            if not result.chosen:
+                raise RuntimeError(f"no layer can take {self.scheme} without taking {result.key} below "
+                                   f"{result.target:.4f} on {result.calibration_rows} training rows")
+            layers = result.chosen
+            report = {"technique": self.name, "scheme": self.scheme, "layers": [c.to_dict() for c in result.layers],
+                      "chosen": layers, "total": total, "key": result.key, "search_fidelity": result.fidelity,
+                      "target": result.target, "calibration_rows": result.calibration_rows, "search_s": result.seconds}
+        else:
+            layers = list(config.layers)
+            report = {"technique": self.name, "scheme": self.scheme, "chosen": layers, "total": total}
+        model = quantize_layers(model, layers, self.scheme, device)
+        if config.compile:
+            model = CompiledOnFirstCall(model, dynamic=default_dynamic(workload))
+        model.overdrive_report = report
+        return model
+
+    def resolve(self, step: MixedPrecisionConfig, before: list[TechniqueConfig], *, workload: Workload,
+                device: torch.device, folder) -> MixedPrecisionConfig:
+        """The step with the search's layers written in, so a reloaded plan rebuilds without searching."""
+        if step.layers is not None:
+            return step
+        from overdrive.tuning.plan import build
+
+        reports: list[dict] = []
+        build(workload, before + [step], device, reports)  # the search is cached; compiling waits for a call
+        chosen = next(r["chosen"] for r in reports if r.get("technique") == self.name)
+        return dataclasses.replace(step, layers=tuple(chosen))
+
+    def describe_report(self, report: dict[str, Any], fidelity_key: str) -> str:
+        n, total = len(report["chosen"]), report["total"]
+        head = f"{self.name}: {n} of {total} nn.Linear layers in {report['scheme']}, {total - n} in fp32"
+        if "layers" not in report:
+            return head + " (the plan's layers; no search)"
+        head += (f"; searched on {report['calibration_rows']} training rows in {report['search_s']:.0f} s, "
+                 f"{report['key']} {report['search_fidelity']:.4f} on them (target ≥ {report['target']:.4f})")
+        rows = ["layer | shape | sensitivity (1 − fidelity alone) | saved ms/batch (eager) | precision"]
+        for c in sorted(report["layers"], key=lambda c: (c["precision"] != "fp32", -(c["drop"] or 0))):
+            drop = "–" if c["drop"] is None else f"{c['drop']:.5f}"
+            saved = "–" if c["saved_ms"] is None else f"{c['saved_ms']:.2f}"
+            why = f" ({c['note']})" if c["note"] else ""
+            rows.append(f"{c['name']} | {c['shape']} | {drop} | {saved} | {c['precision']}{why}")
+        return head + "\n" + "\n".join("    " + r for r in rows)
+
+
+@register
+class MixedInt8(MixedPrecision):
+    config_cls = MixedInt8Config
+    scheme = "int8"
+    description = ("int8 nn.Linear layers (per-row activations, per-channel weights) chosen by a per-layer sensitivity "
+                   "search under the fidelity floor; the rest fp32; compiled with Inductor")
+
+
+@register
+class MixedFp8(MixedPrecision):
+    config_cls = MixedFp8Config
+    scheme = "fp8"
+    devices = ("cuda",)
+    description = ("fp8 (e4m3, per-row) nn.Linear layers through torchao, chosen by a per-layer sensitivity search "
+                   "under the fidelity floor; compute capability ≥ 8.9")
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        return fp8_reason(device) or super().applicability(workload, device)
