@@ -12,7 +12,7 @@ OUT_DIR=${OUT:-out/gpu-check}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-# ONLY="tests run" runs just those parts (tests optimize sparsity train run backends); the whole check is longer than
+# ONLY="tests run" runs just those parts (tests optimize sparsity train run backends precision); the whole check is longer than
 # one device loan of 15 minutes can hold with its start-up, so a loan runs the parts its issue needs.
 ONLY=${ONLY:-tests optimize sparsity train run}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
@@ -78,5 +78,18 @@ for spec in "resnet50 --batch-size 64 --num-samples 512" "bert-base-random --bat
   cp "$OUT_DIR/runsb/$name/results.json" "$OUT_DIR/backends_${name}_results.json" 2>/dev/null || status=1
 done
 fi
-rm -rf "$OUT_DIR/runs" "$OUT_DIR/runs24" "$OUT_DIR/train" "$OUT_DIR/runsb"  # nested folders do not come back from the device tool; the flat copies do
+if want precision; then
+# ONLY=precision (≤ 4 minutes): bert-base-random with mixed-int8 and mixed-fp8 searched per layer (torchao when the
+# machine has it, else per-row int8 through torch._int_mm; fp8 needs torchao and compute capability ≥ 8.9) against bf16
+# and fp16 in one optimize run, and the CUDA tests of the precision techniques. resnet50 is left out: mixed-* switch
+# nn.Linear layers only (its one fc layer) and its random-image workload has no training rows to search on.
+$PY -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -n 1 | tee "$OUT_DIR/precision_env.txt"
+timeout 60 $PY -m pytest -q -m cuda tests/test_mixed_precision.py -p no:cacheprovider 2>&1 | tail -n 15 \
+  | tee "$OUT_DIR/precision_tests.txt" || status=1
+echo "== optimize bert-base-random --techniques bf16,fp16,mixed-int8,mixed-fp8 --device cuda"
+timeout 170 $PY -m overdrive optimize bert-base-random --batch-size 32 --num-samples 512 --techniques bf16,fp16,mixed-int8,mixed-fp8 \
+  --device cuda --overwrite --out "$OUT_DIR/runsp" 2>&1 | tail -n 60 | tee "$OUT_DIR/precision_bert.txt" || status=1
+cp "$OUT_DIR/runsp/bert-base-random/results.json" "$OUT_DIR/precision_bert_results.json" 2>/dev/null || status=1
+fi
+rm -rf "$OUT_DIR/runs" "$OUT_DIR/runs24" "$OUT_DIR/train" "$OUT_DIR/runsb" "$OUT_DIR/runsp"  # nested folders do not come back from the device tool; the flat copies do
 exit $status

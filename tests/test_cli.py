@@ -114,7 +114,7 @@ def test_optimize_prune_then_bench_reuses_the_pruned_weights(tmp_path):
     alone = next(r for r in results["rows"] if r["phase"] == "alone" and r["label"] == "prune-channels")
     (report,) = alone["details"]
     assert report["fine_tune"]["steps"] == 200 and report["after_recovery"]["accuracy_pct"] > 97
-    assert "## Pruning: structure, metric and recovery" in (out / "report.md").read_text()
+    assert "## Technique reports (pruning: structure, metric and recovery; precision: the per-layer search)" in (out / "report.md").read_text()
     plan = json.loads((out / "plan.json").read_text())
     steps = {s["name"]: s["config"] for s in plan["techniques"]}
     # kept; its weights are saved beside the plan

@@ -20,7 +20,7 @@ from torch import nn
 from overdrive.core.workload import Workload, embedding_fidelity, logits_fidelity
 from overdrive.techniques import config_from_dict, config_to_dict, conflict, default_config, get_technique
 from overdrive.techniques.precision.mixed import MixedInt8Config
-from overdrive.techniques.precision.quantized_linear import RowInt8Linear
+from overdrive.techniques.precision.quantized_layers import RowInt8Conv2d, RowInt8Linear
 from overdrive.tuning.guard import Guard
 from overdrive.tuning.plan import Plan, build, resolve_steps
 from overdrive.tuning.tuner import Tuner
@@ -82,7 +82,7 @@ def test_the_search_keeps_exactly_the_planted_outlier_layer_in_fp32_and_meets_th
     fidelity = embedding_fidelity(outputs(model, workload), outputs(workload.model, workload))
     assert fidelity["min_cosine"] >= 0.99
     line = get_technique("mixed-int8").describe_report(report, "min_cosine")
-    assert "3 of 4 nn.Linear layers in int8" in line and "layers.0 | 32→64" in line
+    assert "3 of 4 layers in int8" in line and "layers.0 | 32→64" in line
 
 
 def test_whole_model_int8_of_the_outlier_model_is_what_the_search_avoids():
@@ -140,13 +140,38 @@ def test_a_plan_reloads_the_searched_layers_and_rebuilds_bit_identical_outputs(t
     assert "training rows" in get_technique("mixed-int8").unsupported_reason(no_rows, CPU, step)
 
 
-def test_a_model_without_linear_layers_is_not_applicable():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten()).eval()
-    images = list(torch.randn(8, 3, 6, 6))
-    workload = Workload(name="convs", model=model, samples=images, train_samples=images, collate=lambda s: (torch.stack(s),),
+@pytest.mark.parametrize("conv", [dict(), dict(stride=2, padding=1), dict(padding=2, dilation=2), dict(bias=False, kernel_size=1)])
+def test_per_patch_int8_convolution_matches_conv2d_and_keeps_images_independent(conv):
+    torch.manual_seed(0)
+    layer = nn.Conv2d(6, 10, **{"kernel_size": 3, **conv}).eval()
+    quantized = RowInt8Conv2d(layer)
+    images = torch.randn(5, 6, 9, 11)
+    images[2] *= 1e4  # an outlier batch-mate
+    with torch.no_grad():
+        expected, got = layer(images), quantized(images)
+    assert got.shape == expected.shape
+    cos = nn.functional.cosine_similarity(got.flatten(1), expected.flatten(1), dim=-1)
+    assert cos.min() > 0.999, cos
+    for i in range(images.shape[0]):
+        assert torch.equal(quantized(images[i:i + 1]), got[i:i + 1])
+    assert torch.equal(quantized(images[0]), got[0])  # unbatched [C, H, W]
+
+
+def test_grouped_convolutions_stay_in_fp32():
+    from overdrive.techniques.precision.quantized_layers import layer_reason
+
+    assert "grouped" in layer_reason(nn.Conv2d(4, 4, 3, groups=4), "int8", CPU)
+    assert layer_reason(nn.Conv2d(4, 4, 3), "fp8", CPU) is not None
+    assert layer_reason(nn.Conv2d(4, 4, 3), "int8", CPU) is None
+
+
+def test_a_model_without_linear_or_conv_layers_is_not_applicable():
+    model = nn.Sequential(nn.LayerNorm(6), nn.ReLU(), nn.Flatten()).eval()
+    images = list(torch.randn(8, 3, 6))
+    workload = Workload(name="norms", model=model, samples=images, train_samples=images, collate=lambda s: (torch.stack(s),),
                         fidelity=logits_fidelity, fidelity_key="min_cosine", default_batch_size=4)
     reason = get_technique("mixed-int8").unsupported_reason(workload, CPU)
-    assert reason.startswith("not applicable") and "nn.Linear" in reason
+    assert reason.startswith("not applicable") and "nn.Linear or nn.Conv2d" in reason
 
 
 def test_plan_names_a_layer_the_model_lacks():

@@ -164,7 +164,7 @@ def write_report_md(path: Path, *, result: TuneResult, workload_name: str, devic
     lines += [sweep_markdown(sweep), ""]
     details = detail_lines(result, fidelity_key=fidelity_key)
     if details:
-        lines += ["## Pruning: structure, metric and recovery", ""] + [f"- {line}" for line in details] + [""]
+        lines += ["## Technique reports (pruning: structure, metric and recovery; precision: the per-layer search)", ""] + [f"- {line}" for line in details] + [""]
     compiled = compile_times(result)
     if compiled:
         lines += ["## Compile and warm-up time (apart from the figures above)", ""]

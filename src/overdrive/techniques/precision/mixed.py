@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from overdrive.core.workload import Workload
-from overdrive.techniques.graph_programs import LINEAR_OPS, missing_layers_reason
-from overdrive.techniques.precision.quantized_linear import fp8_reason, quantize_layers
-from overdrive.techniques.precision.sensitivity import SearchResult, linear_layers, search
+from overdrive.techniques.graph_programs import CONV_OPS, LINEAR_OPS, missing_layers_reason
+from overdrive.techniques.precision.quantized_layers import fp8_reason, quantize_layers
+from overdrive.techniques.precision.sensitivity import SearchResult, quantizable_layers, search
 from overdrive.techniques.registry import ForwardWrapper, Stage, Technique, TechniqueConfig, register
 from overdrive.techniques.runtime.torch_compile import default_dynamic
 
@@ -45,7 +45,7 @@ class MixedPrecisionConfig(TechniqueConfig):
     """Fields of a searched precision step.
 
     Attributes:
-        layers: module paths of the nn.Linear layers in low precision; None: search (the tuner's
+        layers: module paths of the nn.Linear / nn.Conv2d layers in low precision; None: search (the tuner's
             case), and `optimize` writes the search's answer here in plan.json.
         min_fidelity: the floor the search keeps on the calibration rows, with its margin; None: the
             guard's `min_fidelity` (0.99 unless given).
@@ -118,9 +118,9 @@ class MixedPrecision(Technique):
         return ("compile",) if config.compile else ()
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
-        if not linear_layers(workload.model):
-            return missing_layers_reason(workload.model, layers="nn.Linear", ops=LINEAR_OPS,
-                                         rewrites=f"{self.name} switches nn.Linear layers to {self.scheme}")
+        if not quantizable_layers(workload.model):
+            return missing_layers_reason(workload.model, layers="nn.Linear or nn.Conv2d", ops=LINEAR_OPS + CONV_OPS,
+                                         rewrites=f"{self.name} switches nn.Linear and nn.Conv2d layers to {self.scheme}")
         return None
 
     def unsupported_reason(self, workload: Workload, device: torch.device,
@@ -155,7 +155,7 @@ class MixedPrecision(Technique):
         return result
 
     def apply(self, model, config, *, workload, device):
-        total = len(linear_layers(model))
+        total = len(quantizable_layers(model))
         if config.layers is None:
             result = self.searched(model, config, workload, device)
             if not result.chosen:
@@ -188,7 +188,7 @@ class MixedPrecision(Technique):
 
     def describe_report(self, report: dict[str, Any], fidelity_key: str) -> str:
         n, total = len(report["chosen"]), report["total"]
-        head = f"{self.name}: {n} of {total} nn.Linear layers in {report['scheme']}, {total - n} in fp32"
+        head = f"{self.name}: {n} of {total} layers in {report['scheme']}, {total - n} in fp32"
         if "layers" not in report:
             return head + " (the plan's layers; no search)"
         head += (f"; searched on {report['calibration_rows']} training rows in {report['search_s']:.0f} s, "

@@ -8,7 +8,7 @@ rather than estimated:
    calibration rows (its training split, never the evaluation rows) against the unchanged model
    gives the drop, 1 − fidelity;
 2. time saved: each layer's fp32 and low-precision forms timed eagerly on the input it gets from
-   the first calibration batch (layers of one shape share a timing);
+   the first calibration batch (layers of one weight and input shape share a timing);
 3. order: by drop per millisecond saved (the cheapest fidelity per unit of time first; a layer
    that saves no time in eager mode comes last, since the compiled model fuses its quantisation);
 4. greedy: layers are switched in that order, the whole model measured on the calibration rows
@@ -30,7 +30,7 @@ from torch import nn
 
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload
-from overdrive.techniques.precision.quantized_linear import layer_reason, quantized_module, set_module
+from overdrive.techniques.precision.quantized_layers import LAYER_TYPES, describe_layer, layer_reason, quantized_module, set_module
 
 CALIBRATION_BATCH = 32
 TIMING_REPEATS = 7
@@ -71,9 +71,9 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
 
 
-def linear_layers(model: nn.Module) -> list[str]:
-    """Paths of the plain nn.Linear layers of `model` (subclasses may change forward: left alone)."""
-    return [name for name, module in model.named_modules() if type(module) is nn.Linear and name]
+def quantizable_layers(model: nn.Module) -> list[str]:
+    """Paths of the plain nn.Linear and nn.Conv2d layers of `model` (subclasses may change forward: left alone)."""
+    return [name for name, module in model.named_modules() if type(module) in LAYER_TYPES and name]
 
 
 def calibration_batches(workload: Workload, rows: list[Any], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
@@ -121,15 +121,14 @@ def search(model: nn.Module, workload: Workload, device: torch.device, *, scheme
                            "with 100+ rows, or name the layers in the config)")
     candidates, layers = [], []
     modules = dict(model.named_modules())
-    for name in linear_layers(model):
-        linear = modules[name]
-        choice = LayerChoice(name=name, shape=f"{linear.in_features}→{linear.out_features}")
-        choice.note = layer_reason(linear, scheme, device) or ""
+    for name in quantizable_layers(model):
+        choice = LayerChoice(name=name, shape=describe_layer(modules[name]))
+        choice.note = layer_reason(modules[name], scheme, device) or ""
         layers.append(choice)
         if not choice.note:
             candidates.append(name)
     if not candidates:
-        raise RuntimeError(f"no nn.Linear layer of the model can take {scheme}")
+        raise RuntimeError(f"no nn.Linear or nn.Conv2d layer of the model can take {scheme} here")
     rows = list(workload.train_samples)[:calibration_rows]
     batches = calibration_batches(workload, rows, device)
     if not batches:
@@ -140,22 +139,31 @@ def search(model: nn.Module, workload: Workload, device: torch.device, *, scheme
     lowered = {name: quantized_module(originals[name], scheme, device) for name in candidates}
     by_name = {c.name: c for c in layers}
 
-    inputs: dict[tuple[int, int], torch.Tensor] = {}  # one captured input per layer shape, from the first batch
-    hooks = [originals[n].register_forward_pre_hook(
-        lambda m, args, key=(originals[n].in_features, originals[n].out_features): inputs.setdefault(key, args[0].detach()))
-        for n in candidates]
+    inputs: dict[str, tuple] = {}  # each layer's input shape on the first batch, and one input per distinct (layer, input) shape
+    captured: dict[tuple, torch.Tensor] = {}
+
+    def capture(name):
+        def hook(module, args):
+            key = (type(module).__name__, tuple(module.weight.shape), tuple(args[0].shape))
+            inputs[name] = key
+            captured.setdefault(key, args[0].detach())
+        return hook
+
+    hooks = [originals[n].register_forward_pre_hook(capture(n)) for n in candidates]
     try:
         with torch.no_grad():
             model(*batches[0])
     finally:
         for hook in hooks:
             hook.remove()
-    timer, saved_by_shape = Timer(device), {}
+    timer, saved_by_key = Timer(device), {}
     for name in candidates:
-        key = (originals[name].in_features, originals[name].out_features)
-        if key not in saved_by_shape and key in inputs:
-            saved_by_shape[key] = _time_ms(originals[name], inputs[key], timer) - _time_ms(lowered[name], inputs[key], timer)
-        by_name[name].saved_ms = saved_by_shape.get(key)
+        key = inputs.get(name)
+        if key is not None and key not in saved_by_key:
+            x = captured[key]
+            saved_by_key[key] = _time_ms(originals[name], x, timer) - _time_ms(lowered[name], x, timer)
+        by_name[name].saved_ms = saved_by_key.get(key)
+    del captured
 
     try:
         for name in candidates:  # 1. sensitivity: one layer at a time
