@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # torch.compile on a CUDA build without a GPU logs "No CUDA runtime is found" once; it is not ours to act on.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # torchao 0.18 registers enums that torch 2.14 handles natively, and torch logs a deprecation for each at import.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     try:
         return VERBS[args.command].main(args, argv)
     except RunAborted as exc:

@@ -25,8 +25,16 @@ from torch import nn
 
 from overdrive.core.workload import Workload
 from overdrive.techniques.graph_programs import CONV_OPS, LINEAR_OPS, missing_layers_reason
-from overdrive.techniques.precision.quantized_layers import fp8_reason, quantize_layers
-from overdrive.techniques.precision.sensitivity import SearchResult, quantizable_layers, search
+from overdrive.techniques.precision import pt2e_static
+from overdrive.techniques.precision.quantized_layers import describe_layer, fp8_reason, layer_reason, quantize_layers, torchao_available
+from overdrive.techniques.precision.sensitivity import (
+    Candidates,
+    LayerChoice,
+    SearchResult,
+    SwappedLayers,
+    calibration_batches,
+    search,
+)
 from overdrive.techniques.registry import ForwardWrapper, Stage, Technique, TechniqueConfig, register
 from overdrive.techniques.runtime.torch_compile import default_dynamic
 
@@ -87,12 +95,19 @@ class MixedFp8Config(MixedPrecisionConfig):
     name: ClassVar[str] = "mixed-fp8"
 
 
-class CompiledOnFirstCall(ForwardWrapper):
-    """Compiles `inner` with Inductor at its first call, after every later plan step changed it."""
+@dataclass(frozen=True, kw_only=True)
+class MixedInt8StaticConfig(MixedPrecisionConfig):
+    name: ClassVar[str] = "mixed-int8-static"
 
-    def __init__(self, inner: nn.Module, *, dynamic: bool | None):
+
+class CompiledOnFirstCall(ForwardWrapper):
+    """Compiles `inner` with Inductor at its first call, after every later plan step changed it.
+    With `freezing`, Inductor treats the weights as constants (what turns PT2E's quantize / dequantize
+    pairs into int8 kernels); every call runs under that setting, recompilations included."""
+
+    def __init__(self, inner: nn.Module, *, dynamic: bool | None, freezing: bool = False):
         super().__init__(inner)
-        self.dynamic = dynamic
+        self.dynamic, self.freezing = dynamic, freezing
         self.__dict__["_compiled"] = None  # not a submodule: its parameters are inner's
 
     def forward(self, *args):
@@ -102,33 +117,71 @@ class CompiledOnFirstCall(ForwardWrapper):
                 if self.__dict__["_compiled"] is None:
                     self.__dict__["_compiled"] = torch.compile(self.inner, backend="inductor", dynamic=self.dynamic)
                 compiled = self.__dict__["_compiled"]
-        return compiled(*args)
+        if not self.freezing:
+            return compiled(*args)
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(freezing=True):
+            return compiled(*args)
 
 
 class MixedPrecision(Technique):
-    """Base of the searched precision techniques; subclasses set `scheme` and the class attributes."""
+    """Base of the searched precision techniques: subclasses say which layers, how a candidate is built
+    (`candidates`) and how the final model is (`lower`)."""
 
     scheme: ClassVar[str]
+    form: ClassVar[str]  # how activations are quantised, for the report
+    freezing: ClassVar[bool] = False  # compile with Inductor's freezing (PT2E)
     stage = Stage.PRECISION
     lossless = False
     group = "precision"
     rewrites_modules = True
+    layer_types: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)
+
+    # -- what subclasses provide -----------------------------------------------------------------
+
+    def layer_reason(self, layer: nn.Module, device: torch.device) -> str | None:
+        return layer_reason(layer, self.scheme, device)
+
+    def candidates(self, model: nn.Module, names: list[str], batches, device: torch.device,
+                   workload: Workload) -> tuple[nn.Module, Candidates]:
+        """(the unchanged model the search compares with, the candidates)."""
+        return model, SwappedLayers(model, names, self.scheme, device, batches[0])
+
+    def lower(self, model: nn.Module, layers: list[str], workload: Workload, device: torch.device,
+              config: MixedPrecisionConfig) -> nn.Module:
+        return quantize_layers(model, layers, self.scheme, device)
+
+    # -- shared ----------------------------------------------------------------------------------
+
+    def compile_dynamic(self, workload: Workload) -> bool | None:
+        return default_dynamic(workload)
+
+    def layers_of(self, model: nn.Module) -> list[str]:
+        """Paths of the plain layers of the kinds this technique switches (subclasses may change forward: left alone)."""
+        return [name for name, module in model.named_modules() if type(module) in self.layer_types and name]
 
     def includes(self, config: TechniqueConfig) -> tuple[str, ...]:
         return ("compile",) if config.compile else ()
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
-        if not quantizable_layers(workload.model):
-            return missing_layers_reason(workload.model, layers="nn.Linear or nn.Conv2d", ops=LINEAR_OPS + CONV_OPS,
-                                         rewrites=f"{self.name} switches nn.Linear and nn.Conv2d layers to {self.scheme}")
+        if not self.layers_of(workload.model):
+            kinds = " or ".join(f"nn.{t.__name__}" for t in self.layer_types)
+            ops = LINEAR_OPS + (CONV_OPS if nn.Conv2d in self.layer_types else ())
+            return missing_layers_reason(workload.model, layers=kinds, ops=ops,
+                                         rewrites=f"{self.name} switches {kinds} layers to {self.scheme}")
         return None
+
+    def needs_rows(self, config: TechniqueConfig | None) -> bool:
+        """Whether building needs training rows: to search (a plan that names its layers needs none)."""
+        return config is None or config.layers is None
 
     def unsupported_reason(self, workload: Workload, device: torch.device,
                            config: TechniqueConfig | None = None) -> str | None:
         reason = super().unsupported_reason(workload, device, config)
-        if reason is None and not workload.train_samples and (config is None or config.layers is None):
-            return ("not applicable: the per-layer search calibrates on the workload's training rows, and it has none "
-                    "(pass --data with 100+ rows)")  # a plan that names its layers needs none
+        if reason is None and not workload.train_samples and self.needs_rows(config):
+            return (f"not applicable: {self.name} calibrates on the workload's training rows, and it has none "
+                    "(pass --data with 100+ rows)")
         return reason
 
     def for_guard(self, config: MixedPrecisionConfig, guard) -> MixedPrecisionConfig:
@@ -146,16 +199,22 @@ class MixedPrecision(Technique):
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
+        rows = list(workload.train_samples or [])[:config.calibration_rows]
+        batches = calibration_batches(workload, rows, device)
+        modules = dict(model.named_modules())
+        layers = [LayerChoice(name=n, shape=describe_layer(modules[n]), note=self.layer_reason(modules[n], device) or "")
+                  for n in self.layers_of(model)]
+        reference, candidates = self.candidates(model, [c.name for c in layers if not c.note], batches, device, workload)
         floor = config.min_fidelity if config.min_fidelity is not None else 0.99
-        result = search(model, workload, device, scheme=self.scheme, floor=floor, margin=SEARCH_MARGIN,
-                        calibration_rows=config.calibration_rows)
+        result = search(workload, batches, reference, candidates, layers, scheme=self.scheme, floor=floor,
+                        margin=SEARCH_MARGIN, calibration_rows=len(rows))
         _CACHE[key] = result
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
         return result
 
     def apply(self, model, config, *, workload, device):
-        total = len(quantizable_layers(model))
+        total = len(self.layers_of(model))
         if config.layers is None:
             result = self.searched(model, config, workload, device)
             if not result.chosen:
@@ -168,9 +227,9 @@ class MixedPrecision(Technique):
         else:
             layers = list(config.layers)
             report = {"technique": self.name, "scheme": self.scheme, "chosen": layers, "total": total}
-        model = quantize_layers(model, layers, self.scheme, device)
+        model = self.lower(model, layers, workload, device, config)
         if config.compile:
-            model = CompiledOnFirstCall(model, dynamic=default_dynamic(workload))
+            model = CompiledOnFirstCall(model, dynamic=self.compile_dynamic(workload), freezing=self.freezing)
         model.overdrive_report = report
         return model
 
@@ -188,7 +247,7 @@ class MixedPrecision(Technique):
 
     def describe_report(self, report: dict[str, Any], fidelity_key: str) -> str:
         n, total = len(report["chosen"]), report["total"]
-        head = f"{self.name}: {n} of {total} layers in {report['scheme']}, {total - n} in fp32"
+        head = f"{self.name}: {n} of {total} layers in {report['scheme']} ({self.form}), {total - n} in fp32"
         if "layers" not in report:
             return head + " (the plan's layers; no search)"
         head += (f"; searched on {report['calibration_rows']} training rows in {report['search_s']:.0f} s, "
@@ -206,6 +265,7 @@ class MixedPrecision(Technique):
 class MixedInt8(MixedPrecision):
     config_cls = MixedInt8Config
     scheme = "int8"
+    form = "per-row dynamic activations"
     description = ("int8 nn.Linear layers (per-row activations, per-channel weights) chosen by a per-layer sensitivity "
                    "search under the fidelity floor; the rest fp32; compiled with Inductor")
 
@@ -214,9 +274,56 @@ class MixedInt8(MixedPrecision):
 class MixedFp8(MixedPrecision):
     config_cls = MixedFp8Config
     scheme = "fp8"
+    form = "e4m3, per-row dynamic activations"
     devices = ("cuda",)
     description = ("fp8 (e4m3, per-row) nn.Linear layers through torchao, chosen by a per-layer sensitivity search "
                    "under the fidelity floor; compute capability ≥ 8.9")
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
         return fp8_reason(device) or super().applicability(workload, device)
+
+
+@register
+class MixedInt8Static(MixedPrecision):
+    """Static int8 of the chosen nn.Conv2d / nn.Linear layers through PT2E (`pt2e_static`), compiled by Inductor
+    with freezing (oneDNN int8 kernels). For convolutional networks; calibrates on training rows at every build."""
+
+    config_cls = MixedInt8StaticConfig
+    scheme = "int8"
+    form = "static activations, PT2E X86InductorQuantizer"
+    devices = ("cpu",)
+    freezing = True
+    layer_types = (nn.Conv2d, nn.Linear)
+    description = ("static int8 nn.Conv2d / nn.Linear layers (PT2E X86InductorQuantizer, calibrated on training rows) "
+                   "chosen by a per-layer sensitivity search; compiled with Inductor (freezing); convolutional models")
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        if not torchao_available():
+            return "PT2E quantisation comes with torchao, which is not installed (pip install torchao)"
+        if workload.is_text or workload.dynamic_dims:
+            return ("not applicable: inputs whose length varies (text); per-row dynamic int8 suits them: mixed-int8")
+        if not any(type(m) is nn.Conv2d for m in workload.model.modules()):
+            return missing_layers_reason(workload.model, layers="nn.Conv2d", ops=CONV_OPS,
+                                         rewrites=f"{self.name} is for convolutional models (mixed-int8 covers nn.Linear)")
+        return None
+
+    def needs_rows(self, config):
+        return True  # static scales are calibrated at every build
+
+    def compile_dynamic(self, workload):
+        # A graph per batch size: with a symbolic batch size, Inductor's int8 convolution (torch 2.14) is given an
+        # output layout it then refuses ("expected ... stride"), measured on digits-cnn at batch 7 after 256 and 1.
+        return False
+
+    def layer_reason(self, layer, device):
+        return pt2e_static.layer_reason(layer)
+
+    def candidates(self, model, names, batches, device, workload):
+        exported = pt2e_static.export(model, batches[0], workload.fixed_batch_size is not None)
+        return exported, pt2e_static.StaticCandidates(exported, batches)
+
+    def lower(self, model, layers, workload, device, config):
+        rows = list(workload.train_samples or [])[:config.calibration_rows]
+        batches = calibration_batches(workload, rows, device)
+        exported = pt2e_static.export(model, batches[0], workload.fixed_batch_size is not None)
+        return pt2e_static.quantize(exported, layers, batches)

@@ -30,7 +30,7 @@ from torch import nn
 
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload
-from overdrive.techniques.precision.quantized_layers import LAYER_TYPES, describe_layer, layer_reason, quantized_module, set_module
+from overdrive.techniques.precision.quantized_layers import quantized_module, set_module
 
 CALIBRATION_BATCH = 32
 TIMING_REPEATS = 7
@@ -71,13 +71,15 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
 
 
-def quantizable_layers(model: nn.Module) -> list[str]:
-    """Paths of the plain nn.Linear and nn.Conv2d layers of `model` (subclasses may change forward: left alone)."""
-    return [name for name, module in model.named_modules() if type(module) in LAYER_TYPES and name]
-
-
 def calibration_batches(workload: Workload, rows: list[Any], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """The calibration rows collated in batches of CALIBRATION_BATCH (text sorted by length, as served)."""
+    """The calibration rows collated in batches of CALIBRATION_BATCH (text sorted by length, as served).
+
+    Raises:
+        RuntimeError: no rows, or too few for one batch of a model that takes one batch size.
+    """
+    if not rows:
+        raise RuntimeError("the per-layer search calibrates on the workload's training rows, and it has none (pass --data "
+                           "with 100+ rows, or name the layers in the config)")
     if workload.sample_length is not None:
         rows = sorted(rows, key=workload.sample_length)
     size = min(CALIBRATION_BATCH, workload.fixed_batch_size or CALIBRATION_BATCH)
@@ -87,6 +89,8 @@ def calibration_batches(workload: Workload, rows: list[Any], device: torch.devic
         if workload.fixed_batch_size and len(chunk) < workload.fixed_batch_size:
             break
         batches.append(tuple(t.to(device) for t in workload.collate(chunk)))
+    if not batches:
+        raise RuntimeError(f"too few training rows for one calibration batch of {workload.fixed_batch_size}")
     return batches
 
 
@@ -107,87 +111,106 @@ def _time_ms(module: nn.Module, x: torch.Tensor, timer: Timer) -> float:
         return statistics.median(timer(module, x)[1] for _ in range(TIMING_REPEATS)) * 1e3
 
 
-def search(model: nn.Module, workload: Workload, device: torch.device, *, scheme: str, floor: float, margin: float,
+class Candidates:
+    """How the search builds a candidate: `model(names)` returns the model with exactly the layers
+    `names` in low precision (the others as they were); `restore()` puts the model back.
+    `saved_ms(name)` is the time the layer alone saves per calibration batch, or None when it is
+    not timed per layer."""
+
+    def model(self, names: list[str]) -> nn.Module:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        pass
+
+    def saved_ms(self, name: str) -> float | None:
+        return None
+
+
+class SwappedLayers(Candidates):
+    """Layers swapped in place for their low-precision module (`quantized_layers.quantized_module`); each
+    layer's saving timed eagerly on the input it gets from the first calibration batch (layers of one
+    weight and input shape share a timing)."""
+
+    def __init__(self, model: nn.Module, names: list[str], scheme: str, device: torch.device, first_batch: tuple):
+        modules = dict(model.named_modules())
+        self.net, self.originals = model, {n: modules[n] for n in names}
+        self.lowered = {n: quantized_module(self.originals[n], scheme, device) for n in names}
+        keys: dict[str, tuple] = {}
+        captured: dict[tuple, torch.Tensor] = {}
+
+        def capture(name):
+            def hook(module, args):
+                key = (type(module).__name__, tuple(module.weight.shape), tuple(args[0].shape))
+                keys[name] = key
+                captured.setdefault(key, args[0].detach())
+            return hook
+
+        hooks = [self.originals[n].register_forward_pre_hook(capture(n)) for n in names]
+        try:
+            with torch.no_grad():
+                model(*first_batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        timer, by_key = Timer(device), {}
+        self.saved: dict[str, float | None] = {}
+        for name in names:
+            key = keys.get(name)
+            if key is not None and key not in by_key:
+                x = captured[key]
+                by_key[key] = _time_ms(self.originals[name], x, timer) - _time_ms(self.lowered[name], x, timer)
+            self.saved[name] = by_key.get(key)
+
+    def model(self, names):
+        chosen = set(names)
+        for name, original in self.originals.items():
+            set_module(self.net, name, self.lowered[name] if name in chosen else original)
+        return self.net
+
+    def restore(self):
+        self.model([])
+
+    def saved_ms(self, name):
+        return self.saved.get(name)
+
+
+def search(workload: Workload, batches: list[tuple[torch.Tensor, ...]], reference_model: nn.Module,
+           candidates: Candidates, layers: list[LayerChoice], *, scheme: str, floor: float, margin: float,
            calibration_rows: int) -> SearchResult:
-    """Choose the layers of `model` that take `scheme` while the fidelity figure on the calibration
-    rows stays ≥ 1 − (1 − floor) × margin. `model` is left as it was.
+    """Choose the layers (of `layers`, those without a note) that take `scheme` while the fidelity figure on
+    the calibration `batches` stays ≥ 1 − (1 − floor) × margin. The model is restored before returning.
 
     Raises:
-        RuntimeError: the workload has no training rows, or the model has no layer that can take `scheme`.
+        RuntimeError: no layer can take `scheme`.
     """
     start = time.perf_counter()
-    if not workload.train_samples:
-        raise RuntimeError("the per-layer search calibrates on the workload's training rows, and it has none (pass --data "
-                           "with 100+ rows, or name the layers in the config)")
-    candidates, layers = [], []
-    modules = dict(model.named_modules())
-    for name in quantizable_layers(model):
-        choice = LayerChoice(name=name, shape=describe_layer(modules[name]))
-        choice.note = layer_reason(modules[name], scheme, device) or ""
-        layers.append(choice)
-        if not choice.note:
-            candidates.append(name)
-    if not candidates:
-        raise RuntimeError(f"no nn.Linear or nn.Conv2d layer of the model can take {scheme} here")
-    rows = list(workload.train_samples)[:calibration_rows]
-    batches = calibration_batches(workload, rows, device)
-    if not batches:
-        raise RuntimeError(f"too few training rows for one calibration batch of {workload.fixed_batch_size}")
-    reference = _outputs(model, batches)
+    names = [c.name for c in layers if not c.note]
+    if not names:
+        raise RuntimeError(f"no layer of the model can take {scheme} here")
+    reference = _outputs(reference_model, batches)
     target = 1.0 - (1.0 - floor) * margin
-    originals = {name: modules[name] for name in candidates}
-    lowered = {name: quantized_module(originals[name], scheme, device) for name in candidates}
     by_name = {c.name: c for c in layers}
-
-    inputs: dict[str, tuple] = {}  # each layer's input shape on the first batch, and one input per distinct (layer, input) shape
-    captured: dict[tuple, torch.Tensor] = {}
-
-    def capture(name):
-        def hook(module, args):
-            key = (type(module).__name__, tuple(module.weight.shape), tuple(args[0].shape))
-            inputs[name] = key
-            captured.setdefault(key, args[0].detach())
-        return hook
-
-    hooks = [originals[n].register_forward_pre_hook(capture(n)) for n in candidates]
     try:
-        with torch.no_grad():
-            model(*batches[0])
-    finally:
-        for hook in hooks:
-            hook.remove()
-    timer, saved_by_key = Timer(device), {}
-    for name in candidates:
-        key = inputs.get(name)
-        if key is not None and key not in saved_by_key:
-            x = captured[key]
-            saved_by_key[key] = _time_ms(originals[name], x, timer) - _time_ms(lowered[name], x, timer)
-        by_name[name].saved_ms = saved_by_key.get(key)
-    del captured
-
-    try:
-        for name in candidates:  # 1. sensitivity: one layer at a time
-            set_module(model, name, lowered[name])
-            by_name[name].drop = max(0.0, 1.0 - _figure(workload, _outputs(model, batches), reference))
-            set_module(model, name, originals[name])
+        for name in names:  # 1. sensitivity: one layer at a time
+            by_name[name].saved_ms = candidates.saved_ms(name)
+            by_name[name].drop = max(0.0, 1.0 - _figure(workload, _outputs(candidates.model([name]), batches), reference))
 
         def order(name: str) -> tuple:
             c = by_name[name]
-            saved = c.saved_ms if c.saved_ms is not None else 0.0
-            return (saved <= 0, c.drop / saved if saved > 0 else c.drop, -saved)
+            if c.saved_ms is None:  # not timed per layer: by drop alone
+                return (False, c.drop, 0.0)
+            return (c.saved_ms <= 0, c.drop / c.saved_ms if c.saved_ms > 0 else c.drop, -c.saved_ms)
 
         chosen, fidelity = [], None
-        for name in sorted(candidates, key=order):  # 2. greedy, in order of drop per ms saved
-            set_module(model, name, lowered[name])
-            figure = _figure(workload, _outputs(model, batches), reference)
+        for name in sorted(names, key=order):  # 2. greedy, in order of drop per ms saved
+            figure = _figure(workload, _outputs(candidates.model(chosen + [name]), batches), reference)
             if figure >= target:
                 chosen.append(name)
                 by_name[name].precision, fidelity = scheme, figure
             else:
-                set_module(model, name, originals[name])
                 by_name[name].note = f"would lower {workload.fidelity_key} to {figure:.4f} (< {target:.4f})"
     finally:
-        for name, module in originals.items():
-            set_module(model, name, module)
+        candidates.restore()
     return SearchResult(chosen=chosen, layers=layers, fidelity=fidelity, target=target, key=workload.fidelity_key,
-                        calibration_rows=len(rows), seconds=time.perf_counter() - start)
+                        calibration_rows=calibration_rows, seconds=time.perf_counter() - start)
