@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from overdrive.core.workload import Workload
 from overdrive.techniques.precision.quantized_layers import quantized_module, set_module
 
 CALIBRATION_BATCH = 32
-TIMING_REPEATS = 7
+TIMING_REPEATS = 9
 
 
 @dataclass(kw_only=True)
@@ -68,7 +68,6 @@ class SearchResult:
     key: str
     calibration_rows: int
     seconds: float
-    notes: list[str] = field(default_factory=list)
 
 
 def calibration_batches(workload: Workload, rows: list[Any], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
@@ -82,7 +81,7 @@ def calibration_batches(workload: Workload, rows: list[Any], device: torch.devic
                            "with 100+ rows, or name the layers in the config)")
     if workload.sample_length is not None:
         rows = sorted(rows, key=workload.sample_length)
-    size = min(CALIBRATION_BATCH, workload.fixed_batch_size or CALIBRATION_BATCH)
+    size = workload.fixed_batch_size or CALIBRATION_BATCH
     batches = []
     for i in range(0, len(rows), size):
         chunk = rows[i:i + size]
@@ -100,15 +99,18 @@ def _outputs(model: nn.Module, batches) -> torch.Tensor:
 
 
 def _figure(workload: Workload, output: torch.Tensor, reference: torch.Tensor) -> float:
-    value = workload.fidelity(output, reference)[workload.fidelity_key]
-    return value if torch.isfinite(torch.as_tensor(output)).all() else float("-inf")
+    if not torch.isfinite(output).all():
+        return float("-inf")
+    return workload.fidelity(output, reference)[workload.fidelity_key]
 
 
-def _time_ms(module: nn.Module, x: torch.Tensor, timer: Timer) -> float:
+def _saved_ms(original: nn.Module, lowered: nn.Module, x: torch.Tensor, timer: Timer) -> float:
+    """Median over TIMING_REPEATS interleaved pairs of (original's time − lowered's time) on `x`, in ms:
+    interleaved, so that a busy machine slows both sides of each pair alike."""
     with torch.no_grad():
-        module(x)
-        module(x)
-        return statistics.median(timer(module, x)[1] for _ in range(TIMING_REPEATS)) * 1e3
+        for module in (original, lowered, original, lowered):  # warm-up
+            module(x)
+        return statistics.median(timer(original, x)[1] - timer(lowered, x)[1] for _ in range(TIMING_REPEATS)) * 1e3
 
 
 class Candidates:
@@ -159,7 +161,7 @@ class SwappedLayers(Candidates):
             key = keys.get(name)
             if key is not None and key not in by_key:
                 x = captured[key]
-                by_key[key] = _time_ms(self.originals[name], x, timer) - _time_ms(self.lowered[name], x, timer)
+                by_key[key] = _saved_ms(self.originals[name], self.lowered[name], x, timer)
             self.saved[name] = by_key.get(key)
 
     def model(self, names):
