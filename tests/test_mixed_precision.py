@@ -167,13 +167,34 @@ def test_static_int8_of_a_cnn_searches_calibrates_and_rebuilds_the_same_model(tm
     alone = torch.cat([outputs(model, workload, [r]) for r in workload.samples[:4]])
     torch.testing.assert_close(alone, out[:4], rtol=1e-4, atol=1e-4)  # static scales: batch-mates change nothing
     (resolved,) = resolve_steps([step], workload, CPU, tmp_path)
-    rebuilt, _ = build(workload, [resolved], CPU)  # calibrated again on the same rows: the same scales
-    assert torch.equal(outputs(rebuilt, workload), out)
+    assert resolved.checkpoint == str(tmp_path / "mixed-int8-static.pt2") and resolved.layers
+    # the plan carries its program: rebuilt without training rows, or with other ones, it is the measured model
+    other_rows = dataclasses.replace(workload, train_samples=[t * 0.01 for t in workload.train_samples])
     no_rows = dataclasses.replace(workload, train_samples=None)
-    assert "training rows" in get_technique("mixed-int8-static").unsupported_reason(no_rows, CPU, resolved)
+    technique = get_technique("mixed-int8-static")
+    assert technique.unsupported_reason(no_rows, CPU, resolved) is None
+    for w in (workload, other_rows, no_rows):
+        rebuilt, _ = build(w, [resolved], CPU)
+        assert torch.equal(outputs(rebuilt, workload), out)
+    # a fresh process (bench, serve, run) loads the program before anything imported PT2E
+    import subprocess
+    import sys
+
+    code = ("import torch; from overdrive.techniques.precision.pt2e_static import load_program, quantized_layer_count; "
+            f"print(quantized_layer_count(load_program({resolved.checkpoint!r})))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.split()[-1] == str(len(resolved.layers)), loaded.stderr[-2000:]
+    recalibrated, _ = build(other_rows, [dataclasses.replace(resolved, checkpoint=None)], CPU)
+    assert not torch.equal(outputs(recalibrated, workload), out)  # what the program in the plan protects against
+    assert "training rows" in technique.unsupported_reason(no_rows, CPU, dataclasses.replace(resolved, checkpoint=None))
+    with pytest.raises(RuntimeError, match="no plain nn.Conv2d / nn.Linear layer 'nothere'"):
+        build(workload, [dataclasses.replace(step, layers=("conv1", "nothere"))], CPU)
     compiled, _ = build(workload, [dataclasses.replace(resolved, compile=True)], CPU)
     for n in (8, 1, 3):  # a graph per batch size: Inductor's int8 convolution fails on a symbolic one
         torch.testing.assert_close(outputs(compiled, workload, workload.samples[:n]), out[:n], rtol=0.05, atol=0.05)
+    (tmp_path / "mixed-int8-static.pt2").write_bytes(b"junk")
+    with pytest.raises(RuntimeError, match="cannot be read as a torch.export program"):
+        technique.check_files(resolved)
 
 
 def test_static_int8_leaves_text_models_to_the_per_row_form():
@@ -199,12 +220,43 @@ def test_plan_names_a_layer_the_model_lacks():
         build(workload, [dataclasses.replace(EAGER, layers=("encoder.dense",))], CPU)
 
 
+class Tied(nn.Module):
+    """One Linear reached under two names (`shared`, `alias`), and a Linear subclass."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(32, 32)
+        self.alias = self.shared
+        self.scaled = Tied.Scaled(32, 8)
+
+    def forward(self, x):
+        return self.scaled(self.alias(torch.relu(self.shared(x))))
+
+
+def test_a_layer_reached_under_two_names_is_switched_under_both_and_subclasses_are_listed_in_fp32():
+    torch.manual_seed(0)
+    workload = mlp_workload(outlier=False)
+    workload.model = Tied().eval()
+    reports = []
+    model, _ = build(workload, [dataclasses.replace(EAGER, min_fidelity=0.9)], CPU, reports)
+    assert isinstance(model.shared, RowInt8Linear) and model.alias is model.shared
+    assert type(model.scaled) is Tied.Scaled
+    layers = {c["name"]: c for c in reports[0]["layers"]}
+    assert layers["scaled"]["precision"] == "fp32" and "subclass" in layers["scaled"]["note"]
+    assert reports[0]["chosen"] == ["shared"] and reports[0]["total"] == 2
+
+
 def test_config_round_trip_and_validation():
     step = MixedInt8Config(layers=["a.b", "c"], min_fidelity=0.995)
     data = config_to_dict(step)
     assert data["config"]["layers"] == ["a.b", "c"]
     assert config_from_dict(data) == step and config_from_dict(data).layers == ("a.b", "c")
-    for bad in ({"layers": "a.b"}, {"layers": [""]}, {"min_fidelity": 1.5}, {"calibration_rows": 0}, {"compile": "yes"}):
+    for bad in ({"layers": "a.b"}, {"layers": [""]}, {"layers": []}, {"layers": ["a", "a"]}, {"min_fidelity": 1.5},
+                {"calibration_rows": 0}, {"compile": "yes"}):
         with pytest.raises(ValueError):
             MixedInt8Config(**bad)
 

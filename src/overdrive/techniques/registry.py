@@ -157,6 +157,13 @@ class Technique:
         so that reloading the plan rebuilds the same model without pruning or searching again."""
         return step
 
+    def check_files(self, step: TechniqueConfig) -> None:
+        """Read the files `step` names (a checkpoint), before anything is measured.
+
+        Raises:
+            RuntimeError: one is missing, unreadable or not this technique's (the message names it).
+        """
+
     def describe_report(self, report: dict[str, Any], fidelity_key: str) -> str:
         """One line for the report this technique's `apply` left (`model.overdrive_report`)."""
         return f"{self.name}: " + ", ".join(f"{k} {v}" for k, v in report.items() if k != "technique")

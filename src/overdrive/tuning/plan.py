@@ -192,15 +192,11 @@ class Plan:
         Raises:
             PlanError: one is missing, unreadable, or written by another technique.
         """
-        from overdrive.techniques.pruning.recovery import load_checkpoint
-
         for step in self.steps:
-            checkpoint = getattr(step, "checkpoint", None)
-            if checkpoint:
-                try:
-                    load_checkpoint(checkpoint, step.name)
-                except RuntimeError as exc:
-                    raise PlanError(f"plan step {exc}; optimize again to rewrite it") from None
+            try:
+                technique_for(step).check_files(step)
+            except RuntimeError as exc:
+                raise PlanError(f"plan step {exc}; optimize again to rewrite it") from None
 
     @property
     def names(self) -> list[str]:

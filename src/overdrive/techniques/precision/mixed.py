@@ -15,9 +15,12 @@ A `compile` step cannot follow it (`includes`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import pickle
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -43,7 +46,7 @@ CALIBRATION_ROWS = 128
 # holds on the evaluation rows, which the tuner judges next (0.9975 for the default floor 0.99). Measured on
 # MiniLM: the whole-model figure was 0.9962 on 128 calibration rows and 0.9899 on the 512 evaluation rows.
 SEARCH_MARGIN = 0.25
-_CACHE_SIZE = 4
+_CACHE_SIZE = 64  # search results are small (names and figures), and a re-search could choose other layers
 _CACHE: OrderedDict[tuple, SearchResult] = OrderedDict()
 _COMPILE_LOCK = threading.Lock()
 
@@ -70,6 +73,8 @@ class MixedPrecisionConfig(TechniqueConfig):
         if self.layers is not None:
             if isinstance(self.layers, str) or not all(isinstance(n, str) and n for n in self.layers):
                 raise ValueError(f"{type(self).__name__}.layers must be a list of module paths, not {self.layers!r}")
+            if not self.layers or len(set(self.layers)) != len(self.layers):
+                raise ValueError(f"{type(self).__name__}.layers must name at least one layer, each once, not {list(self.layers)!r}")
             object.__setattr__(self, "layers", tuple(self.layers))
         if self.min_fidelity is not None and not 0.0 <= self.min_fidelity <= 1.0:
             raise ValueError(f"{type(self).__name__}.min_fidelity must be in [0, 1], not {self.min_fidelity!r}")
@@ -97,7 +102,11 @@ class MixedFp8Config(MixedPrecisionConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class MixedInt8StaticConfig(MixedPrecisionConfig):
+    """MixedPrecisionConfig, and `checkpoint`: the quantised program (`torch.export.save`) `optimize` writes next to
+    the plan; when set, `apply` loads it instead of calibrating again, so the rebuilt model has the measured scales."""
     name: ClassVar[str] = "mixed-int8-static"
+
+    checkpoint: str | None = None
 
 
 class CompiledOnFirstCall(ForwardWrapper):
@@ -123,6 +132,14 @@ class CompiledOnFirstCall(ForwardWrapper):
 
         with inductor_config.patch(freezing=True):
             return compiled(*args)
+
+
+def rows_fingerprint(rows: list[Any]) -> str:
+    """A digest of the calibration rows (token lists, strings, tensors): equal rows, equal digest."""
+    try:
+        return hashlib.sha256(pickle.dumps(rows, protocol=4)).hexdigest()
+    except Exception:  # noqa: BLE001 - rows that do not pickle: no reuse across row objects
+        return f"id:{id(rows)}"
 
 
 class MixedPrecision(Technique):
@@ -159,7 +176,7 @@ class MixedPrecision(Technique):
 
     def layers_of(self, model: nn.Module) -> list[str]:
         """Paths of the plain layers of the kinds this technique switches (subclasses may change forward: left alone)."""
-        return [name for name, module in model.named_modules() if type(module) in self.layer_types and name]
+        return [name for name, module in model.named_modules() if isinstance(module, self.layer_types) and name]
 
     def includes(self, config: TechniqueConfig) -> tuple[str, ...]:
         return ("compile",) if config.compile else ()
@@ -194,12 +211,12 @@ class MixedPrecision(Technique):
         """The search's answer for this model (in-process cache: the tuner builds a candidate several times)."""
         from overdrive.techniques.pruning.recovery import fingerprint
 
-        key = (self.name, workload.name, str(device), fingerprint(model), id(workload.train_samples),
+        rows = list(workload.train_samples or [])[:config.calibration_rows]
+        key = (self.name, workload.name, str(device), fingerprint(model), rows_fingerprint(rows),
                dataclasses.replace(config, compile=True))
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
-        rows = list(workload.train_samples or [])[:config.calibration_rows]
         batches = calibration_batches(workload, rows, device)
         modules = dict(model.named_modules())
         layers = [LayerChoice(name=n, shape=describe_layer(modules[n]), note=self.layer_reason(modules[n], device) or "")
@@ -308,7 +325,7 @@ class MixedInt8Static(MixedPrecision):
         return None
 
     def needs_rows(self, config):
-        return True  # static scales are calibrated at every build
+        return config is None or config.checkpoint is None  # without its program, a plan calibrates again
 
     def compile_dynamic(self, workload):
         # A graph per batch size: with a symbolic batch size, Inductor's int8 convolution (torch 2.14) is given an
@@ -323,7 +340,42 @@ class MixedInt8Static(MixedPrecision):
         return exported, pt2e_static.StaticCandidates(exported, batches)
 
     def lower(self, model, layers, workload, device, config):
-        rows = list(workload.train_samples or [])[:config.calibration_rows]
-        batches = calibration_batches(workload, rows, device)
-        exported = pt2e_static.export(model, batches[0], workload.fixed_batch_size is not None)
-        return pt2e_static.quantize(exported, layers, batches)
+        if config.checkpoint:
+            quantized = pt2e_static.load_program(config.checkpoint)
+        else:
+            eligible = {n for n in self.layers_of(model) if not self.layer_reason(model.get_submodule(n), device)}
+            unknown = [n for n in layers if n not in eligible]
+            if unknown:
+                raise RuntimeError(f"the model has no plain nn.Conv2d / nn.Linear layer {unknown[0]!r} (the plan was made "
+                                   "for another model?)")
+            rows = list(workload.train_samples or [])[:config.calibration_rows]
+            batches = calibration_batches(workload, rows, device)
+            exported = pt2e_static.export(model, batches[0], workload.fixed_batch_size is not None)
+            quantized = pt2e_static.quantize(exported, layers, batches)
+        found = pt2e_static.quantized_layer_count(quantized)
+        if found != len(layers):
+            raise RuntimeError(f"the quantised graph runs {found} int8 convolution / linear layers, not the {len(layers)} "
+                               "the step names")
+        return quantized.to(device)
+
+    def resolve(self, step, before, *, workload, device, folder):
+        """The step with its layers and its quantised program (`folder/mixed-int8-static.pt2`) written in."""
+        if step.checkpoint:
+            return step
+        from overdrive.tuning.plan import build
+
+        step = super().resolve(step, before, workload=workload, device=device, folder=folder)
+        model, _ = build(workload, before + [dataclasses.replace(step, compile=False)], device)
+        rows = list(workload.train_samples or [])[:step.calibration_rows]
+        example = calibration_batches(workload, rows, device)[0]
+        path = Path(folder) / f"{self.name}.pt2"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pt2e_static.save_program(model, example, workload.fixed_batch_size is not None, path)
+        return dataclasses.replace(step, checkpoint=str(path))
+
+    def check_files(self, step):
+        if step.checkpoint:
+            try:
+                pt2e_static.load_program(step.checkpoint)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{self.name}: {exc}") from None

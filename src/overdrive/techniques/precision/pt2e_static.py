@@ -24,7 +24,7 @@ LAYER_TYPES = (nn.Linear, nn.Conv2d)
 
 def layer_reason(layer: nn.Module) -> str | None:
     if type(layer) not in LAYER_TYPES:
-        return f"{type(layer).__name__} is not a plain nn.Linear or nn.Conv2d"
+        return f"a subclass ({type(layer).__name__}), whose forward may differ: left in fp32"
     return None
 
 
@@ -55,6 +55,31 @@ def quantize(exported: nn.Module, names: list[str], batches: list[tuple[torch.Te
         for batch in batches:
             prepared(*batch)
     return convert_pt2e(prepared)
+
+
+def save_program(model: nn.Module, example: tuple[torch.Tensor, ...], fixed_batch: bool, path) -> None:
+    """Write the quantised graph module as a torch.export program (`torch.export.save`): reloading it gives the same
+    graph and the same static scales, without calibrating again."""
+    shapes = None if fixed_batch else tuple({0: torch.export.Dim.AUTO} for _ in example)
+    tmp = path.with_suffix(".tmp")
+    torch.export.save(torch.export.export(model, example, dynamic_shapes=shapes), tmp)
+    tmp.replace(path)
+
+
+def load_program(path) -> nn.Module:
+    """The graph module `save_program` wrote.
+
+    Raises:
+        RuntimeError: the file is missing or not a torch.export program (the message names it).
+    """
+    import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401 - registers the quantized_decomposed ops the graph calls
+
+    try:
+        return torch.export.load(path).module()
+    except FileNotFoundError:
+        raise RuntimeError(f"checkpoint {path} does not exist") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file fails in many ways
+        raise RuntimeError(f"checkpoint {path} cannot be read as a torch.export program ({type(exc).__name__})") from None
 
 
 def quantized_layer_count(model: nn.Module) -> int:

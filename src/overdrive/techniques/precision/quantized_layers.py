@@ -101,7 +101,7 @@ def fp8_reason(device: torch.device) -> str | None:
 def layer_reason(layer: nn.Module, scheme: str, device: torch.device) -> str | None:
     """Why `layer` cannot take `scheme` (per-row dynamic) on `device`, or None."""
     if type(layer) is not nn.Linear:
-        return f"{type(layer).__name__} is not a plain nn.Linear"
+        return f"a subclass ({type(layer).__name__}), whose forward may differ: left in fp32"
     if device.type == "cuda" and (layer.in_features % 16 or layer.out_features % 16):
         return f"{layer.in_features}→{layer.out_features}: CUDA int8/fp8 kernels need sizes that are multiples of 16"
     return None
@@ -166,6 +166,10 @@ def quantize_layers(model: nn.Module, names: list[str], scheme: str, device: tor
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    """Put `module` at path `name` of `model`."""
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+    """Put `module` at path `name` of `model`, and at every other path that holds the same layer (a layer
+    reached under two names, as tied or aliased layers are, is switched everywhere)."""
+    old = model.get_submodule(name)
+    paths = [path for path, m in model.named_modules(remove_duplicate=False) if m is old and path] or [name]
+    for path in paths:
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, module)

@@ -202,6 +202,10 @@ class PruningTechnique(Technique):
         weights are loaded afterwards)."""
         raise NotImplementedError
 
+    def check_files(self, step):
+        if step.checkpoint:
+            load_checkpoint(step.checkpoint, step.name)
+
     def resolve(self, step, before, *, workload, device, folder):
         """The step with `checkpoint` set to its pruned, recovered weights, written to `folder/<technique>.pt`."""
         if step.checkpoint:
