@@ -20,7 +20,7 @@ from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 # Floors for lossy techniques: min cosine to fp32 on the tiny random models.
 LOSSY_FLOOR = {"bf16": 0.99, "fp16": 0.995, "int8-dynamic": 0.95, "compile": 0.9999,
                "onnxruntime": 0.9999, "openvino": 0.99, "onnxruntime-int8": 0.95, "openvino-int8": 0.95, "tensorrt": 0.99,
-               "mixed-int8": 0.95, "mixed-fp8": 0.95}
+               "mixed-int8": 0.95, "mixed-int8-static": 0.95, "mixed-fp8": 0.95}
 # Lossy until a recovery fine-tune: checked for running and shape here, structurally in test_pruning*.py.
 SHAPE_ONLY = {"prune-channels", "prune-heads", "prune-ffn", "prune-unstructured", "sparsity-2:4"}
 CPU = torch.device("cpu")
@@ -41,7 +41,7 @@ def test_technique_against_fp32(technique, workload_factory):
     if reason:
         assert technique.name in ("fp16", "bn-fold", "channels-last", "length-bucketing", "int8-dynamic", "prune-channels",
                                   "prune-heads", "prune-ffn", "sparsity-2:4", "pipeline-parallel", "remove-padding",
-                                  "openvino-int8", "tensorrt", "mixed-int8", "mixed-fp8"), reason
+                                  "openvino-int8", "tensorrt", "mixed-int8", "mixed-int8-static", "mixed-fp8"), reason
         pytest.skip(reason)
     reference = reference_outputs(workload)
     model, policy = build(workload, [default_config(technique.name)], CPU)
