@@ -364,8 +364,10 @@ class MixedInt8Static(MixedPrecision):
             return step
         from overdrive.tuning.plan import build
 
-        step = super().resolve(step, before, workload=workload, device=device, folder=folder)
-        model, _ = build(workload, before + [dataclasses.replace(step, compile=False)], device)
+        reports: list[dict] = []
+        model, _ = build(workload, before + [dataclasses.replace(step, compile=False)], device, reports)  # one export
+        chosen = next(r["chosen"] for r in reports if r.get("technique") == self.name)
+        step = dataclasses.replace(step, layers=tuple(chosen))
         rows = list(workload.train_samples or [])[:step.calibration_rows]
         example = calibration_batches(workload, rows, device)[0]
         path = Path(folder) / f"{self.name}.pt2"
