@@ -14,15 +14,18 @@ def add_parser(sub) -> None:
     add_workload_args(bench)
     bench.add_argument("--plan", help="plan.json written by `overdrive optimize` (default: baseline only)")
     bench.add_argument("--batch-sizes", type=int_list, help="comma-separated batch sizes (default: the plan's)")
+    bench.add_argument("--audit", action="store_true",
+                       help="also count one forward's host↔device copies, syncs and launches (PyTorch profiler on CUDA)")
 
 
 def main(args, argv: list[str]) -> int:
     from rich.table import Table
 
     from overdrive.core import devices
+    from overdrive.core.audit import Audit
+    from overdrive.core.roofline import describe_peaks, roofline_cell
     from overdrive.core.report import (
         environment,
-        format_bytes,
         format_fidelity,
         make_console,
         plot_latency_vs_batch,
@@ -30,6 +33,7 @@ def main(args, argv: list[str]) -> int:
         write_results,
     )
     from overdrive.techniques import describe_report
+    from overdrive.tuning.report import ROOFLINE_NOTE, format_memory
     from overdrive.tuning.plan import load_plan
     from overdrive.tuning.sweep import compare_plan, open_session
 
@@ -47,13 +51,13 @@ def main(args, argv: list[str]) -> int:
     refused = session.refused_sizes(args.batch_sizes or [])
     device_name = devices.describe(session.device)
     with console.status("measuring") as status:
-        curves, failures, reports = compare_plan(session, plan, batch_sizes,
+        curves, failures, reports = compare_plan(session, plan, batch_sizes, audit=args.audit,
                                                  progress=lambda d: status.update(f"measuring {d}"))
     failures = [*refused, *failures]
 
     table = Table(title=f"overdrive bench {session.workload.name} — {device_name}")
     for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup [99% interval]", "peak memory",
-                "fidelity"):
+                "roofline", "fidelity"):
         table.add_column(col, justify="left" if col in ("configuration", "fidelity") else "right")
     first = next(iter(curves))
     key = session.workload.fidelity_key
@@ -61,18 +65,28 @@ def main(args, argv: list[str]) -> int:
         for b, m in points:
             table.add_row(label, str(b), f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f} / {m.latency_ms['p99']:.2f}",
                           f"{m.samples_per_s:,.1f}", m.gain.describe() if m.gain else ("1.00×" if label == first else ""),
-                          format_bytes(m.peak_memory_bytes), format_fidelity(m, key))
+                          format_memory(m), roofline_cell(m.roofline, compact=True), format_fidelity(m, key))
     print_table(console, table)
     console.print(f"{session.describe_samples()} per measurement; {session.workload.describe_rows(session.num_distinct_samples)}; "
                   "speedup over the baseline at the same batch size, timed interleaved with it", highlight=False)
     for report in (r for label_reports in reports.values() for r in label_reports):
         console.print(describe_report(report, key), highlight=False, soft_wrap=True)
+    console.print(f"{ROOFLINE_NOTE}; measured peaks: {describe_peaks(session.device) or 'none'}", style="dim",
+                  highlight=False, soft_wrap=True)
+    for label, points in curves.items():
+        for b, m in points:
+            if m.audit:
+                audit = Audit(**{k: v for k, v in m.audit.items() if k != "num_syncs"})
+                console.print(f"audit, {label}: {audit.describe()}", highlight=False, soft_wrap=True)
     out = session.out_dir
     write_results(out / "bench.json", {
         "workload": session.workload.name, "device": device_name, "environment": environment(),
         "plan": plan.to_dict() if plan else None,
         "num_samples": session.num_samples, "num_distinct_samples": session.num_distinct_samples, "failures": failures,
-        "units": {"latency_ms": "milliseconds per call", "samples_per_s": "rows per second", "peak_memory_bytes": "bytes"},
+        "units": {"latency_ms": "milliseconds per call", "samples_per_s": "rows per second", "peak_memory_bytes": "bytes",
+                  "roofline": "flops_per_s: FLOP/s; bytes_per_s: bytes/s; intensity: FLOP/byte; fraction: of the binding roof",
+                  "audit": "counts and bytes per forward of one batch"},
+        "measured_peaks": describe_peaks(session.device),
         "results": {label: [{"batch_size": b, **m.to_dict()} for b, m in points] for label, points in curves.items()},
     })
     if len(batch_sizes) > 1:

@@ -45,7 +45,7 @@ def main(args, argv: list[str]) -> int:
     from overdrive.core import devices
     from overdrive.core.report import make_console, print_table
     from overdrive.tuning.api import OptimizeJob
-    from overdrive.tuning.report import compile_times, detail_lines, reasons_in_full, rows_table, table_note
+    from overdrive.tuning.report import compile_times, detail_lines, figure_lines, reasons_in_full, rows_table, table_note
 
     console = make_console()
     job = OptimizeJob.prepare(
@@ -101,6 +101,8 @@ def main(args, argv: list[str]) -> int:
                       "above: " + "; ".join(f"{label} {seconds:.1f} s" for label, seconds in compiled))
     if result.flops_per_sample:
         console.print(f"FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP")
+    for line in figure_lines(result):
+        console.print(line, highlight=False, soft_wrap=True)
     for warning in result.sweep_warnings:
         console.print(f"[yellow]batch-size sweep: {warning}[/]")
     for warning in result.warnings:

@@ -19,6 +19,7 @@ resident-set high-water mark (VmHWM), reset through /proc/self/clear_refs where 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -60,6 +61,10 @@ class Measurement:
         num_passes: timed passes over all the evaluation rows.
         pass_spread: p90 / p50 of the pass times (1.0: steady; well above: a busy machine).
         gain: throughput over the eager baseline's, timed interleaved with it (`compare`), where it was.
+        peak_reserved_bytes: on CUDA, the allocator's reserved peak over the warm-up
+            (`torch.cuda.max_memory_reserved`, what the process holds); None on the CPU.
+        roofline: where the throughput sits under the measured roofs (`core.roofline.Roofline.to_dict`).
+        audit: one forward's copies, syncs and operations (`core.audit.Audit.to_dict`), where audited.
     """
 
     batch_size: int
@@ -78,6 +83,9 @@ class Measurement:
     num_passes: int = 0
     pass_spread: float = math.nan
     gain: Gain | None = None
+    peak_reserved_bytes: int | None = None
+    roofline: dict | None = None
+    audit: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -219,6 +227,8 @@ class Runner:
         self.pass_s: list[float] = []
         self.warmup_s = 0.0
         self.peak: tuple[int | None, str] = (None, "")
+        self.peak_reserved: int | None = None
+        self.output_row_bytes = 0  # bytes of one row of the model's output, as it returns it
 
     @torch.no_grad()
     def outputs(self) -> torch.Tensor:
@@ -234,6 +244,8 @@ class Runner:
         self.warmup_s, outputs = self._pass(timed=False)
         peak, kind = peak_memory(self.device)
         self.peak = ((peak - baseline) if peak is not None and self.device.type == "cuda" else peak, kind)
+        if self.device.type == "cuda":
+            self.peak_reserved = torch.cuda.max_memory_reserved(self.device)
         return outputs
 
     @torch.no_grad()
@@ -252,6 +264,7 @@ class Runner:
             if timed:
                 self.latencies_s.append(seconds)
                 continue
+            self.output_row_bytes = out.numel() * out.element_size() // max(1, out.shape[0]) if out.dim() else 0
             out = out.detach().float().cpu()  # a copy before the next call, even of a reused output buffer
             if outputs is None:
                 outputs = torch.empty((len(self.indices), *out.shape[1:]), dtype=torch.float32)
@@ -283,6 +296,7 @@ class Runner:
             },
             samples_per_s=self.rows_per_pass / median_pass_s,
             peak_memory_bytes=self.peak[0],
+            peak_reserved_bytes=self.peak_reserved,
             peak_memory_kind=self.peak[1] or peak_memory(self.device)[1],
             warmup_s=self.warmup_s,
             compile_s=max(0.0, self.warmup_s - median_pass_s * len(self.indices) / self.rows_per_pass),
@@ -290,6 +304,29 @@ class Runner:
             num_passes=len(pass_s),
             pass_spread=percentile(pass_s, 90) / median_pass_s if median_pass_s > 0 else math.nan,
         )
+
+
+    def roofline(self, flops_per_sample: float | None, dtype: str, samples_per_s: float,
+                 weights: int | None = None) -> dict | None:
+        """The roofline point (`core.roofline`) of `samples_per_s` for this runner's model and batches:
+        bytes per batch = the model's weights (`weights`, where its parameters are hidden from
+        PyTorch) + the mean timed batch's inputs + its outputs; None when the FLOPs are unknown."""
+        from overdrive.core.roofline import measured_roofline, tensors_bytes, weight_bytes
+
+        if self.model is None or not self.timed_batches:
+            return None
+        inputs = sum(tensors_bytes(b.inputs) for b in self.timed_batches) / len(self.timed_batches)
+        model_bytes = weight_bytes(self.model) or (weights or 0)
+        point = measured_roofline(device=self.device, dtype=dtype, flops_per_sample=flops_per_sample,
+                                  bytes_per_batch=model_bytes + inputs + self.output_row_bytes * self.batch_size,
+                                  batch_size=self.batch_size, samples_per_s=samples_per_s)
+        return point.to_dict() if point is not None else None
+
+    def audit(self, *, opaque: bool = False) -> dict:
+        """One forward of the model on its first batch, audited (`core.audit.audit_forward`)."""
+        from overdrive.core.audit import audit_forward
+
+        return audit_forward(self.model, self.batches[0].inputs, device=self.device, opaque=opaque).to_dict()
 
 
 def judge_outputs(measurement: Measurement, workload: Workload, outputs: torch.Tensor, indices: list[int],
@@ -446,8 +483,10 @@ def count_flops_per_sample(model: nn.Module, workload: Workload, *, device: torc
     inputs = to_device(workload.collate([workload.samples[i] for i in chunk]), device)
     fast_path = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
+    set_stance = getattr(torch.compiler, "set_stance", None)  # a compiled model counted eagerly, not recompiled
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), set_stance("force_eager") if set_stance else contextlib.nullcontext(), \
+                FlopCounterMode(display=False) as counter:
             model(*inputs)
     except Exception:  # noqa: BLE001 - FLOPs are informative, never required
         return None

@@ -102,6 +102,8 @@ class Technique:
             (autocast, torch.compile, torch.ao int8), so no `leaves_pytorch` step may follow it.
         leaves_pytorch: True for a runtime outside PyTorch (ONNX Runtime, OpenVINO, TensorRT): it
             exports the model built so far; only exportable steps may come before it, none after.
+        compute_dtype: the dtype its matrix products run in ("bfloat16", "int8", ...), whose measured
+            GEMM peak is a plan's compute roof (`core.roofline`); None: it leaves the dtype as it was.
     """
 
     config_cls: ClassVar[type[TechniqueConfig]]
@@ -115,6 +117,7 @@ class Technique:
     exportable: ClassVar[bool] = False
     leaves_pytorch: ClassVar[bool] = False
     description: ClassVar[str] = ""
+    compute_dtype: ClassVar[str | None] = None
 
     @property
     def name(self) -> str:
@@ -256,6 +259,12 @@ def conflict(steps: list[TechniqueConfig], step: TechniqueConfig) -> str | None:
         return (f"{new.name} runs the exported model, so it cannot follow {', '.join(blocking)} (whose effect lives in "
                 "PyTorch's execution); it is tried instead of them")
     return None
+
+
+def compute_dtype(steps: list[TechniqueConfig]) -> str:
+    """The dtype a plan's matrix products run in: the last step's that sets one, else "float32"."""
+    dtypes = [technique_for(s).compute_dtype for s in steps if technique_for(s).compute_dtype]
+    return dtypes[-1] if dtypes else "float32"
 
 
 def describe_report(report: dict[str, Any], fidelity_key: str) -> str:

@@ -137,6 +137,7 @@ class OptimizeResult:
         session: the workload, device, batch size and samples it was measured with.
         guard: the accuracy budget and speed bar that judged the candidates.
         flops_per_sample: FLOPs of one eager fp32 forward per row (None where not countable).
+        peaks: the GEMM and copy peaks measured on the device, which the roofline figures are against.
         command: how the run was asked for (recorded in results.json and report.md).
     """
 
@@ -151,12 +152,15 @@ class OptimizeResult:
     command: str
     warnings: list[str] = field(default_factory=list)
     rule: FidelityRule | None = None
+    peaks: str = ""
     _model: nn.Module | None = field(default=None, repr=False)
 
     @property
     def table(self) -> list[dict[str, Any]]:
         """The per-technique rows: technique, kept, why not, latency p50/p90 (ms), speedup vs the
-        baseline, samples/s, peak memory (bytes), fidelity figures and task metric."""
+        baseline, samples/s, peak memory (bytes; on CUDA also reserved), the roofline point
+        (`core.roofline.Roofline.to_dict`), the audit (baseline and plan, `core.audit.Audit.to_dict`),
+        fidelity figures and task metric."""
         out = []
         for row in self.rows:
             m = row.measurement
@@ -167,6 +171,8 @@ class OptimizeResult:
                         "gain": {**row.gain.to_dict(), "versus": row.versus} if row.gain else None,
                         "samples_per_s": m.samples_per_s if m else None,
                         "peak_memory_bytes": m.peak_memory_bytes if m else None,
+                        "peak_reserved_bytes": m.peak_reserved_bytes if m else None,
+                        "roofline": m.roofline if m else None, "audit": m.audit if m else None,
                         "fidelity": dict(m.fidelity) if m else {}, "task_metric": dict(m.task_metric or {}) if m else {}})
         return out
 
@@ -231,6 +237,7 @@ class OptimizeResult:
                       "lossless_only": g.lossless_only, "rule": self.rule.describe() if self.rule else None},
             "fidelity_key": s.workload.fidelity_key,
             "flops_per_sample": self.flops_per_sample,
+            "measured_peaks": self.peaks,
             "units": {"latency_ms": "milliseconds per call", "samples_per_s": "rows per second",
                       "peak_memory_bytes": "bytes", "compile_s": "seconds", "warmup_s": "seconds",
                       "accuracy_pct": "percent", "metric": "the workload metric's own units",
@@ -316,7 +323,7 @@ class OptimizeJob:
         warnings: list[str] = []
         result = OptimizeResult(rows=tune.rows, plan=tune.plan, baseline=tune.baseline, sweep={}, sweep_warnings=warnings,
                                 session=s, guard=self.guard, flops_per_sample=tune.flops_per_sample, command=self.command,
-                                warnings=tune.warnings, rule=tune.rule)
+                                warnings=tune.warnings, rule=tune.rule, peaks=tune.peaks)
         if s.out_dir is not None:
             result.save_plan(s.out_dir)  # before the sweep: the plan is the main result
         count["total"] = count["done"] + 2 * len(self.sweep_batch_sizes)

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from overdrive.core.measure import Measurement
 from overdrive.core.report import environment, format_bytes, format_fidelity, sweep_markdown
+from overdrive.core.roofline import roofline_cell
 from overdrive.techniques import describe_report
 from overdrive.tuning.tuner import Row, TuneResult
 
@@ -64,7 +65,7 @@ def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_descri
     table = Table(title=title, show_lines=False)
     longest_word = max((len(w) for row in result.rows for w in row.label.split()), default=9)
     for col, justify in [("technique", "left"), ("kept?", "left"), ("p50/p90 ms", "right"), ("speedup", "right"),
-                         ("samples/s", "right"), ("peak mem", "right"), ("fidelity", "left")]:
+                         ("samples/s", "right"), ("peak mem", "right"), ("roofline", "right"), ("fidelity", "left")]:
         table.add_column(col, justify=justify, min_width={"technique": longest_word, "p50/p90 ms": 7}.get(col),
                          no_wrap=col in ("samples/s", "peak mem"))
     previous_phase = None
@@ -79,16 +80,56 @@ def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_descri
             f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
             _speedup(row),
             f"{m.samples_per_s:,.1f}" if m else "",
-            format_bytes(m.peak_memory_bytes) if m else "",
+            format_memory(m) if m else "",
+            roofline_cell(m.roofline, compact=True) if m else "",
             format_fidelity(m, _key(result, fidelity_key), compact=True),
         )
     return table
 
 
+def format_memory(m: Measurement) -> str:
+    """The peak-memory cell: allocated / reserved on CUDA, the RSS high-water mark on the CPU."""
+    if m.peak_reserved_bytes is not None:
+        return f"{format_bytes(m.peak_memory_bytes)} / {format_bytes(m.peak_reserved_bytes)}"
+    return format_bytes(m.peak_memory_bytes)
+
+
+ROOFLINE_NOTE = ("roofline: achieved FLOP/s (the model's FLOPs per sample × samples/s) over the binding roof (comp: the "
+                 "GEMM peak in the plan's dtype; mem: FLOP/byte × copy bandwidth), both peaks measured on this device; "
+                 "bytes: weights + inputs + outputs")
+
+
 def table_note(result: TuneResult, rows_description: str = "") -> str:
-    """What the table's figures are: the memory kind, the rows and rule of the fidelity column, the intervals."""
-    memory_kind = "CUDA allocator peak" if result.baseline.peak_memory_kind.startswith("cuda") else "process RSS high-water"
-    return f"peak memory: {memory_kind}; {caption(result, rows_description or 'the evaluation rows')}"
+    """What the table's figures are: the memory kind, the roofline, the rows and rule of the fidelity column, the intervals."""
+    memory_kind = ("CUDA allocator peak allocated / reserved" if result.baseline.peak_memory_kind.startswith("cuda")
+                   else "process RSS high-water")
+    return f"peak memory: {memory_kind}; {ROOFLINE_NOTE}; {caption(result, rows_description or 'the evaluation rows')}"
+
+
+def figure_lines(result: TuneResult) -> list[str]:
+    """The roofline of the baseline and the plan (with the peaks measured), and the copy and sync audit of
+    one forward of each."""
+    lines = []
+    peaks = getattr(result, "peaks", "")
+    if peaks:
+        lines.append(f"measured peaks: {peaks}")
+    for row in result.rows:
+        m = row.measurement
+        if row.phase not in ("baseline", "plan") or m is None or (row.phase == "plan" and not row.steps):
+            continue
+        name = "baseline" if row.phase == "baseline" else row.label
+        if m.roofline:
+            from overdrive.core.roofline import Roofline
+
+            point = Roofline(**{k: m.roofline[k] for k in ("dtype", "flops_per_s", "bytes_per_s", "intensity",
+                                                             "peak_flops_per_s", "peak_bytes_per_s")})
+            lines.append(f"roofline, {name}: {point.describe()}")
+        if m.audit:
+            from overdrive.core.audit import Audit
+
+            audit = Audit(**{k: v for k, v in m.audit.items() if k != "num_syncs"})
+            lines.append(f"audit, {name}: {audit.describe()}")
+    return lines
 
 
 def _key(result: TuneResult, fidelity_key: str) -> str:
@@ -98,8 +139,9 @@ def _key(result: TuneResult, fidelity_key: str) -> str:
 
 def rows_markdown(result: TuneResult, *, fidelity_key: str) -> str:
     """The same table as `rows_table`, as Markdown."""
-    lines = ["| technique | kept? (why not) | latency p50/p90 ms | speedup vs baseline | samples/s | peak memory | fidelity |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| technique | kept? (why not) | latency p50/p90 ms | speedup vs baseline | samples/s | peak memory | "
+             "% of roofline | fidelity |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for row in result.rows:
         m = row.measurement
         cells = [
@@ -108,7 +150,8 @@ def rows_markdown(result: TuneResult, *, fidelity_key: str) -> str:
             f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
             _speedup(row),
             f"{m.samples_per_s:,.1f}" if m else "",
-            format_bytes(m.peak_memory_bytes) if m else "",
+            format_memory(m) if m else "",
+            roofline_cell(m.roofline) if m else "",
             format_fidelity(m, _key(result, fidelity_key)),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -155,10 +198,14 @@ def write_report_md(path: Path, *, result: TuneResult, workload_name: str, devic
     lines.append(f"- {caption(result, rows_description)}")
     lines += [f"- note: {note}" for note in notes]
     lines += [f"- **warning**: {warning}" for warning in getattr(result, "warnings", [])]
-    memory_kind = "CUDA allocator peak" if b.peak_memory_kind.startswith("cuda") else "process RSS high-water mark"
+    memory_kind = ("CUDA allocator peak allocated / reserved" if b.peak_memory_kind.startswith("cuda")
+                   else "process RSS high-water mark")
     lines += ["", "## Per-technique table", "", rows_markdown(result, fidelity_key=fidelity_key), "",
-              f"Peak memory: {memory_kind}. Fidelity: against the eager fp32 outputs of the same rows.", "",
-              "## Latency vs batch size", ""]
+              f"Peak memory: {memory_kind}. Fidelity: against the eager fp32 outputs of the same rows. {ROOFLINE_NOTE}.", ""]
+    figures = figure_lines(result)
+    if figures:
+        lines += ["## Roofline and the copy and sync audit", ""] + [f"- {line}" for line in figures] + [""]
+    lines += ["## Latency vs batch size", ""]
     if plot_name:
         lines += [f"![latency vs batch size]({plot_name})", ""]
     lines += [sweep_markdown(sweep), ""]

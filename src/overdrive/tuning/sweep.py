@@ -11,12 +11,24 @@ import torch
 
 from overdrive.core.devices import resolve_device
 from overdrive.core.errors import ConfigError, arg, one_line
-from overdrive.core.measure import TIMING_ROWS, Gain, Measurement, Runner, compare, cycle_indices, judge_outputs
-from overdrive.techniques import TechniqueConfig
+from overdrive.core.measure import (
+    TIMING_ROWS,
+    Gain,
+    Measurement,
+    Runner,
+    compare,
+    count_flops_per_sample,
+    cycle_indices,
+    judge_outputs,
+)
+from overdrive.core.roofline import weight_bytes
+from overdrive.techniques import TechniqueConfig, technique_for
+from overdrive.techniques.registry import compute_dtype
 from overdrive.tuning.plan import build
 from overdrive.workloads import Workload, create_workload
 
 DEFAULT_TEXT_SAMPLES = 512
+_UNSET = object()
 
 
 @dataclass(kw_only=True)
@@ -140,7 +152,7 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
 
 def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_sizes: list[int],
           progress=lambda _: None, warn=lambda _: None, reports: dict[str, list[dict]] | None = None, *,
-          rounds: int = 4, max_rows: int | None = None) -> dict[str, list[tuple[int, Measurement]]]:
+          rounds: int = 4, max_rows: int | None = None, audit: bool = False) -> dict[str, list[tuple[int, Measurement]]]:
     """Measure each configuration at each batch size, on the same rows `optimize` judged (cycled up
     to one full batch when there are fewer; passes timed over the first `TIMING_ROWS`, as there). When the first configuration is the eager baseline
     (no steps), every other one is timed against it in `rounds` interleaved rounds
@@ -151,6 +163,10 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
         reports: when given, receives each configuration's technique reports from its first build.
         rounds: interleaved rounds per configuration and batch size.
         max_rows: rows per pass at most (the report's curve needs no full pass); None: all of them.
+        audit: also audit one forward of each configuration at each size (`core.audit`, `Measurement.audit`).
+
+    Every measurement gets its roofline point (`Measurement.roofline`): the FLOPs per sample a pruning
+    step left, else the first model's (counted eagerly), against this device's measured peaks.
 
     A configuration that fails at a batch size is reported through `warn` and left out of
     that point; the rest of the sweep goes on.
@@ -160,6 +176,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
     """
     workload = session.workload
     out: dict[str, list[tuple[int, Measurement]]] = {label: [] for label in configs}
+    first_flops, first_weights = _UNSET, None
     first = next(iter(configs), None)
     baseline_label = first if first is not None and not configs[first] else None
     for b in batch_sizes:
@@ -168,12 +185,18 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
         runners: dict[str, Runner] = {}
         outputs: dict[str, torch.Tensor] = {}
         gains: dict[str, Gain] = {}
+        flops: dict[str, float | None] = {}
         try:
             for label, steps in configs.items():
                 progress(f"{label} @ batch {b}")
                 try:
                     collected: list[dict] = []
                     model, policy = build(workload, steps, session.device, collected)
+                    if first_flops is _UNSET:
+                        first_flops = count_flops_per_sample(model, workload, device=session.device, indices=indices)
+                        first_weights = weight_bytes(model)
+                    flops[label] = next((r["flops_per_sample_after"] for r in reversed(collected)
+                                         if r.get("flops_per_sample_after")), first_flops)
                     runners[label] = Runner(model, workload, device=session.device, batch_size=b, indices=indices,
                                             policy=policy, timing_rows=TIMING_ROWS)
                     outputs[label] = runners[label].warm_up()
@@ -195,6 +218,13 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
             for label, runner in runners.items():
                 m = judge_outputs(runner.measurement(), workload, outputs[label], indices, reference)
                 m.gain = gains.get(label)
+                steps = configs[label]
+                m.roofline = runner.roofline(flops[label], compute_dtype(steps), m.samples_per_s, weights=first_weights)
+                if audit:  # asked for: a failure is one of the point's failures
+                    try:
+                        m.audit = runner.audit(opaque=any(technique_for(s).leaves_pytorch for s in steps))
+                    except Exception as exc:  # noqa: BLE001 - the user's model under the counting modes
+                        warn(f"{label} at batch size {b}: the audit failed: {one_line(exc)}")
                 out[label].append((b, m))
         finally:
             for runner in runners.values():
@@ -204,7 +234,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
     return out
 
 
-def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda _: None,
+def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda _: None, *, audit: bool = False,
                  ) -> tuple[dict[str, list[tuple[int, Measurement]]], list[str], dict[str, list[dict]]]:
     """The eager fp32 baseline and `plan` (a Plan, or None for the baseline alone) measured at each
     batch size, interleaved (`sweep`): the plan's gain over the baseline with its 99% interval, and
@@ -220,6 +250,6 @@ def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda
         configs["plan: " + (" + ".join(plan.names) or "baseline")] = plan.steps
     failures: list[str] = []
     reports: dict[str, list[dict]] = {}
-    curves = sweep(session, configs, batch_sizes, progress=progress, warn=failures.append, reports=reports)
+    curves = sweep(session, configs, batch_sizes, progress=progress, warn=failures.append, reports=reports, audit=audit)
     return curves, failures, reports
 

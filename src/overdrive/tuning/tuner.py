@@ -41,7 +41,9 @@ from overdrive.core.measure import (
     judge_outputs,
 )
 from overdrive.core.workload import Workload
+from overdrive.core.roofline import describe_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
+from overdrive.techniques.registry import compute_dtype
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
 from overdrive.tuning.invariance import InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan, build
@@ -91,6 +93,7 @@ class TuneResult:
     rule: FidelityRule | None = None
     warnings: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
+    peaks: str = ""  # the device peaks the roofline column is against (`core.roofline.describe_peaks`)
 
 
 Progress = Callable[[str], None]
@@ -190,6 +193,7 @@ class Tuner:
                                 "samples, so no technique can be judged against it")
         self.rule = fidelity_rule(self.workload, self.guard, first, second)
         self.repeat = second
+        self.flops, self.weights = flops, weight_bytes(runner.model)
         return runner, first, flops
 
     # -- candidates ------------------------------------------------------------------------------
@@ -213,7 +217,8 @@ class Tuner:
                 verdict = self.probe.check(runner.model, rule=self.rule)
             breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps)
             gain = self._compare(reference, runner, decide=breaks is None)
-            m = judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference)
+            m = self._figures(judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference),
+                              runner, steps, reports)
         except Exception as exc:  # noqa: BLE001 - a failing technique is a row, not a crash
             self._release(runner)
             return Row(phase=phase, label=label, steps=names, kept=False, reason=f"failed: {one_line(exc)}",
@@ -223,6 +228,21 @@ class Tuner:
         if judge:
             self._judge(row, breaks)
         return row, runner
+
+    def _figures(self, m: Measurement, runner: Runner, steps: list[TechniqueConfig], reports: list[dict], *,
+                 audit: bool = False) -> Measurement:
+        """Fill in the roofline (the FLOPs a pruning step left, else the baseline's) and, with `audit`,
+        the copy and sync audit of one forward. Neither may fail a row: a failure is a warning."""
+        flops = next((r["flops_per_sample_after"] for r in reversed(reports) if r.get("flops_per_sample_after")),
+                     self.flops)
+        try:
+            m.roofline = runner.roofline(flops, compute_dtype(steps), m.samples_per_s, weights=self.weights)
+            if audit:
+                m.audit = runner.audit(opaque=any(technique_for(s).leaves_pytorch for s in steps))
+        except Exception as exc:  # noqa: BLE001 - informative figures, never the verdict
+            self.warnings.append(f"{' + '.join(s.name for s in steps) or 'the baseline'}: roofline or audit not "
+                                 f"measured: {one_line(exc)}")
+        return m
 
     def _batch_dependence(self, verdict: Verdict | None, steps: list[TechniqueConfig]) -> str | None:
         """The reason a candidate's rows break the budget inside a batch with other rows and an
@@ -293,7 +313,8 @@ class Tuner:
             row.speedup = row.gain.ratio if row.gain else None
             alone[name] = row
             rows.append(row)
-        baseline = judge_outputs(base.measurement(), self.workload, self.repeat, self.indices, self.reference)
+        baseline = self._figures(judge_outputs(base.measurement(), self.workload, self.repeat, self.indices,
+                                               self.reference), base, [], [], audit=True)
         rows.insert(0, Row(phase="baseline", label="baseline (eager fp32)", steps=[], kept=True, measurement=baseline,
                            speedup=1.0))
         if baseline.pass_spread > NOISY_PASSES:
@@ -362,7 +383,7 @@ class Tuner:
             else:
                 self._release(runner)
 
-        plan_row = self._plan_row(current, current_runner, base, baseline)
+        plan_row = self._plan_row(current, current_runner, base, baseline, current_row.details if current_row else [])
         while current and plan_row.gain.low < self.guard.min_gain:  # back off: the last step added goes first
             plan_row.phase, plan_row.kept = "compose", False
             plan_row.reason = (f"the plan is not faster than the baseline beyond the noise: {plan_row.gain.describe()} "
@@ -370,13 +391,14 @@ class Tuner:
             rows.append(plan_row)
             self._release(current_runner)
             current, current_runner = current[:-1], base
+            reports = []
             if current:
                 try:
-                    current_runner = self._runner(current)
+                    current_runner = self._runner(current, reports)
                     current_runner.warm_up()
                 except Exception:  # noqa: BLE001 - it ran before; if it fails now, fall back to the baseline
                     current_runner, current = base, []
-            plan_row = self._plan_row(current, current_runner, base, baseline)
+            plan_row = self._plan_row(current, current_runner, base, baseline, reports)
         rows.append(plan_row)
         rows += self._leave_one_out(current, current_runner)
         self._release(current_runner if current_runner is not base else None, base)
@@ -397,10 +419,12 @@ class Tuner:
             environment={"torch": torch.__version__, "device_name": devices.describe(self.device)},
         )
         return TuneResult(rows=rows, plan=plan, baseline=baseline, flops_per_sample=flops, rule=self.rule,
-                          warnings=list(dict.fromkeys(self.warnings)))
+                          warnings=list(dict.fromkeys(self.warnings)), peaks=describe_peaks(self.device))
 
-    def _plan_row(self, current: list[TechniqueConfig], runner: Runner, base: Runner, baseline: Measurement) -> Row:
-        """The chosen plan, timed against the baseline once more (interleaved): the headline gain."""
+    def _plan_row(self, current: list[TechniqueConfig], runner: Runner, base: Runner, baseline: Measurement,
+                  reports: list[dict]) -> Row:
+        """The chosen plan, timed against the baseline once more (interleaved): the headline gain, with
+        its roofline and the audit of one forward (`reports`: its steps' technique reports)."""
         names = [s.name for s in current]
         label = "plan: " + (" + ".join(names) or "baseline")
         if not current:
@@ -409,6 +433,7 @@ class Tuner:
         since = len(runner.pass_s), len(runner.latencies_s)
         gain = self._compare(base, runner, decide=True)
         m = judge_outputs(runner.measurement(since=since), self.workload, runner.outputs(), self.indices, self.reference)
+        m = self._figures(m, runner, current, reports, audit=True)
         return Row(phase="plan", label=label, steps=names, kept=True, measurement=m, speedup=gain.ratio, gain=gain,
                    versus="the baseline")
 

@@ -45,6 +45,7 @@ class Bf16Autocast(Technique):
     lossless = False
     group = "precision"
     description = "bfloat16 autocast (fp32 range, 8-bit mantissa)"
+    compute_dtype = "bfloat16"
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if not supports_bf16(device):
@@ -62,6 +63,7 @@ class Fp16Autocast(Technique):
     lossless = False
     group = "precision"
     description = "float16 autocast (GPU; CPU only with AMX-FP16); activations above 65504 overflow to inf"
+    compute_dtype = "float16"
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
         ok, why = supports_fp16(device)

@@ -282,6 +282,7 @@ class MixedPrecision(Technique):
 class MixedInt8(MixedPrecision):
     config_cls = MixedInt8Config
     scheme = "int8"
+    compute_dtype = "int8"
     form = "per-row dynamic activations"
     description = ("int8 nn.Linear layers (per-row activations, per-channel weights) chosen by a per-layer sensitivity "
                    "search under the fidelity floor; the rest fp32; compiled with Inductor")
@@ -291,6 +292,7 @@ class MixedInt8(MixedPrecision):
 class MixedFp8(MixedPrecision):
     config_cls = MixedFp8Config
     scheme = "fp8"
+    compute_dtype = "float8"
     form = "e4m3, per-row dynamic activations"
     devices = ("cuda",)
     description = ("fp8 (e4m3, per-row) nn.Linear layers through torchao, chosen by a per-layer sensitivity search "
@@ -307,6 +309,7 @@ class MixedInt8Static(MixedPrecision):
 
     config_cls = MixedInt8StaticConfig
     scheme = "int8"
+    compute_dtype = "int8"
     form = "static activations, PT2E X86InductorQuantizer"
     devices = ("cpu",)
     freezing = True

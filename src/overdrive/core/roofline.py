@@ -1,0 +1,233 @@
+"""The roofline: how close a measured throughput is to what this device allows.
+
+The roofline model (Williams, Waterman and Patterson, "Roofline: an insightful visual performance
+model for multicore architectures", CACM 2009): a forward that does F FLOPs and moves Q bytes has
+arithmetic intensity I = F / Q; on a device whose peaks are P FLOP/s and W bytes/s its roof is
+min(P, I × W). The binding roof is the compute roof when P < I × W, else the memory roof, and the
+fraction reported is the achieved FLOP/s over that roof.
+
+The peaks are *measured* here, once per process and device, never taken from a data sheet:
+- P: a large square GEMM in the plan's compute dtype (fp32, bf16, fp16; int8 through
+  `torch._int_mm`; fp8 through `torch._scaled_mm` on CUDA), the best of several timed calls;
+- W: a device-to-device copy of a large buffer, counted as read + write bytes, the best of several.
+Published peaks are a cross-check only (an H200's dense bf16 is about 989 TFLOP/s and its HBM3e
+about 4.8 TB/s: a measured GEMM reaching 60-80% of the sheet is normal).
+
+What is counted, per batch (`traffic_per_batch`):
+- FLOPs: the model's FLOPs per sample (torch.utils.flop_counter, matmul/conv as 2 × MACs) × rows:
+  the work of the model as defined, as model-FLOPs utilisation counts it, whatever a runtime fuses
+  or recomputes; a pruned model's FLOPs are its own.
+- bytes: the weights once at their storage dtype (parameters and buffers, shared storage once),
+  plus the batch's inputs and its outputs. Activations that spill to memory are not counted, so the
+  intensity is an upper bound and a memory-bound verdict is, if anything, generous.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from overdrive.core.timer import Timer
+
+# Square GEMM sizes and copy buffer sizes used for the peaks; large enough to saturate the device.
+_GEMM_N = {"cpu": 1024, "cuda": 8192}
+_COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
+_REPEATS = 6
+
+_PEAKS: dict[tuple[str, str], float] = {}
+
+
+def _device_key(device: torch.device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return f"cpu:{torch.get_num_threads()}"
+
+
+def _best_rate(device: torch.device, fn, amount: float) -> float:
+    """The best amount / seconds over `_REPEATS` timed calls of `fn` after one untimed call (one
+    timed call when a call takes over 0.2 s: a dtype this device runs slowly, fp16 on most CPUs)."""
+    timer = Timer(device)
+    _, first = timer(fn)
+    best = math.inf
+    for _ in range(1 if first > 0.2 else _REPEATS):
+        _, seconds = timer(fn)
+        best = min(best, seconds)
+    return amount / best if best > 0 else math.nan
+
+
+def _gemm(device: torch.device, dtype: str):
+    """(a zero-argument GEMM call, its FLOPs) for `dtype`, or None where this device has no such GEMM."""
+    n = _GEMM_N[device.type]
+    flops = 2.0 * n ** 3
+    generator = torch.Generator(device=device).manual_seed(0)
+    if dtype == "int8":
+        a = torch.randint(-64, 64, (n, n), dtype=torch.int8, device=device, generator=generator)
+        b = torch.randint(-64, 64, (n, n), dtype=torch.int8, device=device, generator=generator)
+        return (lambda: torch._int_mm(a, b)), flops
+    if dtype == "float8":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+            return None
+        a = torch.randn(n, n, device=device, generator=generator).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device, generator=generator).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        return (lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)), flops
+    torch_dtype = getattr(torch, dtype)
+    a = torch.randn(n, n, device=device, generator=generator).to(torch_dtype)
+    b = torch.randn(n, n, device=device, generator=generator).to(torch_dtype)
+    return (lambda: a @ b), flops
+
+
+def peak_flops(device: torch.device, dtype: str = "float32") -> float | None:
+    """The measured GEMM peak of `device` in `dtype` ("float32", "bfloat16", "float16", "int8",
+    "float8"), FLOP/s (int8: integer ops/s); None where the device has no such GEMM. Measured once
+    per process, device and thread count."""
+    device = torch.device(device)
+    key = (_device_key(device), dtype)
+    if key not in _PEAKS:
+        try:
+            with torch.no_grad():
+                made = _gemm(device, dtype)
+                _PEAKS[key] = _best_rate(device, made[0], made[1]) if made else math.nan
+        except (RuntimeError, NotImplementedError):  # no kernel for this dtype here
+            _PEAKS[key] = math.nan
+    value = _PEAKS[key]
+    return None if math.isnan(value) else value
+
+
+def peak_bandwidth(device: torch.device) -> float:
+    """The measured device-memory bandwidth of `device`, bytes/s: a copy of a large buffer counted
+    as read + write. Measured once per process, device and thread count."""
+    device = torch.device(device)
+    key = (_device_key(device), "copy")
+    if key not in _PEAKS:
+        size = _COPY_BYTES[device.type]
+        src = torch.ones(size // 4, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        _PEAKS[key] = _best_rate(device, lambda: dst.copy_(src), 2.0 * size)
+        del src, dst
+    return _PEAKS[key]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers at their storage dtype, each storage once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or tensor.device.type == "meta":
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def tensors_bytes(values) -> int:
+    """Bytes of the tensors in `values` (a tensor, or a tuple / list / dict of them, nested)."""
+    if isinstance(values, torch.Tensor):
+        return values.numel() * values.element_size()
+    if isinstance(values, dict):
+        return sum(tensors_bytes(v) for v in values.values())
+    if isinstance(values, (tuple, list)):
+        return sum(tensors_bytes(v) for v in values)
+    return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Roofline:
+    """Where one measured configuration sits under its roofs.
+
+    Attributes:
+        dtype: the compute dtype whose GEMM peak is the compute roof.
+        flops_per_s: achieved: FLOPs per sample × samples/s.
+        bytes_per_s: achieved: bytes per batch (weights, inputs, outputs) × batches/s.
+        intensity: FLOPs per byte moved (F / Q).
+        peak_flops_per_s: the measured GEMM peak in `dtype`.
+        peak_bytes_per_s: the measured copy bandwidth.
+    """
+
+    dtype: str
+    flops_per_s: float
+    bytes_per_s: float
+    intensity: float
+    peak_flops_per_s: float
+    peak_bytes_per_s: float
+
+    @property
+    def roof(self) -> float:
+        """The attainable FLOP/s at this intensity: min(P, I × W)."""
+        return min(self.peak_flops_per_s, self.intensity * self.peak_bytes_per_s)
+
+    @property
+    def bound(self) -> str:
+        """"compute" when the GEMM peak is the lower roof at this intensity, else "memory"."""
+        return "compute" if self.peak_flops_per_s <= self.intensity * self.peak_bytes_per_s else "memory"
+
+    @property
+    def fraction(self) -> float:
+        """Achieved FLOP/s over the binding roof (0..1, above 1 only when the peaks were under-measured)."""
+        return self.flops_per_s / self.roof if self.roof > 0 else math.nan
+
+    def short(self) -> str:
+        """The table cell: '34% compute'."""
+        return f"{100 * self.fraction:.0f}% {self.bound}"
+
+    def describe(self) -> str:
+        return (f"{self.flops_per_s / 1e12:.3g} TFLOP/s and {self.bytes_per_s / 1e9:.3g} GB/s at {self.intensity:.3g} "
+                f"FLOP/byte: {100 * self.fraction:.1f}% of the {self.bound} roof (measured peaks: {self.dtype} GEMM "
+                f"{self.peak_flops_per_s / 1e12:.3g} TFLOP/s, copy {self.peak_bytes_per_s / 1e9:.3g} GB/s)")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "roof": self.roof, "bound": self.bound, "fraction": self.fraction}
+
+
+def roofline(*, flops_per_sample: float, bytes_per_batch: float, batch_size: int, samples_per_s: float,
+             peak_flops_per_s: float, peak_bytes_per_s: float, dtype: str) -> Roofline:
+    """The roofline point of a measured configuration (pure arithmetic; the peaks are given).
+
+    Raises:
+        ValueError: a non-positive figure.
+    """
+    if min(flops_per_sample, bytes_per_batch, batch_size, samples_per_s, peak_flops_per_s, peak_bytes_per_s) <= 0:
+        raise ValueError("roofline figures must be positive")
+    return Roofline(dtype=dtype, flops_per_s=flops_per_sample * samples_per_s,
+                    bytes_per_s=bytes_per_batch * samples_per_s / batch_size,
+                    intensity=flops_per_sample * batch_size / bytes_per_batch,
+                    peak_flops_per_s=peak_flops_per_s, peak_bytes_per_s=peak_bytes_per_s)
+
+
+def measured_roofline(*, device: torch.device, dtype: str, flops_per_sample: float | None, bytes_per_batch: float,
+                      batch_size: int, samples_per_s: float) -> Roofline | None:
+    """`roofline` against this device's measured peaks (measured now if not yet); None when the
+    FLOPs are unknown or the device has no GEMM in `dtype` (the fp32 one is used instead then)."""
+    if not flops_per_sample or samples_per_s <= 0 or bytes_per_batch <= 0:
+        return None
+    peak = peak_flops(device, dtype)
+    if peak is None:
+        dtype, peak = "float32", peak_flops(device, "float32")
+    if peak is None:
+        return None
+    return roofline(flops_per_sample=flops_per_sample, bytes_per_batch=bytes_per_batch, batch_size=batch_size,
+                    samples_per_s=samples_per_s, peak_flops_per_s=peak, peak_bytes_per_s=peak_bandwidth(device),
+                    dtype=dtype)
+
+
+def describe_peaks(device: torch.device) -> str:
+    """The peaks measured so far on `device` in this process, one phrase: 'float32 GEMM 0.124
+    TFLOP/s, bfloat16 GEMM 0.364 TFLOP/s, copy 30.5 GB/s'; "" when none was."""
+    key = _device_key(torch.device(device))
+    gemms = [f"{dtype} GEMM {value / 1e12:.3g} T{'OP' if dtype == 'int8' else 'FLOP'}/s"
+             for (where, dtype), value in _PEAKS.items() if where == key and dtype != "copy" and not math.isnan(value)]
+    copy = _PEAKS.get((key, "copy"))
+    return ", ".join(gemms + ([f"copy {copy / 1e9:.3g} GB/s"] if copy else []))
+
+
+def roofline_cell(point: dict | None, compact: bool = False) -> str:
+    """A table cell for a `Roofline.to_dict()`: '34% compute' ('34% comp' when `compact`); '' when unknown."""
+    if not point or not math.isfinite(point.get("fraction", math.nan)):
+        return ""
+    bound = {"compute": "comp", "memory": "mem"}[point["bound"]] if compact else point["bound"]
+    return f"{100 * point['fraction']:.0f}% {bound}"

@@ -1,0 +1,135 @@
+"""The copy and sync audit (`core.audit`) and the roofline arithmetic (`core.roofline`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from overdrive.core.audit import audit_forward
+from overdrive.core.roofline import Roofline, roofline, roofline_cell, tensors_bytes, weight_bytes
+from tests.conftest import requires_cuda
+
+CPU = torch.device("cpu")
+
+
+class Planted(nn.Module):
+    """A forward with one of each: a scalar read, a nonzero, a boolean mask, a tensor from host data, a .cpu()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.abs().sum().item() > 1e9:  # a scalar read: the host waits for the device
+            y = y * 2
+        _ = (y > 0).nonzero()
+        _ = y[y > 0]
+        offset = torch.tensor([1.0, 2.0, 3.0, 4.0])  # host data: a host→device copy on a GPU
+        _ = y.cpu()  # a device→host copy and a sync on a GPU
+        return y + offset
+
+
+class Clean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def test_audit_counts_the_planted_copies_and_syncs():
+    audit = audit_forward(Planted().eval(), (torch.randn(3, 8),), device=CPU)
+    assert audit.h2d_copies == 1 and audit.h2d_bytes == 16
+    assert audit.d2h_copies == 1 and audit.d2h_bytes == 3 * 4 * 4
+    assert audit.syncs == {"scalar read (.item(), bool(), int(), float())": 1, "data-dependent shape (nonzero)": 1,
+                           "data-dependent shape (boolean-mask indexing)": 1, ".cpu()": 1}
+    assert audit.num_syncs == 4
+    assert (audit.input_tensors, audit.input_bytes, audit.output_tensors, audit.output_bytes) == (1, 96, 1, 48)
+    assert audit.kernel_launches is None  # the profiler's counts are CUDA-only
+    assert "scalar read" in audit.describe()
+
+
+def test_audit_of_a_clean_model_finds_nothing_and_a_compiled_one_is_not_recompiled():
+    model = Clean().eval()
+    audit = audit_forward(model, (torch.randn(3, 8),), device=CPU)
+    assert (audit.h2d_copies, audit.d2h_copies, audit.num_syncs) == (0, 0, 0)
+    assert audit.aten_ops == 2  # addmm, relu: views and metadata are not counted
+    from overdrive.core.measure import compiled_graphs
+
+    compiled = torch.compile(Clean().eval())
+    x = torch.randn(3, 8)
+    compiled(x)
+    graphs = compiled_graphs()
+    assert audit_forward(compiled, (x,), device=CPU).aten_ops == 2
+    compiled(x)
+    assert compiled_graphs() == graphs  # audited eagerly, no recompilation
+
+
+def test_audit_sees_a_scalar_read_through_bool_and_int():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            n = int(x.shape[0] * x.mean().abs().ceil())
+            return x * 2 if bool(x.sum() > 0) else x[:n]
+
+    audit = audit_forward(Branchy(), (torch.ones(2, 3),), device=CPU)
+    assert audit.syncs == {"scalar read (.item(), bool(), int(), float())": 2}
+
+
+def test_roofline_arithmetic_compute_and_memory_bound():
+    # 1 GFLOP per sample, 1 MB per batch of 10: intensity 1e4 FLOP/byte; roofs 1e12 FLOP/s and 1e11 B/s.
+    compute = roofline(flops_per_sample=1e9, bytes_per_batch=1e6, batch_size=10, samples_per_s=500,
+                       peak_flops_per_s=1e12, peak_bytes_per_s=1e11, dtype="bfloat16")
+    assert compute.intensity == pytest.approx(1e4)
+    assert compute.bound == "compute" and compute.roof == 1e12
+    assert compute.flops_per_s == pytest.approx(5e11) and compute.fraction == pytest.approx(0.5)
+    assert compute.bytes_per_s == pytest.approx(5e7)
+    # 1 MFLOP per sample, 1 MB per batch of 1: intensity 1 FLOP/byte, memory roof 1e11 FLOP/s.
+    memory = roofline(flops_per_sample=1e6, bytes_per_batch=1e6, batch_size=1, samples_per_s=1e4,
+                      peak_flops_per_s=1e12, peak_bytes_per_s=1e11, dtype="float32")
+    assert memory.bound == "memory" and memory.roof == pytest.approx(1e11)
+    assert memory.fraction == pytest.approx(0.1)
+    assert roofline_cell(memory.to_dict()) == "10% memory" and roofline_cell(compute.to_dict(), compact=True) == "50% comp"
+    assert roofline_cell(None) == ""
+    with pytest.raises(ValueError):
+        roofline(flops_per_sample=0, bytes_per_batch=1, batch_size=1, samples_per_s=1, peak_flops_per_s=1,
+                 peak_bytes_per_s=1, dtype="float32")
+    assert Roofline(**{k: v for k, v in compute.to_dict().items() if k not in ("roof", "bound", "fraction")}) == compute
+
+
+def test_bytes_count_storage_once_at_its_dtype():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, shared, nn.Linear(4, 2).to(torch.bfloat16))
+    assert weight_bytes(model) == (16 + 4) * 4 + (8 + 2) * 2
+    assert tensors_bytes((torch.ones(2, 3), {"a": torch.ones(4, dtype=torch.int8)}, [None, 3])) == 24 + 4
+
+
+def test_measured_peaks_are_positive_and_cached():
+    from overdrive.core import roofline as rl
+
+    first = rl.peak_flops(CPU, "float32")
+    assert first is not None and first > 1e8
+    assert rl.peak_flops(CPU, "float32") == first  # measured once per process
+    assert rl.peak_bandwidth(CPU) > 1e8
+    assert rl.peak_flops(CPU, "float8") is None  # no fp8 GEMM on a CPU
+    assert "float32 GEMM" in rl.describe_peaks(CPU) and "copy" in rl.describe_peaks(CPU)
+    point = rl.measured_roofline(device=CPU, dtype="float8", flops_per_sample=1e6, bytes_per_batch=1e5, batch_size=4,
+                                 samples_per_s=100.0)
+    assert point.dtype == "float32"  # no fp8 GEMM: the fp32 roof, said
+    assert rl.measured_roofline(device=CPU, dtype="float32", flops_per_sample=None, bytes_per_batch=1, batch_size=1,
+                                samples_per_s=1) is None
+    assert math.isfinite(point.fraction)
+
+
+@requires_cuda
+def test_cuda_audit_counts_launches_and_the_planted_sync():
+    device = torch.device("cuda")
+    model = Planted().to(device).eval()
+    audit = audit_forward(model, (torch.randn(3, 8, device=device),), device=device)
+    assert audit.kernel_launches and audit.kernel_launches > 3
+    assert audit.syncs[".cpu()"] == 1 and audit.d2h_copies == 1
+    assert audit.device_syncs >= 1 or audit.memcpy_calls >= 1
