@@ -2,7 +2,7 @@
 
 # Importing each technique module registers it.
 from overdrive.techniques.batching import length_bucketing  # noqa: F401
-from overdrive.techniques.graph import bn_fold, channels_last, remove_padding  # noqa: F401
+from overdrive.techniques.graph import bn_fold, channels_last, concurrent_streams, remove_padding  # noqa: F401
 from overdrive.techniques.multi_device import pipeline_parallel  # noqa: F401
 from overdrive.techniques.precision import autocast, int8_dynamic, mixed  # noqa: F401
 from overdrive.techniques.pruning import channels, ffn, heads, unstructured  # noqa: F401
@@ -22,7 +22,14 @@ from overdrive.techniques.registry import (
     technique_for,
     unregister,
 )
-from overdrive.techniques.runtime import inference_mode, onnx_runtime, openvino_runtime, tensorrt, torch_compile  # noqa: F401
+from overdrive.techniques.runtime import (  # noqa: F401
+    cuda_graphs,
+    inference_mode,
+    onnx_runtime,
+    openvino_runtime,
+    tensorrt,
+    torch_compile,
+)
 from overdrive.techniques.sparsity import semi_structured  # noqa: F401
 
 __all__ = ["BatchingPolicy", "Stage", "Technique", "TechniqueConfig", "config_from_dict", "config_to_dict", "conflict", "default_config",

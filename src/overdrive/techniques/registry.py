@@ -143,6 +143,11 @@ class Technique:
     def batching(self, policy: BatchingPolicy, config: TechniqueConfig) -> BatchingPolicy:
         return policy
 
+    def variants(self, config: TechniqueConfig, workload: Workload, device: torch.device) -> list[TechniqueConfig]:
+        """The configs the tuner measures, each alone, when the user gave none (`config` is the default):
+        the fastest kept one is composed. One, `config`, unless the technique has modes worth searching."""
+        return [config]
+
     def includes(self, config: TechniqueConfig) -> tuple[str, ...]:
         """Names of techniques whose effect this step already has (a searched precision step that
         compiles its model includes `compile`): they cannot also be in its plan."""

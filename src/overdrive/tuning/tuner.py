@@ -43,7 +43,7 @@ from overdrive.core.measure import (
 from overdrive.core.workload import Workload
 from overdrive.core.roofline import describe_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
-from overdrive.techniques.registry import compute_dtype
+from overdrive.techniques.registry import compute_dtype, config_to_dict
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
 from overdrive.tuning.invariance import InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan, build
@@ -68,6 +68,7 @@ class Row:
     versus: str = ""  # what `gain` is against
     invariance: Verdict | None = None  # batch-invariance figures (lossy candidates)
     details: list[dict] = field(default_factory=list)  # technique reports (pruning: params, FLOPs, recovery)
+    config: TechniqueConfig | None = None  # an alone row's config (one of the technique's variants)
 
     def to_dict(self) -> dict:
         return {
@@ -81,6 +82,7 @@ class Row:
             "batch_invariance": vars(self.invariance) if self.invariance else None,
             "measurement": self.measurement.to_dict() if self.measurement else None,
             "details": self.details,
+            "config": config_to_dict(self.config) if self.config is not None else None,
         }
 
 
@@ -97,6 +99,12 @@ class TuneResult:
 
 
 Progress = Callable[[str], None]
+
+
+def _describe_variant(variant: TechniqueConfig, default: TechniqueConfig) -> str:
+    """What a variant changes from the default config: "mode=reduce-overhead"."""
+    ours, theirs = variant.to_dict(), default.to_dict()
+    return ", ".join(f"{k}={v}" for k, v in ours.items() if theirs.get(k) != v)
 
 
 @dataclass(kw_only=True)
@@ -301,18 +309,27 @@ class Tuner:
                 f"alone and batched with other rows and {own[0]}): serve and run give a row different answers "
                 "depending on what it is batched with, whatever the plan")
 
-        # 1. Each technique alone against the baseline, interleaved: the attribution table.
+        # 1. Each technique alone against the baseline, interleaved: the attribution table. A technique
+        # with modes worth searching (compile on CUDA) has a row per variant; its fastest kept one composes.
         alone: dict[str, Row] = {}
         for name in self.techniques:
             reason = self._skip_reason(name)
             if reason:
                 rows.append(Row(phase="alone", label=name, steps=[name], kept=False, reason=reason))
                 continue
-            row, runner = self._try("alone", name, [self._step(name)], base, "the baseline")
-            self._release(runner)
-            row.speedup = row.gain.ratio if row.gain else None
-            alone[name] = row
-            rows.append(row)
+            step = self._step(name)
+            variants = [step] if name in self.configs else get_technique(name).variants(step, self.workload, self.device)
+            for variant in variants:
+                label = name if variant == variants[0] else f"{name} ({_describe_variant(variant, variants[0])})"
+                row, runner = self._try("alone", label, [variant], base, "the baseline")
+                self._release(runner)
+                row.speedup = row.gain.ratio if row.gain else None
+                row.config = variant
+                best = alone.get(name)
+                if best is None or (row.kept and (not best.kept or row.measurement.samples_per_s
+                                                  > best.measurement.samples_per_s)):
+                    alone[name] = row
+                rows.append(row)
         baseline = self._figures(judge_outputs(base.measurement(), self.workload, self.repeat, self.indices,
                                                self.reference), base, [], [], audit=True)
         rows.insert(0, Row(phase="baseline", label="baseline (eager fp32)", steps=[], kept=True, measurement=baseline,
@@ -324,20 +341,20 @@ class Tuner:
 
         # 2. Greedy composition of the winners in canonical order, each step against the plan so far.
         winners = [r for r in alone.values() if r.kept]
-        winners.sort(key=lambda r: (get_technique(r.label).stage, -r.measurement.samples_per_s))
+        winners.sort(key=lambda r: (get_technique(r.steps[0]).stage, -r.measurement.samples_per_s))
         current: list[TechniqueConfig] = []
         current_row: Row | None = None
         current_runner: Runner = base
         deferred: list[Row] = []  # runtimes outside PyTorch that cannot follow the steps kept: tried instead of them
         for winner in winners:
-            technique = get_technique(winner.label)
-            step = self._step(winner.label)
+            technique = get_technique(winner.steps[0])
+            step = winner.config
             clash = conflict(current, step)
             if clash and technique.leaves_pytorch and not any(get_technique(s.name).leaves_pytorch for s in current):
                 deferred.append(winner)
                 continue
             if clash:
-                rows.append(Row(phase="compose", label=f"+ {winner.label}", steps=[s.name for s in current] + [winner.label],
+                rows.append(Row(phase="compose", label=f"+ {winner.label}", steps=[s.name for s in current] + [winner.steps[0]],
                                 kept=False, reason=clash))
                 continue
             candidate = current + [step]
@@ -364,13 +381,13 @@ class Tuner:
         # 2b. A runtime outside PyTorch runs the exported fp32 graph: it is tried instead of the steps it
         # cannot follow (autocast, compile), kept when the plan with it beats the plan without it.
         for winner in deferred:
-            step = self._step(winner.label)
+            step = winner.config
             kept_steps = [s for s in current if get_technique(s.name).exportable]
             clash = conflict(kept_steps, step)
             dropped = [s.name for s in current if s not in kept_steps]
             label = f"+ {winner.label}" + (f" instead of {', '.join(dropped)}" if dropped else "")
             if clash:
-                rows.append(Row(phase="compose", label=label, steps=[s.name for s in kept_steps] + [winner.label],
+                rows.append(Row(phase="compose", label=label, steps=[s.name for s in kept_steps] + [winner.steps[0]],
                                 kept=False, reason=clash))
                 continue
             candidate = kept_steps + [step]

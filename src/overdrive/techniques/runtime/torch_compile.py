@@ -57,6 +57,19 @@ class Compile(Technique):
             return "not applicable: torch.compile cannot trace TorchScript modules"
         return None
 
+    def variants(self, config, workload, device):
+        """On CUDA the default mode, "reduce-overhead" (CUDA graphs) and "max-autotune" (Triton GEMM and
+        convolution autotuning, and CUDA graphs), each measured alone; on the CPU the default only
+        (there "max-autotune" mostly adds compile time)."""
+        if device.type != "cuda" or config.mode != CompileMode.DEFAULT:
+            return [config]
+        return [config, *(CompileConfig(mode=mode, dynamic=config.dynamic)
+                          for mode in (CompileMode.REDUCE_OVERHEAD, CompileMode.MAX_AUTOTUNE))]
+
+    def includes(self, config) -> tuple[str, ...]:
+        """reduce-overhead and max-autotune capture CUDA graphs themselves."""
+        return ("cuda-graphs",) if config.mode != CompileMode.DEFAULT else ()
+
     def apply(self, model, config, *, workload, device):
         dynamic = config.dynamic if config.dynamic is not None else default_dynamic(workload)
         if config.mode == CompileMode.REDUCE_OVERHEAD and device.type != "cuda":

@@ -1,0 +1,338 @@
+"""Concurrent streams: independent branches of the computation graph run on their own CUDA streams.
+
+A multi-tower, multi-head or Inception-style model has siblings with no data path between them.
+On one stream the GPU runs their kernels one after another; when each kernel is too small to fill
+the device (small batches, narrow branches), running the siblings on separate streams lets them
+overlap (as TensorFlow's and TVM's inter-operator parallelism do, and as "IOS: Inter-Operator
+Scheduler for CNN Acceleration", Ding et al., MLSys 2021, measures).
+
+**Finding the branches** (`find_regions`, CPU-only logic, on a `torch.fx` trace):
+1. A *fork* is a node whose output has two or more users (or, for a model with several inputs,
+   the inputs taken together).
+2. Its *join* is its immediate post-dominator: the first node every path from the fork to the
+   output passes through (Cooper, Harvey and Kennedy's iterative dominator algorithm, on the
+   reversed graph).
+3. The nodes between them (descendants of the fork before the join) are split into connected
+   components; components that do real work (a module with parameters, or a matmul / convolution
+   / linear call) are the *branches*. A region with two or more is kept; regions inside a kept
+   region's branches are not (one level of streams).
+
+**Running them** (`StreamedGraph`): the traced graph is reordered so each branch's nodes are
+contiguous, and four calls are inserted per region: `fork` records an event on the main stream;
+`enter(k)` makes stream k current and waits for that event; `leave(k)` records stream k's event
+and makes the main stream current again; `join` makes the main stream wait for every branch's event.
+Tensors that cross streams are marked with `Tensor.record_stream` so the caching allocator never
+hands their memory to another stream while one still reads it. The math is unchanged (lossless),
+and the speed gate judges whether the overlap pays on this device.
+
+On the CPU the same rewritten graph runs with recording stand-ins for the streams (`fake=True`),
+which the tests use to check which node ran on which stream.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import fx, nn
+
+from overdrive.core.errors import one_line
+from overdrive.core.workload import Workload
+from overdrive.techniques.registry import ForwardWrapper, Stage, Technique, TechniqueConfig, register
+
+_HEAVY_FUNCTIONS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum, operator.matmul,
+                    torch.nn.functional.linear, torch.nn.functional.conv1d, torch.nn.functional.conv2d,
+                    torch.nn.functional.conv3d, torch.nn.functional.scaled_dot_product_attention, torch.conv2d}
+_HEAVY_METHODS = {"matmul", "mm", "bmm"}
+_SOURCE = "<inputs>"
+
+
+@dataclass
+class Region:
+    """A fork, its join and the independent branches between them.
+
+    Attributes:
+        fork: the node whose output the branches share (`<inputs>` for a model's several inputs).
+        join: the first node after the fork that every path passes through.
+        branches: each branch's nodes, in graph order.
+        names: each branch's name (the module path its first layer call shares).
+    """
+
+    fork: str
+    join: str
+    branches: list[list[fx.Node]]
+    names: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{self.fork} → {self.join}: {len(self.branches)} branches ({', '.join(self.names)})"
+
+
+def _heavy(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return any(True for _ in modules[node.target].parameters())
+    if node.op == "call_function":
+        return node.target in _HEAVY_FUNCTIONS
+    return node.op == "call_method" and node.target in _HEAVY_METHODS
+
+
+def _immediate_post_dominators(nodes: list, users: dict, order: dict, exit_node) -> dict:
+    """ipdom of every node (keyed as in `users`), in one pass over the nodes in reverse topological
+    order (a DAG: each node's users are done before it). `exit_node` (the output) is its own; a node
+    nothing uses (dead code) is post-dominated by the exit."""
+    ipdom = {exit_node: exit_node}
+
+    def intersect(a, b):
+        while a is not b:
+            while order[a] < order[b]:
+                a = ipdom[a]
+            while order[b] < order[a]:
+                b = ipdom[b]
+        return a
+
+    for node in reversed(nodes):
+        succ = users[node]
+        if node is exit_node:
+            continue
+        if not succ:
+            ipdom[node] = exit_node
+            continue
+        common = succ[0]
+        for other in succ[1:]:
+            common = intersect(common, other)
+        ipdom[node] = common
+    return ipdom
+
+
+def _branch_name(branch: list[fx.Node]) -> str:
+    """The longest module path the branch's module calls share (its first call's when they share none)."""
+    targets = [n.target.split(".") for n in branch if n.op == "call_module"]
+    if not targets:
+        return branch[0].name
+    prefix = targets[0]
+    for parts in targets[1:]:
+        keep = 0
+        while keep < min(len(prefix), len(parts)) and prefix[keep] == parts[keep]:
+            keep += 1
+        prefix = prefix[:keep]
+    return ".".join(prefix) or ".".join(targets[0])
+
+
+def find_regions(gm: fx.GraphModule) -> list[Region]:
+    """The regions of independent branches in a traced model (see the module docstring), outermost
+    first, none inside another's branches. The graph is not changed."""
+    modules = dict(gm.named_modules())
+    graph_nodes = [n for n in gm.graph.nodes]
+    source = object()  # the virtual fork of a model's several inputs
+    placeholders = [n for n in graph_nodes if n.op == "placeholder"]
+    nodes = [source, *graph_nodes]
+    order = {n: i for i, n in enumerate(nodes)}
+    users = {n: [u for u in n.users] for n in graph_nodes}
+    users[source] = placeholders
+    exit_node = next(n for n in reversed(graph_nodes) if n.op == "output")
+    ipdom = _immediate_post_dominators(nodes, users, order, exit_node)
+
+    def descendants_before(fork, end):
+        seen, stack = set(), list(users[fork])
+        while stack:
+            node = stack.pop()
+            if node in seen or order[node] >= order[end]:
+                continue
+            seen.add(node)
+            stack.extend(users[node])
+        return seen
+
+    regions: list[Region] = []
+    kept_until = -1  # regions do not overlap: a fork inside the last kept region's span is passed over
+    forks = [source] if len(placeholders) > 1 else []
+    forks += [n for n in graph_nodes if len(users[n]) > 1 and n.op not in ("get_attr", "output")]
+    for fork in forks:
+        join = ipdom[fork]
+        if join is fork or order[fork] < kept_until:
+            continue
+        inside = descendants_before(fork, join) - ({source} | set(placeholders) if fork is source else set())
+        inside = {n for n in inside if n.op not in ("get_attr", "placeholder")}
+        # Connected components of the region (undirected edges between region nodes).
+        parent = {n: n for n in inside}
+
+        def root(n):
+            while parent[n] is not n:
+                parent[n] = parent[parent[n]]
+                n = parent[n]
+            return n
+
+        for node in inside:
+            for user in users[node]:
+                if user in inside:
+                    parent[root(user)] = root(node)
+        components: dict = {}
+        for node in inside:
+            components.setdefault(root(node), []).append(node)
+        branches = [sorted(c, key=order.__getitem__) for c in components.values()
+                    if any(_heavy(n, modules) for n in c)]
+        if len(branches) < 2:
+            continue
+        branches.sort(key=lambda b: order[b[0]])
+        regions.append(Region(fork=_SOURCE if fork is source else fork.name, join=join.name, branches=branches,
+                              names=[_branch_name(b) for b in branches]))
+        kept_until = order[join]
+    return regions
+
+
+class StreamOps(nn.Module):
+    """The stream switches of one region (see the module docstring), called from the rewritten graph
+    as `ops("fork")`, `ops("enter", k, *read)`, `ops("leave", k)`, `ops("join", *crossing)`. With `fake`
+    (CPU, tests) the streams are names, every switch is appended to `log` and `current` names the
+    stream running now."""
+
+    def __init__(self, num_branches: int, device: torch.device, fake: bool = False):
+        super().__init__()
+        self.fake = fake
+        self.device = torch.device(device)
+        self.streams = [f"side{k}" for k in range(num_branches)] if fake else \
+            [torch.cuda.Stream(device=self.device) for _ in range(num_branches)]
+        self.log: list[tuple] = []
+        self.current = "main"
+        self._main = None
+        self._fork_event = None
+        self._events: list = [None] * num_branches
+
+    def forward(self, op: str, *args) -> None:
+        if self.fake:
+            self.log.append((op, *args[:1]) if op in ("enter", "leave") else (op,))
+            self.current = self.streams[args[0]] if op == "enter" else "main"
+            return
+        if op == "fork":  # every branch starts after the main stream's work so far
+            self._main = torch.cuda.current_stream(self.device)
+            self._fork_event = self._main.record_event()
+        elif op == "enter":
+            k, reads = args[0], args[1:]
+            stream = self.streams[k]
+            stream.wait_event(self._fork_event)
+            torch.cuda.set_stream(stream)
+            for tensor in reads:  # made on the main stream, read on stream k: not reused before k is done
+                if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                    tensor.record_stream(stream)
+        elif op == "leave":
+            self._events[args[0]] = self.streams[args[0]].record_event()
+            torch.cuda.set_stream(self._main)
+        elif op == "join":
+            for event in self._events:
+                self._main.wait_event(event)
+            for tensor in args:  # made on a side stream, read on the main one
+                if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                    tensor.record_stream(self._main)
+
+
+def _reads(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The nodes `nodes` read that they do not hold, in graph order of first read."""
+    inside, out = set(nodes), []
+
+    def note(n: fx.Node):
+        if n not in inside and n not in out:
+            out.append(n)
+
+    for node in nodes:
+        fx.node.map_arg((node.args, node.kwargs), note)
+    return out
+
+
+def streamed_graph(model: nn.Module, device: torch.device, *, fake: bool = False) -> tuple[fx.GraphModule, list[Region]]:
+    """`model` traced and rewritten so each region's branches run on their own streams: the branches'
+    nodes move, in order, to just before the join (nothing else between the fork and the join reads
+    them, or it would be in a branch), each between `enter(k)` and `leave(k)`, after one `fork` and
+    before one `join`.
+
+    Raises:
+        RuntimeError: torch.fx cannot trace the model, or it has no independent branches.
+    """
+    try:
+        gm = fx.symbolic_trace(model)
+    except Exception as exc:  # noqa: BLE001 - data-dependent control flow, untraceable calls
+        raise RuntimeError(f"torch.fx could not trace the model: {one_line(exc)}") from None
+    regions = find_regions(gm)
+    if not regions:
+        raise RuntimeError("no independent branches (siblings with no data path between them)")
+    graph = gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    for index, region in enumerate(regions):
+        name = f"overdrive_streams_{index}"
+        gm.add_submodule(name, StreamOps(len(region.branches), device, fake=fake))
+        join = by_name[region.join]
+        members = {n for b in region.branches for n in b}
+        with graph.inserting_before(join):
+            graph.call_module(name, ("fork",))
+        for k, branch in enumerate(region.branches):
+            with graph.inserting_before(join):
+                graph.call_module(name, ("enter", k, *_reads(branch)))
+            for node in branch:
+                join.prepend(node)
+            with graph.inserting_before(join):
+                graph.call_module(name, ("leave", k))
+        crossing = [n for b in region.branches for n in b if any(u not in members for u in n.users)]
+        with graph.inserting_before(join):
+            graph.call_module(name, ("join", *crossing))
+    graph.lint()
+    gm.recompile()
+    return gm, regions
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConcurrentStreamsConfig(TechniqueConfig):
+    name: ClassVar[str] = "concurrent-streams"
+
+
+class StreamedModel(ForwardWrapper):
+    """The rewritten graph, run with the caller's stream restored afterwards whatever happens
+    (`inner` is the `fx.GraphModule`; `regions` what was found). Calls are serialised: the regions'
+    events belong to one call at a time (serve's instance threads may share the model)."""
+
+    def __init__(self, inner: fx.GraphModule, regions: list[Region], device: torch.device):
+        super().__init__(inner)
+        self.regions = regions
+        self.device = torch.device(device)
+        self._lock = threading.Lock()
+
+    def forward(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return self.inner(*args, **kwargs)
+        with self._lock, torch.cuda.stream(torch.cuda.current_stream(self.device)):  # restores the stream on exit
+            return self.inner(*args, **kwargs)
+
+
+def describe_regions(regions: list[Region]) -> str:
+    shown = "; ".join(r.describe() for r in regions[:4]) + ("; …" if len(regions) > 4 else "")
+    return f"{len(regions)} regions, {sum(len(r.branches) for r in regions)} branches: {shown}"
+
+
+@register
+class ConcurrentStreams(Technique):
+    """Independent branches on their own CUDA streams (see the module docstring)."""
+
+    config_cls = ConcurrentStreamsConfig
+    stage = Stage.GRAPH
+    lossless = True
+    devices = ("cuda",)
+    rewrites_modules = True
+    description = "independent branches (multi-tower, multi-head, Inception) on their own CUDA streams"
+
+    def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        try:
+            regions = find_regions(fx.symbolic_trace(workload.model))
+        except Exception as exc:  # noqa: BLE001 - untraceable models
+            return f"not applicable: torch.fx could not trace the model ({one_line(exc)})"
+        return None if regions else "not applicable: no independent branches (siblings with no data path between them)"
+
+    def apply(self, model, config, *, workload, device):
+        if isinstance(model, ForwardWrapper) and not isinstance(model, StreamedModel):  # inside autocast / layout wrappers
+            model.inner = self.apply(model.inner, config, workload=workload, device=device)
+            return model
+        gm, regions = streamed_graph(model, device, fake=device.type != "cuda")
+        streamed = StreamedModel(gm, regions, device)
+        streamed.overdrive_report = {"technique": self.name, "regions": describe_regions(regions)}
+        return streamed
+
+    def describe_report(self, report, fidelity_key):
+        return f"concurrent-streams: {report['regions']}"
