@@ -12,10 +12,12 @@ Scheduler for CNN Acceleration", Ding et al., MLSys 2021, measures).
 2. Its *join* is its immediate post-dominator: the first node every path from the fork to the
    output passes through (Cooper, Harvey and Kennedy's iterative dominator algorithm, on the
    reversed graph).
-3. The nodes between them (descendants of the fork before the join) are split into connected
-   components; components that do real work (a module with parameters, or a matmul / convolution
-   / linear call) are the *branches*. A region with two or more is kept; regions inside a kept
-   region's branches are not (one level of streams).
+3. The nodes between them (descendants of the fork before the join) are labelled in graph order:
+   a node reading no other node of the region starts a chain, a node reading one chain continues it,
+   and a node reading two chains (an add of two heads) is *merged* and runs after the branches.
+   Chains that do real work (a module with parameters, or a matmul / convolution / linear call) are
+   the *branches*; light chains (a mean, a reshape) stay on the main stream. A region with two or
+   more branches is kept; regions do not overlap (one level of streams).
 
 **Running them** (`StreamedGraph`): the traced graph is reordered so each branch's nodes are
 contiguous, and four calls are inserted per region: `fork` records an event on the main stream;
@@ -58,13 +60,16 @@ class Region:
         fork: the node whose output the branches share (`<inputs>` for a model's several inputs).
         join: the first node after the fork that every path passes through.
         branches: each branch's nodes, in graph order.
-        names: each branch's name (the module path its first layer call shares).
+        names: each branch's name (the module path its layer calls share).
+        merged: nodes between the fork and the join that read two branches (or a merged node), in graph
+            order: they run after the branches, on the main stream.
     """
 
     fork: str
     join: str
     branches: list[list[fx.Node]]
     names: list[str] = field(default_factory=list)
+    merged: list[fx.Node] = field(default_factory=list)
 
     def describe(self) -> str:
         return f"{self.fork} → {self.join}: {len(self.branches)} branches ({', '.join(self.names)})"
@@ -154,29 +159,26 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
             continue
         inside = descendants_before(fork, join) - ({source} | set(placeholders) if fork is source else set())
         inside = {n for n in inside if n.op not in ("get_attr", "placeholder")}
-        # Connected components of the region (undirected edges between region nodes).
-        parent = {n: n for n in inside}
-
-        def root(n):
-            while parent[n] is not n:
-                parent[n] = parent[parent[n]]
-                n = parent[n]
-            return n
-
-        for node in inside:
-            for user in users[node]:
-                if user in inside:
-                    parent[root(user)] = root(node)
-        components: dict = {}
-        for node in inside:
-            components.setdefault(root(node), []).append(node)
-        branches = [sorted(c, key=order.__getitem__) for c in components.values()
-                    if any(_heavy(n, modules) for n in c)]
+        # Label propagation in graph order: a node reading no region node starts a chain; one reading
+        # one chain continues it; one reading two chains (or a merged node) is merged: it runs after
+        # the branches, on the main stream.
+        label: dict = {}
+        merged: list = []
+        for node in sorted(inside, key=order.__getitem__):
+            read = [a for a in node.all_input_nodes if a in inside]
+            chains = {label[a] for a in read if a in label}
+            if any(a not in label for a in read) or len(chains) > 1:
+                merged.append(node)
+            else:
+                label[node] = chains.pop() if chains else node
+        chains_of: dict = {}
+        for node in sorted(label, key=order.__getitem__):
+            chains_of.setdefault(label[node], []).append(node)
+        branches = [c for c in chains_of.values() if any(_heavy(n, modules) for n in c)]
         if len(branches) < 2:
             continue
-        branches.sort(key=lambda b: order[b[0]])
         regions.append(Region(fork=_SOURCE if fork is source else fork.name, join=join.name, branches=branches,
-                              names=[_branch_name(b) for b in branches]))
+                              names=[_branch_name(b) for b in branches], merged=merged))
         kept_until = order[join]
     return regions
 
@@ -241,9 +243,9 @@ def _reads(nodes: list[fx.Node]) -> list[fx.Node]:
 
 def streamed_graph(model: nn.Module, device: torch.device, *, fake: bool = False) -> tuple[fx.GraphModule, list[Region]]:
     """`model` traced and rewritten so each region's branches run on their own streams: the branches'
-    nodes move, in order, to just before the join (nothing else between the fork and the join reads
-    them, or it would be in a branch), each between `enter(k)` and `leave(k)`, after one `fork` and
-    before one `join`.
+    nodes move, in order, to just before the join (only merged nodes read them, and those move after
+    them), each between `enter(k)` and `leave(k)`, after one `fork`; then the `join` wait, then the
+    merged nodes.
 
     Raises:
         RuntimeError: torch.fx cannot trace the model, or it has no independent branches.
@@ -274,6 +276,8 @@ def streamed_graph(model: nn.Module, device: torch.device, *, fake: bool = False
         crossing = [n for b in region.branches for n in b if any(u not in members for u in n.users)]
         with graph.inserting_before(join):
             graph.call_module(name, ("join", *crossing))
+        for node in region.merged:  # after the join's wait, in graph order
+            join.prepend(node)
     graph.lint()
     gm.recompile()
     return gm, regions
