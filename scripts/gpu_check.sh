@@ -12,7 +12,7 @@ OUT_DIR=${OUT:-out/gpu-check}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-# ONLY="tests run" runs just those parts (tests optimize sparsity train run backends precision); the whole check is longer than
+# ONLY="tests run" runs just those parts (tests optimize sparsity train run backends precision graph); the whole check is longer than
 # one device loan of 15 minutes can hold with its start-up, so a loan runs the parts its issue needs.
 ONLY=${ONLY:-tests optimize sparsity train run}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
@@ -91,5 +91,21 @@ timeout 170 $PY -m overdrive optimize bert-base-random --batch-size 32 --num-sam
   --device cuda --overwrite --out "$OUT_DIR/runsp" 2>&1 | tail -n 60 | tee "$OUT_DIR/precision_bert.txt" || status=1
 cp "$OUT_DIR/runsp/bert-base-random/results.json" "$OUT_DIR/precision_bert_results.json" 2>/dev/null || status=1
 fi
-rm -rf "$OUT_DIR/runs" "$OUT_DIR/runs24" "$OUT_DIR/train" "$OUT_DIR/runsb" "$OUT_DIR/runsp"  # nested folders do not come back from the device tool; the flat copies do
+if want graph; then
+# ONLY=graph (≤ 4 minutes): the CUDA tests of cuda-graphs, concurrent streams and the audit; benchmarks/graph_gpu.py on
+# resnet50 at batch 1, 8 and 256 (eager, bf16 + channels-last, + cuda-graphs, with the audit's launch counts and the
+# roofline column), then the compile modes at batch 1 (each a resnet50 compile), then `optimize` on the two-tower model.
+timeout 30 $PY -m pytest -q -m cuda tests/test_graph_parallel.py tests/test_graph_audit.py -p no:cacheprovider 2>&1 \
+  | tail -n 15 | tee "$OUT_DIR/graph_tests.txt" || status=1
+echo "== benchmarks/graph_gpu.py --batch-sizes 1,8,256 (no compile) and the two-tower model"
+timeout 90 $PY benchmarks/graph_gpu.py --batch-sizes 1,8,256 --compile-batch-sizes "" 2>&1 | tee "$OUT_DIR/graph_gpu.txt" || status=1
+echo "== benchmarks/graph_gpu.py --batch-sizes 1 --compile-batch-sizes 1 (compile modes)"
+timeout 100 $PY benchmarks/graph_gpu.py --batch-sizes 1 --compile-batch-sizes 1 --skip-two-tower 2>&1 \
+  | tee "$OUT_DIR/graph_gpu_compile.txt" || status=1
+echo "== optimize benchmarks.graph_gpu:two_tower --techniques bf16,concurrent-streams,cuda-graphs --device cuda"
+timeout 50 $PY -m overdrive optimize benchmarks.graph_gpu:two_tower --batch-size 8 --techniques bf16,concurrent-streams,cuda-graphs \
+  --device cuda --overwrite --out "$OUT_DIR/runsg" 2>&1 | tail -n 40 | tee "$OUT_DIR/graph_two_tower.txt" || status=1
+cp "$OUT_DIR/runsg/two_tower/results.json" "$OUT_DIR/graph_two_tower_results.json" 2>/dev/null || status=1
+fi
+rm -rf "$OUT_DIR/runs" "$OUT_DIR/runs24" "$OUT_DIR/train" "$OUT_DIR/runsb" "$OUT_DIR/runsp" "$OUT_DIR/runsg"  # nested folders do not come back from the device tool; the flat copies do
 exit $status
