@@ -51,7 +51,8 @@ def main(args, argv: list[str]) -> int:
     refused = session.refused_sizes(args.batch_sizes or [])
     device_name = devices.describe(session.device)
     with console.status("measuring") as status:
-        curves, failures, reports = compare_plan(session, plan, batch_sizes, audit=args.audit,
+        notices: list[str] = []
+        curves, failures, reports = compare_plan(session, plan, batch_sizes, audit=args.audit, notice=notices.append,
                                                  progress=lambda d: status.update(f"measuring {d}"))
     failures = [*refused, *failures]
 
@@ -73,6 +74,8 @@ def main(args, argv: list[str]) -> int:
         console.print(describe_report(report, key), highlight=False, soft_wrap=True)
     console.print(f"{ROOFLINE_NOTE}; measured peaks: {describe_peaks(session.device) or 'none'}", style="dim",
                   highlight=False, soft_wrap=True)
+    for line in notices:
+        console.print(f"[yellow]note: {line}[/]", highlight=False, soft_wrap=True)
     for label, points in curves.items():
         for b, m in points:
             if m.audit:

@@ -150,6 +150,10 @@ def owned_host_float32(output: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(inputs: Inputs, device: torch.device) -> Inputs:
+    """`inputs` on `device`; to a GPU through pinned host memory, non-blocking (as `run` copies them)."""
+    if device.type == "cuda":
+        return tuple(t.pin_memory().to(device, non_blocking=True) if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                     else t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     return tuple(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in inputs)
 
 

@@ -23,6 +23,7 @@ from overdrive.techniques.registry import (
     unregister,
 )
 from overdrive.techniques.runtime import (  # noqa: F401
+    allocator,
     cuda_graphs,
     inference_mode,
     onnx_runtime,

@@ -24,6 +24,7 @@ from overdrive.core.measure import (
 from overdrive.core.roofline import weight_bytes
 from overdrive.techniques import TechniqueConfig, technique_for
 from overdrive.techniques.registry import compute_dtype
+from overdrive.techniques.runtime.cuda_graphs import eager_fallbacks
 from overdrive.tuning.plan import build
 from overdrive.workloads import Workload, create_workload
 
@@ -152,7 +153,8 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
 
 def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_sizes: list[int],
           progress=lambda _: None, warn=lambda _: None, reports: dict[str, list[dict]] | None = None, *,
-          rounds: int = 4, max_rows: int | None = None, audit: bool = False) -> dict[str, list[tuple[int, Measurement]]]:
+          rounds: int = 4, max_rows: int | None = None, audit: bool = False,
+          notice=lambda _: None) -> dict[str, list[tuple[int, Measurement]]]:
     """Measure each configuration at each batch size, on the same rows `optimize` judged (cycled up
     to one full batch when there are fewer; passes timed over the first `TIMING_ROWS`, as there). When the first configuration is the eager baseline
     (no steps), every other one is timed against it in `rounds` interleaved rounds
@@ -164,6 +166,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
         rounds: interleaved rounds per configuration and batch size.
         max_rows: rows per pass at most (the report's curve needs no full pass); None: all of them.
         audit: also audit one forward of each configuration at each size (`core.audit`, `Measurement.audit`).
+        notice: called with what makes a point's figures partly something else (CUDA-graph shapes run eagerly).
 
     Every measurement gets its roofline point (`Measurement.roofline`): the FLOPs per sample a pruning
     step left, else the first model's (counted eagerly), against this device's measured peaks.
@@ -220,6 +223,9 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
                 m.gain = gains.get(label)
                 steps = configs[label]
                 m.roofline = runner.roofline(flops[label], compute_dtype(steps), m.samples_per_s, weights=first_weights)
+                fallbacks = eager_fallbacks(runner.model)
+                if fallbacks:  # not a failure: said, with the figures
+                    notice(f"{label} at batch size {b}: {fallbacks}")
                 if audit:  # asked for: a failure is one of the point's failures
                     try:
                         m.audit = runner.audit(opaque=any(technique_for(s).leaves_pytorch for s in steps))
@@ -235,7 +241,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
 
 
 def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda _: None, *, audit: bool = False,
-                 ) -> tuple[dict[str, list[tuple[int, Measurement]]], list[str], dict[str, list[dict]]]:
+                 notice=lambda _: None) -> tuple[dict[str, list[tuple[int, Measurement]]], list[str], dict[str, list[dict]]]:
     """The eager fp32 baseline and `plan` (a Plan, or None for the baseline alone) measured at each
     batch size, interleaved (`sweep`): the plan's gain over the baseline with its 99% interval, and
     its fidelity against the baseline at the same size; `progress` is called with a description
@@ -250,6 +256,7 @@ def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda
         configs["plan: " + (" + ".join(plan.names) or "baseline")] = plan.steps
     failures: list[str] = []
     reports: dict[str, list[dict]] = {}
-    curves = sweep(session, configs, batch_sizes, progress=progress, warn=failures.append, reports=reports, audit=audit)
+    curves = sweep(session, configs, batch_sizes, progress=progress, warn=failures.append, reports=reports, audit=audit,
+                   notice=notice)
     return curves, failures, reports
 

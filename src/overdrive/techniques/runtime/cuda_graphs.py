@@ -175,6 +175,14 @@ class CUDAGraphModule(ForwardWrapper):
         return self.inner(*args)
 
 
+def eager_fallbacks(model: nn.Module) -> str | None:
+    """What the CUDA graphs in `model` ran eagerly ("cuda-graphs: 2 shapes captured, ..., 5 eager calls
+    (...)"), or None when every call replayed a graph (or there are none)."""
+    stats = [m.stats for m in model.modules() if isinstance(m, CUDAGraphModule)]
+    eager = [s for s in stats if s.eager_calls]
+    return "; ".join(f"cuda-graphs: {s.describe()}" for s in eager) or None
+
+
 def _describe_key(key: tuple) -> str:
     return "×".join(",".join(map(str, k[0])) if k[0] != "value" else repr(k[1]) for k in key)
 
