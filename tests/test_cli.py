@@ -92,11 +92,21 @@ def test_optimize_then_bench_digits(tmp_path):
     assert "![latency vs batch size]" in (out / "report.md").read_text()
     plan = json.loads((out / "plan.json").read_text())
     assert plan["batch_size"] == 256 and plan["device"] == "cpu"
+    # The roofline (against peaks measured in this run) and the audit of the baseline and the plan.
+    assert "measured peaks: " in result.stdout and "float32 GEMM" in result.stdout
+    assert "roofline, baseline: " in result.stdout and "audit, baseline: batch 256: " in result.stdout
+    assert "## Roofline and the copy and sync audit" in (out / "report.md").read_text()
+    assert all(0 < row["measurement"]["roofline"]["fraction"] for row in measured)
+    assert results["rows"][0]["measurement"]["audit"]["num_syncs"] == 0
 
-    bench = run_cli("bench", "digits-cnn", "--plan", str(out / "plan.json"), "--batch-sizes", "16,64", "--out", str(tmp_path))
+    bench = run_cli("bench", "digits-cnn", "--plan", str(out / "plan.json"), "--batch-sizes", "16,64", "--out", str(tmp_path),
+                    "--audit")
     assert bench.returncode == 0, bench.stderr
     data = json.loads((out / "bench.json").read_text())
     assert len(data["results"]) == 2 and all(len(points) == 2 for points in data["results"].values())
+    points = [p for points in data["results"].values() for p in points]
+    assert all(p["audit"]["batch_size"] == p["batch_size"] and p["roofline"]["fraction"] > 0 for p in points)
+    assert bench.stdout.count("audit, ") == 4 and "measured peaks: float32 GEMM" in bench.stdout
 
 
 def test_optimize_prune_then_bench_reuses_the_pruned_weights(tmp_path):

@@ -199,3 +199,45 @@ def test_torchvision_heads_that_start_at_zero_get_random_weights():
     with torch.no_grad():
         assert not vit(x).any()  # torchvision zero-initialises the ViT head
         assert _random_head(vit)(x).abs().min() > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ModeConfig(TechniqueConfig):
+    name = "t-modes"
+    slow: bool = True
+
+
+class _Modes(Technique):
+    config_cls = _ModeConfig
+    stage = Stage.COMPILE
+    lossless = True
+    description = "test: a technique with a slow default mode and a fast one"
+
+    def variants(self, config, workload, device):
+        return [config, _ModeConfig(slow=False)]
+
+    def apply(self, model, config, **_):
+        return _Slow(model) if config.slow else model
+
+
+def test_variants_each_get_a_row_and_the_kept_one_composes_with_roofline_and_audit(conv_workload):
+    register(_Modes)
+    try:
+        result = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-modes"],
+                       guard=Guard(min_gain=0), min_rounds=2, max_rounds=4, max_compare_s=2).run()
+        named = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-modes"],
+                      configs={"t-modes": _ModeConfig(slow=True)}, guard=Guard(min_gain=0), min_rounds=2,
+                      max_rounds=2, max_compare_s=2).run()
+    finally:
+        unregister("t-modes")
+    slow, fast = _row(result, "t-modes"), _row(result, "t-modes (slow=False)")
+    assert slow.kept and fast.kept and fast.config == _ModeConfig(slow=False)  # min_gain 0 keeps both
+    assert fast.measurement.samples_per_s > 2 * slow.measurement.samples_per_s
+    assert result.plan.steps == [_ModeConfig(slow=False)]  # the faster kept variant composes
+    assert [r.label for r in named.rows if r.phase == "alone"] == ["t-modes"]  # a config the user named: no search
+    baseline, plan = result.rows[0], next(r for r in result.rows if r.phase == "plan")
+    for row in (baseline, plan):
+        assert row.measurement.audit["num_syncs"] == 0 and row.measurement.audit["aten_ops"] > 0
+        assert 0 < row.measurement.roofline["fraction"] and row.measurement.roofline["dtype"] == "float32"
+    assert all(r.measurement.roofline for r in result.rows if r.measurement is not None)
+    assert "float32 GEMM" in result.peaks

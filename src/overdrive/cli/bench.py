@@ -57,16 +57,17 @@ def main(args, argv: list[str]) -> int:
     failures = [*refused, *failures]
 
     table = Table(title=f"overdrive bench {session.workload.name} — {device_name}")
-    for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s", "speedup [99% interval]", "peak memory",
-                "roofline", "fidelity"):
+    for col in ("configuration", "batch size", "latency p50/p90/p99 ms", "samples/s\n% roof", "speedup [99% interval]",
+                "peak memory", "fidelity"):
         table.add_column(col, justify="left" if col in ("configuration", "fidelity") else "right")
     first = next(iter(curves))
     key = session.workload.fidelity_key
     for label, points in curves.items():
         for b, m in points:
             table.add_row(label, str(b), f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f} / {m.latency_ms['p99']:.2f}",
-                          f"{m.samples_per_s:,.1f}", m.gain.describe() if m.gain else ("1.00×" if label == first else ""),
-                          format_memory(m), roofline_cell(m.roofline, compact=True), format_fidelity(m, key))
+                          "\n".join(c for c in (f"{m.samples_per_s:,.1f}", roofline_cell(m.roofline, compact=True)) if c),
+                          m.gain.describe() if m.gain else ("1.00×" if label == first else ""),
+                          format_memory(m), format_fidelity(m, key))
     print_table(console, table)
     console.print(f"{session.describe_samples()} per measurement; {session.workload.describe_rows(session.num_distinct_samples)}; "
                   "speedup over the baseline at the same batch size, timed interleaved with it", highlight=False)

@@ -60,14 +60,14 @@ def caption(result: TuneResult, rows_description: str) -> str:
 
 def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_description: str = "") -> Table:
     """The per-technique table for a terminal of 100 columns: technique | kept? | p50/p90 ms |
-    speedup [99% interval] | samples/s | peak mem | fidelity, reasons shortened (`reasons_in_full`
+    speedup [99% interval] | samples/s over % of the roofline | peak mem | fidelity, reasons shortened (`reasons_in_full`
     gives them whole); what it shows is said by `table_note`, printed after it."""
     table = Table(title=title, show_lines=False)
     longest_word = max((len(w) for row in result.rows for w in row.label.split()), default=9)
     for col, justify in [("technique", "left"), ("kept?", "left"), ("p50/p90 ms", "right"), ("speedup", "right"),
-                         ("samples/s", "right"), ("peak mem", "right"), ("roofline", "right"), ("fidelity", "left")]:
+                         ("samples/s\n% roof", "right"), ("peak mem", "right"), ("fidelity", "left")]:
         table.add_column(col, justify=justify, min_width={"technique": longest_word, "p50/p90 ms": 7}.get(col),
-                         no_wrap=col in ("samples/s", "peak mem"))
+                         no_wrap=col in ("samples/s\n% roof", "peak mem"))
     previous_phase = None
     for row in result.rows:
         if previous_phase is not None and row.phase != previous_phase:
@@ -79,9 +79,8 @@ def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_descri
             _kept(row, short=True),
             f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
             _speedup(row),
-            f"{m.samples_per_s:,.1f}" if m else "",
+            "\n".join(c for c in (f"{m.samples_per_s:,.1f}", roofline_cell(m.roofline, compact=True)) if c) if m else "",
             format_memory(m) if m else "",
-            roofline_cell(m.roofline, compact=True) if m else "",
             format_fidelity(m, _key(result, fidelity_key), compact=True),
         )
     return table
