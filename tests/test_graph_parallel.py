@@ -236,3 +236,14 @@ def test_cuda_graphs_and_streams_on_a_gpu_match_eager():
         assert graphs.stats.captured == 1 and graphs.stats.replays == 2
         streamed, _ = streamed_graph(model, device)
         torch.testing.assert_close(streamed(u, i), expected)
+
+
+def test_eager_fallbacks_are_said():
+    from overdrive.techniques.registry import fallbacks
+
+    module = CUDAGraphModule(Doubler(), capture=FakeCapture(), max_graphs=1)
+    wrapped = nn.Sequential(module)
+    module(torch.ones(1, 2))
+    assert fallbacks(wrapped) is None
+    module(torch.ones(2, 2))
+    assert fallbacks(wrapped) == "cuda-graphs: 1 shapes captured, 1 replays, 1 eager calls (2,2: beyond the 1 shapes captured)"

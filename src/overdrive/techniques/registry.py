@@ -277,6 +277,13 @@ def describe_report(report: dict[str, Any], fidelity_key: str) -> str:
     return get_technique(report["technique"]).describe_report(report, fidelity_key)
 
 
+def fallbacks(model: nn.Module) -> str | None:
+    """What a technique's module ran some other way than planned (CUDA-graph shapes run eagerly): the
+    `overdrive_fallbacks()` of each module that has one, joined; None when nothing fell back."""
+    said = [m.overdrive_fallbacks() for m in model.modules() if hasattr(m, "overdrive_fallbacks")]
+    return "; ".join(s for s in said if s) or None
+
+
 class ForwardWrapper(nn.Module):
     """Base for modules that wrap `inner` and change how its forward runs (a context, a layout)."""
 

@@ -23,8 +23,7 @@ from overdrive.core.measure import (
 )
 from overdrive.core.roofline import weight_bytes
 from overdrive.techniques import TechniqueConfig, technique_for
-from overdrive.techniques.registry import compute_dtype
-from overdrive.techniques.runtime.cuda_graphs import eager_fallbacks
+from overdrive.techniques.registry import compute_dtype, fallbacks
 from overdrive.tuning.plan import build
 from overdrive.workloads import Workload, create_workload
 
@@ -223,9 +222,9 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
                 m.gain = gains.get(label)
                 steps = configs[label]
                 m.roofline = runner.roofline(flops[label], compute_dtype(steps), m.samples_per_s, weights=first_weights)
-                fallbacks = eager_fallbacks(runner.model)
-                if fallbacks:  # not a failure: said, with the figures
-                    notice(f"{label} at batch size {b}: {fallbacks}")
+                fell_back = fallbacks(runner.model)
+                if fell_back:  # not a failure: said, with the figures
+                    notice(f"{label} at batch size {b}: {fell_back}")
                 if audit:  # asked for: a failure is one of the point's failures
                     try:
                         m.audit = runner.audit(opaque=any(technique_for(s).leaves_pytorch for s in steps))

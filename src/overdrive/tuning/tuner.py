@@ -43,8 +43,7 @@ from overdrive.core.measure import (
 from overdrive.core.workload import Workload
 from overdrive.core.roofline import describe_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
-from overdrive.techniques.registry import compute_dtype, config_to_dict
-from overdrive.techniques.runtime.cuda_graphs import eager_fallbacks
+from overdrive.techniques.registry import compute_dtype, config_to_dict, fallbacks
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
 from overdrive.tuning.invariance import InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan, build
@@ -244,9 +243,9 @@ class Tuner:
         the copy and sync audit of one forward. Neither may fail a row: a failure is a warning."""
         flops = next((r["flops_per_sample_after"] for r in reversed(reports) if r.get("flops_per_sample_after")),
                      self.flops)
-        fallbacks = eager_fallbacks(runner.model) if runner.model is not None else None
-        if fallbacks:
-            self.warnings.append(f"{' + '.join(s.name for s in steps)}: {fallbacks}; those calls' figures are eager")
+        fell_back = fallbacks(runner.model) if runner.model is not None else None
+        if fell_back:
+            self.warnings.append(f"{' + '.join(s.name for s in steps)}: {fell_back}; those calls' figures are eager")
         try:
             m.roofline = runner.roofline(flops, compute_dtype(steps), m.samples_per_s, weights=self.weights)
             if audit:

@@ -161,6 +161,10 @@ class CUDAGraphModule(ForwardWrapper):
             # Owned copies: the next replay overwrites the static outputs.
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, graph.static_outputs)
 
+    def overdrive_fallbacks(self) -> str | None:
+        """What ran eagerly instead of replaying (`registry.fallbacks`), or None."""
+        return f"cuda-graphs: {self.stats.describe()}" if self.stats.eager_calls else None
+
     def _capture(self, args: tuple) -> _Graph:
         static_inputs = [a.clone() for a in args if isinstance(a, torch.Tensor)]
         tensors = iter(static_inputs)
@@ -173,14 +177,6 @@ class CUDAGraphModule(ForwardWrapper):
         if reason:
             self.stats.eager_reasons.setdefault(_describe_key(key) if key is not None else "?", reason)
         return self.inner(*args)
-
-
-def eager_fallbacks(model: nn.Module) -> str | None:
-    """What the CUDA graphs in `model` ran eagerly ("cuda-graphs: 2 shapes captured, ..., 5 eager calls
-    (...)"), or None when every call replayed a graph (or there are none)."""
-    stats = [m.stats for m in model.modules() if isinstance(m, CUDAGraphModule)]
-    eager = [s for s in stats if s.eager_calls]
-    return "; ".join(f"cuda-graphs: {s.describe()}" for s in eager) or None
 
 
 def _describe_key(key: tuple) -> str:
