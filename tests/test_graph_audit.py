@@ -133,3 +133,40 @@ def test_cuda_audit_counts_launches_and_the_planted_sync():
     assert audit.kernel_launches and audit.kernel_launches > 3
     assert audit.syncs[".cpu()"] == 1 and audit.d2h_copies == 1
     assert audit.device_syncs >= 1 or audit.memcpy_calls >= 1
+
+
+def test_text_flops_are_of_real_tokens_whatever_the_padding(text_workload):
+    """A batch padded to its longest row does more work than its rows need; the roofline counts the rows' own."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from overdrive.core.measure import count_flops_per_sample
+
+    w = text_workload
+    indices = list(range(16))
+    per_sample = count_flops_per_sample(w.model, w, device=CPU, indices=indices)
+    alone = []
+    for i in indices:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            w.model(*w.collate([w.samples[i]]))
+        alone.append(counter.get_total_flops())
+    assert per_sample == pytest.approx(sum(alone) / len(alone))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        w.model(*w.collate([w.samples[i] for i in indices]))
+    assert counter.get_total_flops() / len(indices) > 1.2 * per_sample  # padded: more
+
+
+def test_a_share_above_the_roof_is_marked_and_said():
+    from overdrive.core.roofline import ABOVE_ROOF, above_roof
+
+    over = roofline(flops_per_sample=1e9, bytes_per_batch=1e6, batch_size=10, samples_per_s=1500,
+                    peak_flops_per_s=1e12, peak_bytes_per_s=1e11, dtype="float32")
+    assert over.fraction == pytest.approx(1.5)
+    assert roofline_cell(over.to_dict(), compact=True) == "150%! comp" and ABOVE_ROOF in over.describe()
+    assert above_roof([None, over.to_dict()]) and not above_roof([None])
+
+
+def test_audit_names_the_line_of_each_sync():
+    audit = audit_forward(Planted().eval(), (torch.randn(3, 8),), device=CPU)
+    lines = {kind: site for kind, site in audit.sync_sites.items()}
+    assert all(site.startswith("test_graph_audit.py:") and site.endswith(" in forward") for site in lines.values())
+    assert len(set(lines.values())) == 4  # four different lines of Planted.forward

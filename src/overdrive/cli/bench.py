@@ -23,7 +23,7 @@ def main(args, argv: list[str]) -> int:
 
     from overdrive.core import devices
     from overdrive.core.audit import Audit
-    from overdrive.core.roofline import describe_peaks, roofline_cell
+    from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, roofline_cell
     from overdrive.core.report import (
         environment,
         format_fidelity,
@@ -33,6 +33,7 @@ def main(args, argv: list[str]) -> int:
         write_results,
     )
     from overdrive.techniques import describe_report
+    from overdrive.techniques.registry import compute_dtype
     from overdrive.tuning.report import ROOFLINE_NOTE, format_memory
     from overdrive.tuning.plan import load_plan
     from overdrive.tuning.sweep import compare_plan, open_session
@@ -50,6 +51,7 @@ def main(args, argv: list[str]) -> int:
     batch_sizes = session.sweep_sizes(args.batch_sizes or [session.batch_size])
     refused = session.refused_sizes(args.batch_sizes or [])
     device_name = devices.describe(session.device)
+    measure_peaks(session.device, [compute_dtype(plan.steps)] if plan else [])  # before any model loads the machine
     with console.status("measuring") as status:
         notices: list[str] = []
         curves, failures, reports = compare_plan(session, plan, batch_sizes, audit=args.audit, notice=notices.append,
@@ -75,6 +77,8 @@ def main(args, argv: list[str]) -> int:
         console.print(describe_report(report, key), highlight=False, soft_wrap=True)
     console.print(f"{ROOFLINE_NOTE}; measured peaks: {describe_peaks(session.device) or 'none'}", style="dim",
                   highlight=False, soft_wrap=True)
+    if above_roof(m.roofline for points in curves.values() for _, m in points):
+        console.print(f"[yellow]warning: a roofline share is {ABOVE_ROOF}[/]", highlight=False, soft_wrap=True)
     for line in notices:
         console.print(f"[yellow]note: {line}[/]", highlight=False, soft_wrap=True)
     for label, points in curves.items():

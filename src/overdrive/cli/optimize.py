@@ -100,7 +100,7 @@ def main(args, argv: list[str]) -> int:
         console.print("warm-up beyond steady state (compilation, autotuning, lazy loading), apart from the figures "
                       "above: " + "; ".join(f"{label} {seconds:.1f} s" for label, seconds in compiled))
     if result.flops_per_sample:
-        console.print(f"FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP")
+        console.print(f"FLOPs per sample (eager fp32, torch.utils.flop_counter; text: real tokens, no padding): {result.flops_per_sample / 1e9:.3f} GFLOP")
     for line in figure_lines(result):
         console.print(line, highlight=False, soft_wrap=True)
     for warning in result.sweep_warnings:

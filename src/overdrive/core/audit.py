@@ -32,6 +32,8 @@ PyTorch mode sees: `Audit.opaque` says so, and the report names it.
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -67,6 +69,8 @@ class Audit:
         h2d_copies, h2d_bytes: host→device copies inside the forward (on the CPU: those a GPU would do).
         d2h_copies, d2h_bytes: device→host copies inside the forward (idem).
         syncs: {kind: count} of host synchronisations inside the forward.
+        sync_sites: {kind: "file:line in function"} of the first of each kind, in the model's code (the
+            innermost frame outside torch and overdrive's own).
         aten_ops: ATen operations dispatched, views excluded (eager).
         input_bytes, input_tensors: what the step copies host→device before the forward.
         output_bytes, output_tensors: what it copies device→host after.
@@ -81,6 +85,7 @@ class Audit:
     d2h_copies: int = 0
     d2h_bytes: int = 0
     syncs: dict[str, int] = field(default_factory=dict)
+    sync_sites: dict[str, str] = field(default_factory=dict)
     aten_ops: int = 0
     input_bytes: int = 0
     input_tensors: int = 0
@@ -98,12 +103,15 @@ class Audit:
 
     def _sync(self, kind: str) -> None:
         self.syncs[kind] = self.syncs.get(kind, 0) + 1
+        if kind not in self.sync_sites:
+            self.sync_sites[kind] = _caller()
 
     def describe(self) -> str:
         """One line: the forward's copies and syncs, its operations, and the step's copies."""
         from overdrive.core.report import format_bytes
 
-        syncs = ", ".join(f"{n} {kind}" for kind, n in sorted(self.syncs.items())) or "none"
+        syncs = ", ".join(f"{n} {kind}" + (f" at {self.sync_sites[kind]}" if self.sync_sites.get(kind) else "")
+                          for kind, n in sorted(self.syncs.items())) or "none"
         parts = [f"inside the forward: {self.h2d_copies} host→device copies ({format_bytes(self.h2d_bytes)}), "
                  f"{self.d2h_copies} device→host ({format_bytes(self.d2h_bytes)}), syncs: {syncs}"
                  + (" (as a GPU would do them)" if self.device == "cpu" else "")]
@@ -120,6 +128,17 @@ class Audit:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "num_syncs": self.num_syncs}
+
+
+_INTERNAL = (f"{os.sep}torch{os.sep}", f"{os.sep}overdrive{os.sep}core{os.sep}audit.py", f"{os.sep}contextlib.py")
+
+
+def _caller() -> str:
+    """"file:line in function" of the innermost frame outside torch and this module: the model's line."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not any(part in frame.filename for part in _INTERNAL):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return ""
 
 
 def _count_tensors(values) -> int:

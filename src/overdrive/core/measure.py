@@ -475,6 +475,11 @@ def compare(reference: Runner, candidate: Runner, *, min_gain: float, min_rounds
 def count_flops_per_sample(model: nn.Module, workload: Workload, *, device: torch.device, indices: list[int]) -> float | None:
     """FLOPs per row of one eager forward on the first samples (torch.utils.flop_counter).
 
+    Text (a workload with `sample_length`): each of the first 16 samples alone, so the count is of
+    real tokens only, never of the padding a batch adds (a candidate that pads less, length bucketing
+    or remove-padding, does the same useful work); the mean per sample. Otherwise one batch of the
+    first samples, divided by its rows. A compiled model is counted eagerly (not recompiled).
+
     Returns None when the model cannot run under FlopCounterMode (e.g. TorchScript).
     Counts matmul/conv FLOPs as 2 × MACs, as FlopCounterMode does. nn.MultiheadAttention's
     inference fast path (`torch._native_multi_head_attention`) is switched off while counting
@@ -483,20 +488,23 @@ def count_flops_per_sample(model: nn.Module, workload: Workload, *, device: torc
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    chunk = indices[: min(len(indices), workload.default_batch_size)]
-    inputs = to_device(workload.collate([workload.samples[i] for i in chunk]), device)
+    if workload.is_text:
+        chunks = [[i] for i in list(dict.fromkeys(indices))[:16]]
+    else:
+        chunks = [indices[: min(len(indices), workload.default_batch_size)]]
     fast_path = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     set_stance = getattr(torch.compiler, "set_stance", None)  # a compiled model counted eagerly, not recompiled
     try:
         with torch.no_grad(), set_stance("force_eager") if set_stance else contextlib.nullcontext(), \
                 FlopCounterMode(display=False) as counter:
-            model(*inputs)
+            for chunk in chunks:
+                model(*to_device(workload.collate([workload.samples[i] for i in chunk]), device))
     except Exception:  # noqa: BLE001 - FLOPs are informative, never required
         return None
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)
-    return counter.get_total_flops() / len(chunk)
+    return counter.get_total_flops() / sum(len(chunk) for chunk in chunks)
 
 
 def compiled_graphs() -> int:

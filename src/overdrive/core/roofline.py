@@ -35,7 +35,7 @@ from overdrive.core.timer import Timer
 # Square GEMM sizes and copy buffer sizes used for the peaks; large enough to saturate the device.
 _GEMM_N = {"cpu": 1024, "cuda": 8192}
 _COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
-_REPEATS = 6
+_REPEATS = 10
 
 _PEAKS: dict[tuple[str, str], float] = {}
 
@@ -136,6 +136,12 @@ def tensors_bytes(values) -> int:
     return 0
 
 
+# Above the roof by more than this, a fraction means the peak was measured low (a busy machine), not a faster kernel.
+ROOF_SLACK = 0.05
+ABOVE_ROOF = ("above the roof: the peak was measured low (the machine was busy while it was measured), so the roofline "
+              "shares of this run are uncertain")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Roofline:
     """Where one measured configuration sits under its roofs.
@@ -171,14 +177,11 @@ class Roofline:
         """Achieved FLOP/s over the binding roof (0..1, above 1 only when the peaks were under-measured)."""
         return self.flops_per_s / self.roof if self.roof > 0 else math.nan
 
-    def short(self) -> str:
-        """The table cell: '34% compute'."""
-        return f"{100 * self.fraction:.0f}% {self.bound}"
-
     def describe(self) -> str:
-        return (f"{self.flops_per_s / 1e12:.3g} TFLOP/s and {self.bytes_per_s / 1e9:.3g} GB/s at {self.intensity:.3g} "
+        line = (f"{self.flops_per_s / 1e12:.3g} TFLOP/s and {self.bytes_per_s / 1e9:.3g} GB/s at {self.intensity:.3g} "
                 f"FLOP/byte: {100 * self.fraction:.1f}% of the {self.bound} roof (measured peaks: {self.dtype} GEMM "
                 f"{self.peak_flops_per_s / 1e12:.3g} TFLOP/s, copy {self.peak_bytes_per_s / 1e9:.3g} GB/s)")
+        return line + (f"; {ABOVE_ROOF}" if self.fraction > 1 + ROOF_SLACK else "")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "roof": self.roof, "bound": self.bound, "fraction": self.fraction}
@@ -226,8 +229,23 @@ def describe_peaks(device: torch.device) -> str:
 
 
 def roofline_cell(point: dict | None, compact: bool = False) -> str:
-    """A table cell for a `Roofline.to_dict()`: '34% compute' ('34% comp' when `compact`); '' when unknown."""
+    """A table cell for a `Roofline.to_dict()`: '34% compute' ('34% comp' when `compact`); '' when unknown; a
+    share above the roof (a peak measured low) is marked '!' (`ABOVE_ROOF`)."""
     if not point or not math.isfinite(point.get("fraction", math.nan)):
         return ""
     bound = {"compute": "comp", "memory": "mem"}[point["bound"]] if compact else point["bound"]
-    return f"{100 * point['fraction']:.0f}% {bound}"
+    mark = "!" if point["fraction"] > 1 + ROOF_SLACK else ""
+    return f"{100 * point['fraction']:.0f}%{mark} {bound}"
+
+
+def above_roof(points) -> bool:
+    """Whether any of the `Roofline.to_dict()`s (None skipped) is above its roof beyond `ROOF_SLACK`."""
+    return any(p and p.get("fraction", 0) > 1 + ROOF_SLACK for p in points)
+
+
+def measure_peaks(device: torch.device, dtypes) -> None:
+    """Measure the copy bandwidth and the GEMM peak of each dtype now (at start-up, before the models
+    load the machine); later calls read them from the cache."""
+    peak_bandwidth(device)
+    for dtype in dict.fromkeys(["float32", *dtypes]):
+        peak_flops(device, dtype)

@@ -180,7 +180,7 @@ def write_report_md(path: Path, *, result: TuneResult, workload_name: str, devic
                     sweep: dict[str, list[tuple[int, Measurement]]], plot_name: str | None, command: str,
                     real_weights: bool, rows_description: str = "the evaluation rows", notes: list[str] = ()) -> None:
     b = result.baseline
-    flops = (f"; FLOPs per sample (eager fp32, torch.utils.flop_counter): {result.flops_per_sample / 1e9:.3f} GFLOP"
+    flops = (f"; FLOPs per sample (eager fp32, torch.utils.flop_counter; text: real tokens, no padding): {result.flops_per_sample / 1e9:.3f} GFLOP"
              if result.flops_per_sample else "")
     env = environment()
     lines = [

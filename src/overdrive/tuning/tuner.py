@@ -41,7 +41,7 @@ from overdrive.core.measure import (
     judge_outputs,
 )
 from overdrive.core.workload import Workload
-from overdrive.core.roofline import describe_peaks, weight_bytes
+from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
 from overdrive.techniques.registry import compute_dtype, config_to_dict, fallbacks
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
@@ -298,6 +298,9 @@ class Tuner:
 
     def run(self) -> TuneResult:
         rows: list[Row] = []
+        self.progress("the device's peaks (GEMM per dtype, copy bandwidth)")
+        measure_peaks(self.device, [get_technique(n).compute_dtype for n in self.techniques
+                                    if get_technique(n).compute_dtype and self._skip_reason(n) is None])
         self.progress("baseline (eager fp32)")
         base, self.reference, flops = self._baseline()
         self.baseline_task_metric = self.workload.task_metric(self.reference, self.indices) if self.workload.has_task_metric \
@@ -422,6 +425,8 @@ class Tuner:
         rows.append(plan_row)
         rows += self._leave_one_out(current, current_runner)
         self._release(current_runner if current_runner is not base else None, base)
+        if above_roof(r.measurement.roofline for r in rows if r.measurement is not None):
+            self.warnings.append(f"a roofline share is {ABOVE_ROOF}")
         plan_m = plan_row.measurement
         plan = Plan(
             workload=self.workload_spec or self.workload.name,
