@@ -191,7 +191,7 @@ def test_a_shape_that_cannot_be_captured_runs_eagerly_and_is_not_retried():
         def __init__(self):
             self.tries = 0
 
-        def __call__(self, fn, static_inputs):
+        def __call__(self, fn):
             self.tries += 1
             raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -246,4 +246,69 @@ def test_eager_fallbacks_are_said():
     module(torch.ones(1, 2))
     assert fallbacks(wrapped) is None
     module(torch.ones(2, 2))
-    assert fallbacks(wrapped) == "cuda-graphs: 1 shapes captured, 1 replays, 1 eager calls (2,2: beyond the 1 shapes captured)"
+    assert fallbacks(wrapped) == "cuda-graphs: 1 shapes captured, 1 replays, 1 eager calls (2×2: beyond the 1 shapes captured)"
+
+
+def test_graphs_key_arguments_by_type_and_accept_keywords_and_nested_tensors():
+    class Scale(nn.Module):
+        def forward(self, x, factor=2, pair=None):
+            out = x * factor
+            return out + pair[0] * pair[1] if pair is not None else out
+
+    eager = Scale()
+    module = CUDAGraphModule(Scale(), capture=FakeCapture(), max_graphs=8)
+    ints = torch.arange(4).reshape(2, 2)
+    for factor in (2, 2.0, True):  # equal under ==, three graphs: the int one must not answer the float call
+        got, want = module(ints, factor), eager(ints, factor)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert module.stats.captured == 3
+    x = torch.ones(2, 2)
+    for k in range(3):  # a tuple of tensors as a keyword: copied in, one graph
+        pair = (torch.full((2, 2), float(k)), torch.ones(2, 2))
+        assert torch.equal(module(x, factor=3, pair=pair), eager(x, factor=3, pair=pair))
+    assert module.stats.captured == 4 and module.stats.eager_calls == 0
+
+
+def test_graphs_copy_out_dataclass_outputs_and_refuse_models_that_write_their_inputs():
+    from dataclasses import dataclass as plain_dataclass
+
+    @plain_dataclass
+    class Out:
+        value: torch.Tensor
+
+    class ReturnsDataclass(nn.Module):
+        def forward(self, x):
+            return Out(x * 3)
+
+    module = CUDAGraphModule(ReturnsDataclass(), capture=FakeCapture(), max_graphs=4)
+    first = module(torch.ones(2))
+    second = module(torch.full((2,), 2.0))
+    assert first is not second and torch.equal(first.value, torch.full((2,), 3.0))
+    assert torch.equal(second.value, torch.full((2,), 6.0))
+
+    class Mutates(nn.Module):
+        def forward(self, x):
+            x.mul_(2)
+            return x + 1
+
+    module = CUDAGraphModule(Mutates(), capture=FakeCapture(), max_graphs=4)
+    caller = torch.ones(2)
+    assert torch.equal(module(caller), torch.full((2,), 3.0)) and torch.equal(caller, torch.full((2,), 2.0))  # as eager
+    assert module.stats.captured == 0 and "writes into its inputs" in module.stats.describe()
+
+
+def test_a_call_that_fails_eagerly_raises_and_does_not_disable_the_shape():
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(10, 4)
+
+        def forward(self, ids):
+            return self.table(ids)
+
+    module = CUDAGraphModule(Lookup(), capture=FakeCapture(), max_graphs=4)
+    with pytest.raises(IndexError):
+        module(torch.tensor([[99, 1]]))
+    for _ in range(3):
+        module(torch.tensor([[3, 1]]))
+    assert module.stats.captured == 1 and module.stats.eager_calls == 0 and module.stats.replays == 3
