@@ -312,3 +312,69 @@ def test_a_call_that_fails_eagerly_raises_and_does_not_disable_the_shape():
     for _ in range(3):
         module(torch.tensor([[3, 1]]))
     assert module.stats.captured == 1 and module.stats.eager_calls == 0 and module.stats.replays == 3
+
+
+class WritesTheFork(nn.Module):
+    """Two heads around an in-place write into their shared input: moving the heads would change `a`."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.ha, self.hb = nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        a = self.ha(h)
+        h.view(-1).clamp_(min=0)  # through a view, too
+        b = self.hb(h)
+        return a, b
+
+
+class WritesInsideBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        left = self.act(self.a(x))  # in place, on the branch's own activation
+        right = torch.nn.functional.relu(self.b(x), True)
+        return left + right
+
+
+def test_a_write_into_a_shared_tensor_keeps_the_region_serial_and_branch_local_writes_do_not():
+    assert find_regions(fx.symbolic_trace(WritesTheFork())) == []
+    regions = find_regions(fx.symbolic_trace(WritesInsideBranches()))
+    assert len(regions) == 1 and len(regions[0].branches) == 2
+    model, x = WritesInsideBranches().eval(), torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(streamed_graph(model, CPU, fake=True)[0](x), model(x))
+
+
+def test_keyword_inputs_and_dict_outputs_are_traced_inside_the_signature_wrapper():
+    class DictTowers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.user, self.item = Tower(8), Tower(12)
+
+        def forward(self, user, item):
+            return {"score": (self.user(user) * self.item(item)).sum(-1), "user": self.user(user)}
+
+    from overdrive.tuning.api import as_workload
+
+    workload = as_workload(DictTowers().eval(), {"user": torch.randn(4, 8), "item": torch.randn(4, 12)})
+    technique = get_technique("concurrent-streams")
+    assert technique.applicability(workload, torch.device("cuda")) is None
+    import copy
+
+    model = copy.deepcopy(workload.model)
+    streamed = technique.apply(model, technique.config_cls(), workload=workload, device=CPU)
+    assert "branches" in streamed.overdrive_report["regions"]
+    inputs = workload.collate(workload.samples[:4])
+    with torch.no_grad():
+        assert torch.equal(streamed(*inputs), workload.model(*inputs))
+
+
+def test_branch_names_are_unique_within_a_region():
+    net = torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=False).eval()
+    for region in find_regions(fx.symbolic_trace(net)):
+        assert len(set(region.names)) == len(region.names), region.names

@@ -18,6 +18,11 @@ Scheduler for CNN Acceleration", Ding et al., MLSys 2021, measures).
    Chains that do real work (a module with parameters, or a matmul / convolution / linear call) are
    the *branches*; light chains (a mean, a reshape) stay on the main stream. A region with two or
    more branches is kept; regions do not overlap (one level of streams).
+4. Running branches concurrently reorders them, so a region is passed over when anything between its
+   fork and join writes in place into a tensor (directly or through a view) that is not made and read
+   only inside the writer's own branch: `h.clamp_()` on the fork's output between two heads would
+   otherwise be seen by a head that ran before it. Writes inside one branch (`F.relu(x, inplace=True)`
+   on that branch's own activations) are fine.
 
 **Running them** (`StreamedGraph`): the traced graph is reordered so each branch's nodes are
 contiguous, and four calls are inserted per region: `fork` records an event on the main stream;
@@ -33,7 +38,9 @@ which the tests use to check which node ran on which stream.
 
 from __future__ import annotations
 
+import inspect
 import operator
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -44,6 +51,7 @@ from torch import fx, nn
 from overdrive.core.errors import one_line
 from overdrive.core.workload import Workload
 from overdrive.techniques.registry import ForwardWrapper, Stage, Technique, TechniqueConfig, register
+from overdrive.workloads.signature import SignatureModel
 
 _HEAVY_FUNCTIONS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum, operator.matmul,
                     torch.nn.functional.linear, torch.nn.functional.conv1d, torch.nn.functional.conv2d,
@@ -81,6 +89,64 @@ def _heavy(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     if node.op == "call_function":
         return node.target in _HEAVY_FUNCTIONS
     return node.op == "call_method" and node.target in _HEAVY_METHODS
+
+
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "flatten", "unflatten", "squeeze",
+                 "unsqueeze", "expand", "expand_as", "narrow", "select", "t", "contiguous", "detach", "as_strided",
+                 "unbind", "split", "chunk", "movedim", "swapaxes", "diagonal", "__getitem__", "real", "imag"}
+_VIEW_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.squeeze, torch.unsqueeze,
+                   torch.narrow, torch.select, torch.t, torch.detach, torch.split, torch.chunk, torch.unbind, torch.movedim,
+                   torch.diagonal, torch.swapaxes, torch.as_strided, operator.getitem}
+
+
+def _writes_into(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """The node whose tensor `node` writes into (an in-place method or function, `inplace=True`, an
+    `out=`, an item assignment, an in-place module), or None."""
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if node.op == "call_method":
+        return first if node.target.endswith("_") and not node.target.endswith("__") else None
+    if node.op == "call_module":
+        return first if getattr(modules[node.target], "inplace", False) is True else None
+    if node.op != "call_function":
+        return None
+    if isinstance(node.kwargs.get("out"), fx.Node):
+        return node.kwargs["out"]
+    name = getattr(node.target, "__name__", "")
+    if node.target is operator.setitem or (name.endswith("_") and not name.startswith("__")):
+        return first
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+    except (TypeError, ValueError):  # builtins without a signature, calls that do not bind
+        return None
+    return first if bound.get("inplace") is True else None
+
+
+def _aliases(node: fx.Node) -> list[fx.Node]:
+    """`node` and the nodes it may be a view of, back through view-making calls, itself first."""
+    chain = [node]
+    while (node.op == "call_method" and node.target in _VIEW_METHODS) or \
+            (node.op == "call_function" and node.target in _VIEW_FUNCTIONS):
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+        chain.append(node)
+    return chain
+
+
+def _unsafe_write(span: list[fx.Node], branches: list[list[fx.Node]], modules: dict[str, nn.Module]) -> fx.Node | None:
+    """A node between the fork and the join that writes into a tensor the reordering could expose: one
+    not made, and read only, inside the writer's own branch. None when every write is branch-local."""
+    branch_of = {n: k for k, b in enumerate(branches) for n in b}
+    for node in span:
+        target = _writes_into(node, modules)
+        if target is None:
+            continue
+        k = branch_of.get(node)
+        local = k is not None and all(branch_of.get(a) == k and all(branch_of.get(u) == k for u in a.users)
+                                      for a in _aliases(target))
+        if not local:
+            return node
+    return None
 
 
 def _immediate_post_dominators(nodes: list, users: dict, order: dict, exit_node) -> dict:
@@ -123,6 +189,20 @@ def _branch_name(branch: list[fx.Node]) -> str:
             keep += 1
         prefix = prefix[:keep]
     return ".".join(prefix) or ".".join(targets[0])
+
+
+def _branch_names(branches: list[list[fx.Node]]) -> list[str]:
+    """Each branch's name: the module path its layer calls share, or where two branches would share a
+    name, its first and last module calls ("Mixed_5b.branch5x5_1…branch5x5_2")."""
+    names = [_branch_name(b) for b in branches]
+    if len(set(names)) == len(names):
+        return names
+    out = []
+    for branch in branches:
+        calls = [n.target for n in branch if n.op == "call_module"] or [n.name for n in branch]
+        last = calls[-1][len(os.path.commonprefix([calls[0], calls[-1]])):] if len(calls) > 1 else ""
+        out.append(calls[0] + (f"…{last}" if last else ""))
+    return out
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:
@@ -177,8 +257,11 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
         branches = [c for c in chains_of.values() if any(_heavy(n, modules) for n in c)]
         if len(branches) < 2:
             continue
+        span = [n for n in graph_nodes if order[fork] < order[n] < order[join]]
+        if _unsafe_write(span, branches, modules) is not None:
+            continue  # moving the branches past that write would change what they read
         regions.append(Region(fork=_SOURCE if fork is source else fork.name, join=join.name, branches=branches,
-                              names=[_branch_name(b) for b in branches], merged=merged))
+                              names=_branch_names(branches), merged=merged))
         kept_until = order[join]
     return regions
 
@@ -323,15 +406,21 @@ class ConcurrentStreams(Technique):
     description = "independent branches (multi-tower, multi-head, Inception) on their own CUDA streams"
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
+        model = workload.model
+        model = model.model if isinstance(model, SignatureModel) else model  # the user's module, as they wrote it
         try:
-            regions = find_regions(fx.symbolic_trace(workload.model))
+            regions = find_regions(fx.symbolic_trace(model))
         except Exception as exc:  # noqa: BLE001 - untraceable models
             return f"not applicable: torch.fx could not trace the model ({one_line(exc)})"
         return None if regions else "not applicable: no independent branches (siblings with no data path between them)"
 
     def apply(self, model, config, *, workload, device):
-        if isinstance(model, ForwardWrapper) and not isinstance(model, StreamedModel):  # inside autocast / layout wrappers
-            model.inner = self.apply(model.inner, config, workload=workload, device=device)
+        inner = "inner" if isinstance(model, ForwardWrapper) and not isinstance(model, StreamedModel) else \
+            "model" if isinstance(model, SignatureModel) else None
+        if inner is not None:  # inside autocast / layout wrappers, or the user's module inside keyword inputs / outputs
+            streamed = self.apply(getattr(model, inner), config, workload=workload, device=device)
+            model.overdrive_report = streamed.__dict__.pop("overdrive_report")
+            setattr(model, inner, streamed)
             return model
         gm, regions = streamed_graph(model, device, fake=device.type != "cuda")
         streamed = StreamedModel(gm, regions, device)
