@@ -63,10 +63,12 @@ def test_audit_of_a_clean_model_finds_nothing_and_a_compiled_one_is_not_recompil
 
     compiled = torch.compile(Clean().eval())
     x = torch.randn(3, 8)
-    compiled(x)
+    with torch.no_grad():  # as every caller runs it
+        compiled(x)
     graphs = compiled_graphs()
     assert audit_forward(compiled, (x,), device=CPU).aten_ops == 2
-    compiled(x)
+    with torch.no_grad():
+        compiled(x)
     assert compiled_graphs() == graphs  # audited eagerly, no recompilation
 
 
@@ -170,3 +172,39 @@ def test_audit_names_the_line_of_each_sync():
     lines = {kind: site for kind, site in audit.sync_sites.items()}
     assert all(site.startswith("test_graph_audit.py:") and site.endswith(" in forward") for site in lines.values())
     assert len(set(lines.values())) == 4  # four different lines of Planted.forward
+
+
+def test_audit_counts_each_transfer_once_as_a_gpu_would():
+    class Transfers(nn.Module):
+        def forward(self, x):
+            mean = x.mean(0)
+            as_numpy = mean.cpu().numpy()  # one copy and sync, not two
+            listed = x.sum().to("cpu").tolist()  # one, by the string device
+            onto = torch.tensor([2.0, 3.0, 4.0], device=x.device)  # host data to the model's device: one copy
+            host = torch.tensor([1.0, 1.0, 1.0])  # stays on the host ...
+            moved = host.to(x.device)  # ... until moved: one copy
+            _ = host.sum().item()  # a host value: no sync
+            y = x.clone()
+            y[y > 0] = 0.0  # a boolean-mask write
+            return y + onto + moved + float(as_numpy.sum()) + listed
+
+    audit = audit_forward(Transfers(), (torch.ones(2, 3),), device=CPU)
+    assert (audit.d2h_copies, audit.h2d_copies) == (2, 2)
+    assert audit.h2d_bytes == 24 and audit.d2h_bytes == 12 + 4
+    assert audit.syncs == {".cpu()": 1, ".to('cpu')": 1, "data-dependent shape (boolean-mask assignment)": 1}
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_audit_sees_the_syncs_of_a_fast_path_the_modes_switch_off():
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x, mask = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False, False, False, True, True]])
+
+    class Encoder(nn.Module):
+        def forward(self, x, mask):
+            return model(x, src_key_padding_mask=mask)
+
+    audit = audit_forward(Encoder(), (x, mask), device=CPU)
+    from overdrive.core.audit import FAST_PATH
+
+    assert audit.syncs.get(FAST_PATH, 0) >= 1

@@ -6,10 +6,10 @@ themselves. `audit_forward` counts them for one call of a model on one batch:
 
 - **Copies inside the forward**, host→device and device→host, with their bytes, seen at the
   Python level through a `TorchFunctionMode` (`Tensor.to` / `.cuda()` / `.cpu()` / `.numpy()` /
-  `.tolist()`, `Tensor.copy_` across devices, `torch.tensor` / `as_tensor` / `from_numpy` of host
-  data). On the CPU they are counted as the GPU would do them: a `.cpu()` of a tensor already on
-  the CPU is free here and a device→host copy and a synchronisation there; a tensor built from
-  host data inside the forward is a host→device copy there.
+  `.tolist()`, `Tensor.copy_` across devices, `torch.tensor` / `as_tensor` on a device) and at the
+  ATen level (a host tensor, not a scalar, used with device tensors). On the CPU they are counted as
+  a GPU would do them: which tensors would be on the host is tracked (`_Transfers`), so a `.cpu()` is
+  one device→host copy and sync, and the `.numpy()` after it none.
 - **Synchronisations**, by kind, through a `TorchDispatchMode`: scalar reads
   (`aten._local_scalar_dense`: `.item()`, `bool(t)`, `int(t)`, `float(t)`), data-dependent output
   shapes (`nonzero`, `masked_select`, `unique`, boolean-mask indexing, `repeat_interleave` without
@@ -18,6 +18,10 @@ themselves. `audit_forward` counts them for one call of a model on one batch:
   eager GPU run would roughly have; on CUDA also the kernel launches, CUDA-graph launches, memcpy
   calls and synchronisations the PyTorch profiler records (`torch.profiler`, CUPTI), which see
   inside compiled code.
+- **Fast paths**: the counting modes switch off PyTorch's fused inference paths
+  (nn.TransformerEncoder with nested tensors, nn.MultiheadAttention's fused kernel), so the model
+  also runs once as it is under the profiler; scalar reads and data-dependent ops it records beyond
+  the modes' count are reported as syncs of their own kind (`FAST_PATH`).
 - **The step around the forward**: the batch's input bytes (host→device) and output bytes
   (device→host), one copy per tensor, as `bench`, `serve` and `run` move them.
 
@@ -40,6 +44,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from overdrive.core.roofline import tensors_bytes
 
@@ -152,20 +157,55 @@ def _count_tensors(values) -> int:
 
 
 class _Transfers(TorchFunctionMode):
-    """Counts the Python-level transfers of one forward into `audit` (see the module docstring)."""
+    """Counts the Python-level transfers of one forward into `audit` (see the module docstring).
+
+    Which tensors are on the host: on a GPU, those whose device is the CPU. On the CPU, where every
+    tensor is, the ones a GPU run would keep on the host: made from host data without a device
+    (`torch.tensor(data)`), made by `.cpu()` / `.numpy()` / `.to("cpu")`, or `torch.from_numpy`.
+    A device named as a string ("cpu") is taken literally; a `torch.device` object (as `x.device` gives)
+    is taken as the model's device, i.e. the GPU's there."""
 
     def __init__(self, audit: Audit):
         super().__init__()
         self.audit = audit
+        self.on_cpu = audit.device == "cpu"
+        self.host: dict[int, torch.Tensor] = {}  # on the CPU: tensors a GPU run keeps on the host (kept alive: ids stay unique)
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self.host if self.on_cpu else tensor.device.type == "cpu"
+
+    def _mark_host(self, value) -> None:
+        if self.on_cpu and isinstance(value, torch.Tensor):
+            self.host[id(value)] = value
+
+    def _moved(self, this: torch.Tensor, out, *, to_host: bool):
+        """On the CPU, `.cpu()` / `.to(device)` return the tensor itself where a GPU returns a new one
+        on the other side: an alias (same storage, a Python object of its own) stands for it, so the
+        original keeps its side."""
+        if self.on_cpu and out is this:
+            out = this.detach()
+        if to_host:
+            self._mark_host(out)
+        else:
+            self.host.pop(id(out), None)  # the alias's detach was seen as a host-only op
+        return out
+
+    def _to_host(self, target) -> bool:
+        """Whether a device argument sends a tensor to the host (see the class docstring)."""
+        if target is None:
+            return False
+        if self.on_cpu:
+            return isinstance(target, str) and torch.device(target).type == "cpu"
+        return torch.device(target).type == "cpu"
 
     def _d2h(self, tensor: torch.Tensor, kind: str) -> None:
         self.audit.d2h_copies += 1
         self.audit.d2h_bytes += tensor.numel() * tensor.element_size()
         self.audit._sync(kind)
 
-    def _h2d(self, nbytes: int) -> None:
+    def _h2d(self, tensor: torch.Tensor) -> None:
         self.audit.h2d_copies += 1
-        self.audit.h2d_bytes += nbytes
+        self.audit.h2d_bytes += tensor.numel() * tensor.element_size()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -173,52 +213,81 @@ class _Transfers(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         this = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if this is not None and name in ("cpu", "numpy", "tolist"):
-            if this.device.type != "cpu" or name == "cpu" or self.audit.device == "cpu":
+            if not self.is_host(this):
                 self._d2h(this, f".{name}()")
+            out = self._moved(this, out, to_host=True) if name == "cpu" else out
         elif this is not None and name == "cuda":
-            if this.device.type == "cpu":
-                self._h2d(this.numel() * this.element_size())
+            if self.is_host(this):
+                self._h2d(this)
+                out = self._moved(this, out, to_host=False)
         elif this is not None and name == "to" and isinstance(out, torch.Tensor):
-            target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
-            if target is not None and target.type != this.device.type:
-                if target.type == "cpu":
-                    self._d2h(this, ".to('cpu')")
-                else:
-                    self._h2d(this.numel() * this.element_size())
+            raw = kwargs.get("device", args[1] if len(args) > 1 and isinstance(args[1], (str, torch.device)) else None)
+            if raw is not None:
+                if self._to_host(raw):
+                    if not self.is_host(this):
+                        self._d2h(this, ".to('cpu')")
+                    out = self._moved(this, out, to_host=True)
+                elif self.is_host(this):
+                    self._h2d(this)
+                    out = self._moved(this, out, to_host=False)
+            elif self.is_host(this):  # .to(dtype) of a host tensor stays on the host
+                self._mark_host(out)
         elif this is not None and name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
-            src = args[1]
-            if src.device.type != this.device.type:
-                if this.device.type == "cpu":
-                    self._d2h(src, "copy_ to host")
-                else:
-                    self._h2d(src.numel() * src.element_size())
+            src_host, dst_host = self.is_host(args[1]), self.is_host(this)
+            if dst_host and not src_host:
+                self._d2h(args[1], "copy_ to host")
+            elif src_host and not dst_host:
+                self._h2d(args[1])
         elif name in ("tensor", "as_tensor", "from_numpy") and isinstance(out, torch.Tensor):
             source = args[0] if args else kwargs.get("data")
-            device = kwargs.get("device")
-            if not isinstance(source, torch.Tensor) and (device is None or torch.device(device).type != "cpu"):
-                self._h2d(out.numel() * out.element_size())  # host data made a tensor: a copy to a GPU
+            if isinstance(source, torch.Tensor):
+                if self.is_host(source):
+                    self._mark_host(out)
+            elif name == "from_numpy" or self._to_host(kwargs.get("device")) or kwargs.get("device") is None:
+                self._mark_host(out)  # host data, and it stays on the host
+            else:
+                self._h2d(out)  # host data made a tensor on the device: a copy
         return out
 
 
 class _Operations(TorchDispatchMode):
-    """Counts ATen operations, scalar reads and data-dependent shapes into `audit`."""
+    """Counts ATen operations, scalar reads of device tensors and data-dependent shapes into `audit`."""
 
-    def __init__(self, audit: Audit):
+    def __init__(self, audit: Audit, transfers: _Transfers):
         super().__init__()
         self.audit = audit
+        self.transfers = transfers
+        self.dispatched_syncs = 0  # scalar reads (of host tensors too) and data-dependent ops, as the profiler counts them
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _aten._local_scalar_dense.default or func in _DATA_DEPENDENT and func is not _aten.repeat_interleave.Tensor:
+            self.dispatched_syncs += 1
+        elif func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])):
+            self.dispatched_syncs += 1  # a nonzero inside, which the profiler records
         if func is _aten._local_scalar_dense.default:
-            self.audit._sync("scalar read (.item(), bool(), int(), float())")
+            if not self.transfers.is_host(args[0]):  # reading a host tensor's value waits for nothing
+                self.audit._sync("scalar read (.item(), bool(), int(), float())")
         elif func in _DATA_DEPENDENT:
             self.audit._sync(f"data-dependent shape ({_DATA_DEPENDENT[func]})")
-        elif func is _aten.index.Tensor and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                                 for i in (args[1] if len(args) > 1 else [])):
-            self.audit._sync("data-dependent shape (boolean-mask indexing)")
+        elif func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])):
+            kind = "boolean-mask indexing" if func is _aten.index.Tensor else "boolean-mask assignment"
+            self.audit._sync(f"data-dependent shape ({kind})")
         if not (torch.Tag.view_copy in func.tags or func.is_view or func._overloadpacket.__name__ in _METADATA):
             self.audit.aten_ops += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        host = [t for t in tensors if self.transfers.is_host(t)]
+        if tensors and len(host) == len(tensors):  # made from host tensors only: on the host too
+            for t in tree_flatten(out)[0]:
+                self.transfers._mark_host(t)
+        else:  # a host tensor (not a scalar) used with device tensors: a GPU copies it over first
+            for t in host:
+                if t.dim() > 0 and func is not _aten.copy_.default:
+                    self.transfers._h2d(t)
+        return out
 
 
 _METADATA = {"detach", "alias", "view", "_unsafe_view", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
@@ -231,22 +300,37 @@ def _force_eager():
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
-def _profile_cuda(model: nn.Module, inputs: tuple, audit: Audit) -> None:
-    """Fill the profiler's counts (CUDA): launches, CUDA-graph launches, memcpy calls, synchronisations."""
+_PROFILED_SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+                   "aten::unique_dim", "aten::unique_consecutive"}
+FAST_PATH = "in PyTorch fast paths the counting modes switch off (seen by the profiler)"
+
+
+def _profile(model: nn.Module, inputs: tuple, audit: Audit, seen_by_modes: int, device: torch.device) -> None:
+    """The model run as it is (no counting modes) under the PyTorch profiler: scalar reads and
+    data-dependent ops beyond `seen_by_modes` are syncs of a fast path the modes switched off
+    (nn.TransformerEncoder's nested tensors, nn.MultiheadAttention's fused kernel); on CUDA also the
+    kernel launches, CUDA-graph launches, memcpy calls and device synchronisations."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         model(*inputs)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize(device)
     counts: dict[str, int] = {}
     for event in prof.events():
         counts[event.name] = counts.get(event.name, 0) + 1
-    audit.kernel_launches = sum(n for name, n in counts.items() if name in _LAUNCH_EVENTS)
-    audit.graph_launches = counts.get("cudaGraphLaunch", 0)
-    audit.memcpy_calls = sum(n for name, n in counts.items() if name.startswith("cudaMemcpy"))
-    # The profiler's own final torch.cuda.synchronize() is one; it is not the model's.
-    audit.device_syncs = max(0, sum(n for name, n in counts.items() if name in _SYNC_EVENTS) - 1)
+    hidden = sum(n for name, n in counts.items() if name in _PROFILED_SYNCS) - seen_by_modes
+    if hidden > 0:
+        audit.syncs[FAST_PATH] = hidden
+    if cuda:
+        audit.kernel_launches = sum(n for name, n in counts.items() if name in _LAUNCH_EVENTS)
+        audit.graph_launches = counts.get("cudaGraphLaunch", 0)
+        audit.memcpy_calls = sum(n for name, n in counts.items() if name.startswith("cudaMemcpy"))
+        # The profiler's own final torch.cuda.synchronize() is one; it is not the model's.
+        audit.device_syncs = max(0, sum(n for name, n in counts.items() if name in _SYNC_EVENTS) - 1)
 
 
 @torch.no_grad()
@@ -267,9 +351,10 @@ def audit_forward(model: nn.Module, inputs: tuple, *, device: torch.device, opaq
     first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
     audit = Audit(device=device.type, batch_size=int(first.shape[0]) if first is not None and first.dim() else 1,
                   opaque=opaque, input_bytes=tensors_bytes(inputs), input_tensors=_count_tensors(inputs))
-    with _force_eager(), _Transfers(audit), _Operations(audit):
+    transfers = _Transfers(audit)
+    operations = _Operations(audit, transfers)
+    with _force_eager(), transfers, operations:
         outputs = model(*inputs)
     audit.output_bytes, audit.output_tensors = tensors_bytes(outputs), _count_tensors(outputs)
-    if device.type == "cuda":
-        _profile_cuda(model, inputs, audit)
+    _profile(model, inputs, audit, operations.dispatched_syncs, device)
     return audit
