@@ -100,7 +100,7 @@ def test_roofline_arithmetic_compute_and_memory_bound():
     with pytest.raises(ValueError):
         roofline(flops_per_sample=0, bytes_per_batch=1, batch_size=1, samples_per_s=1, peak_flops_per_s=1,
                  peak_bytes_per_s=1, dtype="float32")
-    assert Roofline(**{k: v for k, v in compute.to_dict().items() if k not in ("roof", "bound", "fraction")}) == compute
+    assert Roofline.from_dict(compute.to_dict()) == compute
 
 
 def test_bytes_count_storage_once_at_its_dtype():
@@ -208,3 +208,22 @@ def test_audit_sees_the_syncs_of_a_fast_path_the_modes_switch_off():
     from overdrive.core.audit import FAST_PATH
 
     assert audit.syncs.get(FAST_PATH, 0) >= 1
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_int8_dynamic_weights_are_counted_at_one_byte():
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    fp32 = weight_bytes(model)
+    assert fp32 == (2 * (64 * 64 + 64) + 2 * 64) * 4
+    assert weight_bytes(quantized) == 2 * 64 * 64 + 2 * 64 * 4 + 2 * 64 * 4  # int8 weights, fp32 biases and LayerNorm
+
+
+def test_runtime_compute_dtypes():
+    from overdrive.techniques import default_config
+    from overdrive.techniques.registry import compute_dtype
+
+    assert compute_dtype([default_config("openvino-int8")]) == "int8"
+    assert compute_dtype([default_config("onnxruntime-int8")]) == "int8"
+    assert compute_dtype([default_config("onnxruntime")]) == "float32"
+    assert compute_dtype([default_config("bf16"), default_config("compile")]) == "bfloat16"

@@ -41,7 +41,8 @@ def test_technique_against_fp32(technique, workload_factory):
     if reason:
         assert technique.name in ("fp16", "bn-fold", "channels-last", "length-bucketing", "int8-dynamic", "prune-channels",
                                   "prune-heads", "prune-ffn", "sparsity-2:4", "pipeline-parallel", "remove-padding",
-                                  "openvino-int8", "tensorrt", "mixed-int8", "mixed-int8-static", "mixed-fp8"), reason
+                                  "openvino-int8", "tensorrt", "mixed-int8", "mixed-int8-static", "mixed-fp8",
+                                  "concurrent-streams", "cuda-graphs", "expandable-segments"), reason
         pytest.skip(reason)
     reference = reference_outputs(workload)
     model, policy = build(workload, [default_config(technique.name)], CPU)

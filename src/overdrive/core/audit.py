@@ -305,6 +305,24 @@ _PROFILED_SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_s
 FAST_PATH = "in PyTorch fast paths the counting modes switch off (seen by the profiler)"
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """The profiler's native library logs its start and stop (and, without a GPU, a device-count
+    error) straight to file descriptor 2; those lines are not the user's business. Python-level
+    errors are unaffected (they are raised, not printed)."""
+    import sys
+
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _profile(model: nn.Module, inputs: tuple, audit: Audit, seen_by_modes: int, device: torch.device) -> None:
     """The model run as it is (no counting modes) under the PyTorch profiler: scalar reads and
     data-dependent ops beyond `seen_by_modes` are syncs of a fast path the modes switched off
@@ -315,7 +333,7 @@ def _profile(model: nn.Module, inputs: tuple, audit: Audit, seen_by_modes: int, 
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         model(*inputs)
         if cuda:
             torch.cuda.synchronize(device)

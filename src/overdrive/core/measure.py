@@ -311,19 +311,23 @@ class Runner:
 
 
     def roofline(self, flops_per_sample: float | None, dtype: str, samples_per_s: float,
-                 weights: int | None = None) -> dict | None:
+                 fp32_weights: int | None = None) -> dict | None:
         """The roofline point (`core.roofline`) of `samples_per_s` for this runner's model and batches:
-        bytes per batch = the model's weights (`weights`, where its parameters are hidden from
-        PyTorch) + the mean timed batch's inputs + its outputs; None when the FLOPs are unknown."""
-        from overdrive.core.roofline import measured_roofline, tensors_bytes, weight_bytes
+        bytes per batch = the model's weights + the mean timed batch's inputs + its outputs; where the
+        weights are out of PyTorch's sight (a runtime outside it), `fp32_weights` (the fp32 model's)
+        at `dtype`'s width, marked as an estimate. None when the FLOPs are unknown."""
+        from overdrive.core.roofline import DTYPE_BYTES, measured_roofline, tensors_bytes, weight_bytes
 
         if self.model is None or not self.timed_batches:
             return None
         inputs = sum(tensors_bytes(b.inputs) for b in self.timed_batches) / len(self.timed_batches)
-        model_bytes = weight_bytes(self.model) or (weights or 0)
+        model_bytes = weight_bytes(self.model)
+        estimated = not model_bytes and bool(fp32_weights)
+        if estimated:
+            model_bytes = fp32_weights * DTYPE_BYTES.get(dtype, 4) / 4
         point = measured_roofline(device=self.device, dtype=dtype, flops_per_sample=flops_per_sample,
                                   bytes_per_batch=model_bytes + inputs + self.output_row_bytes * self.batch_size,
-                                  batch_size=self.batch_size, samples_per_s=samples_per_s)
+                                  batch_size=self.batch_size, samples_per_s=samples_per_s, weights_estimated=estimated)
         return point.to_dict() if point is not None else None
 
     def audit(self, *, opaque: bool = False) -> dict:
@@ -364,6 +368,8 @@ def measure(
     min_timed_calls: int = 10,
     min_timed_s: float = 1.0,
     max_timed_s: float = 30.0,
+    flops_per_sample: float | None = None,
+    audit: bool = False,
 ) -> tuple[Measurement, torch.Tensor]:
     """Measure `model` alone on the workload's samples `indices` at `batch_size`: warm-up, then
     timed passes (see `Runner`). To compare two models, `compare` interleaves their passes instead.
@@ -374,6 +380,9 @@ def measure(
         min_timed_calls: at least this many timed calls (whole passes).
         min_timed_s: and at least this much timed wall time, seconds.
         max_timed_s: stop adding passes once this much time was spent timing, seconds.
+        flops_per_sample: the model's FLOPs per row (`count_flops_per_sample`): with it, the
+            measurement's roofline point against this device's peaks (fp32).
+        audit: also audit one forward (`Measurement.audit`, `core.audit`).
 
     Returns:
         (measurement, outputs float32 [N, ...] on the CPU in the order of `indices`).
@@ -389,7 +398,10 @@ def measure(
         elapsed = time.perf_counter() - started
         if (len(runner.latencies_s) >= min_timed_calls and elapsed >= min_timed_s) or elapsed > max_timed_s:
             break
-    return judge_outputs(runner.measurement(), workload, outputs, indices, reference), outputs
+    m = judge_outputs(runner.measurement(), workload, outputs, indices, reference)
+    m.roofline = runner.roofline(flops_per_sample, "float32", m.samples_per_s)
+    m.audit = runner.audit() if audit else None
+    return m, outputs
 
 
 # Two-sided 99.5% quantiles of Student's t for 1..30 degrees of freedom (the 99% interval). 99%, not 95%: a

@@ -17,15 +17,19 @@ What is counted, per batch (`traffic_per_batch`):
 - FLOPs: the model's FLOPs per sample (torch.utils.flop_counter, matmul/conv as 2 × MACs) × rows:
   the work of the model as defined, as model-FLOPs utilisation counts it, whatever a runtime fuses
   or recomputes; a pruned model's FLOPs are its own.
-- bytes: the weights once at their storage dtype (parameters and buffers, shared storage once),
-  plus the batch's inputs and its outputs. Activations that spill to memory are not counted, so the
-  intensity is an upper bound and a memory-bound verdict is, if anything, generous.
+- bytes: the weights once at their storage dtype (parameters and buffers, shared storage once,
+  torch.ao's packed int8 weights), plus the batch's inputs and its outputs; for a runtime outside
+  PyTorch, whose weights are out of sight, the fp32 model's parameters at the plan dtype's width
+  (marked '~'). Activations that spill to memory are not counted, so the intensity is an upper bound.
+- The memory roof is the device-memory (DRAM, HBM) copy bandwidth. On a CPU a model whose weights
+  fit in the last-level cache can run above it: the share is then marked '!' (`ABOVE_ROOF`), as it is
+  when a peak was measured low on a busy machine.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import nn
@@ -112,13 +116,28 @@ def peak_bandwidth(device: torch.device) -> float:
     return _PEAKS[key]
 
 
+# Bytes per element of each compute dtype, for weights a runtime outside PyTorch holds out of sight.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8": 1}
+
+
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers at their storage dtype, each storage once."""
+    """Bytes of the model's parameters and buffers at their storage dtype, each storage once, and of
+    the packed weights of torch.ao's quantised modules (int8 weights that are neither)."""
     seen: set[int] = set()
     total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        if hasattr(module, "_packed_params") and callable(getattr(module, "weight", None)):
+            tensors += [t for t in (module.weight(), module.bias() if callable(getattr(module, "bias", None)) else None)
+                        if isinstance(t, torch.Tensor)]
+    for tensor in tensors:
+        if tensor.device.type == "meta":
+            continue
+        if tensor.is_quantized:  # no untyped storage to key by: its own bytes
+            total += tensor.numel() * tensor.element_size()
+            continue
         storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen or tensor.device.type == "meta":
+        if storage.data_ptr() in seen:
             continue
         seen.add(storage.data_ptr())
         total += storage.nbytes()
@@ -138,8 +157,8 @@ def tensors_bytes(values) -> int:
 
 # Above the roof by more than this, a fraction means the peak was measured low (a busy machine), not a faster kernel.
 ROOF_SLACK = 0.05
-ABOVE_ROOF = ("above the roof: the peak was measured low (the machine was busy while it was measured), so the roofline "
-              "shares of this run are uncertain")
+ABOVE_ROOF = ("above the roof: a peak was measured low (the machine was busy while it was measured), or on a CPU the "
+              "weights fit in its cache (faster than the memory roof); such shares are uncertain")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +172,8 @@ class Roofline:
         intensity: FLOPs per byte moved (F / Q).
         peak_flops_per_s: the measured GEMM peak in `dtype`.
         peak_bytes_per_s: the measured copy bandwidth.
+        weights_estimated: the weights are held out of PyTorch's sight (a runtime outside it): their
+            bytes are the fp32 model's parameter count at `dtype`'s width, an estimate ('~' in the cell).
     """
 
     dtype: str
@@ -161,6 +182,7 @@ class Roofline:
     intensity: float
     peak_flops_per_s: float
     peak_bytes_per_s: float
+    weights_estimated: bool = False
 
     @property
     def roof(self) -> float:
@@ -181,14 +203,21 @@ class Roofline:
         line = (f"{self.flops_per_s / 1e12:.3g} TFLOP/s and {self.bytes_per_s / 1e9:.3g} GB/s at {self.intensity:.3g} "
                 f"FLOP/byte: {100 * self.fraction:.1f}% of the {self.bound} roof (measured peaks: {self.dtype} GEMM "
                 f"{self.peak_flops_per_s / 1e12:.3g} TFLOP/s, copy {self.peak_bytes_per_s / 1e9:.3g} GB/s)")
+        if self.weights_estimated:
+            line += "; the runtime holds the weights out of sight: their bytes are estimated at the plan's dtype"
         return line + (f"; {ABOVE_ROOF}" if self.fraction > 1 + ROOF_SLACK else "")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "roof": self.roof, "bound": self.bound, "fraction": self.fraction}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Roofline:
+        """`to_dict`'s inverse (the derived figures are recomputed)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
 
 def roofline(*, flops_per_sample: float, bytes_per_batch: float, batch_size: int, samples_per_s: float,
-             peak_flops_per_s: float, peak_bytes_per_s: float, dtype: str) -> Roofline:
+             peak_flops_per_s: float, peak_bytes_per_s: float, dtype: str, weights_estimated: bool = False) -> Roofline:
     """The roofline point of a measured configuration (pure arithmetic; the peaks are given).
 
     Raises:
@@ -199,11 +228,12 @@ def roofline(*, flops_per_sample: float, bytes_per_batch: float, batch_size: int
     return Roofline(dtype=dtype, flops_per_s=flops_per_sample * samples_per_s,
                     bytes_per_s=bytes_per_batch * samples_per_s / batch_size,
                     intensity=flops_per_sample * batch_size / bytes_per_batch,
-                    peak_flops_per_s=peak_flops_per_s, peak_bytes_per_s=peak_bytes_per_s)
+                    peak_flops_per_s=peak_flops_per_s, peak_bytes_per_s=peak_bytes_per_s,
+                    weights_estimated=weights_estimated)
 
 
 def measured_roofline(*, device: torch.device, dtype: str, flops_per_sample: float | None, bytes_per_batch: float,
-                      batch_size: int, samples_per_s: float) -> Roofline | None:
+                      batch_size: int, samples_per_s: float, weights_estimated: bool = False) -> Roofline | None:
     """`roofline` against this device's measured peaks (measured now if not yet); None when the
     FLOPs are unknown or the device has no GEMM in `dtype` (the fp32 one is used instead then)."""
     if not flops_per_sample or samples_per_s <= 0 or bytes_per_batch <= 0:
@@ -215,7 +245,7 @@ def measured_roofline(*, device: torch.device, dtype: str, flops_per_sample: flo
         return None
     return roofline(flops_per_sample=flops_per_sample, bytes_per_batch=bytes_per_batch, batch_size=batch_size,
                     samples_per_s=samples_per_s, peak_flops_per_s=peak, peak_bytes_per_s=peak_bandwidth(device),
-                    dtype=dtype)
+                    dtype=dtype, weights_estimated=weights_estimated)
 
 
 def describe_peaks(device: torch.device) -> str:
@@ -235,7 +265,7 @@ def roofline_cell(point: dict | None, compact: bool = False) -> str:
         return ""
     bound = {"compute": "comp", "memory": "mem"}[point["bound"]] if compact else point["bound"]
     mark = "!" if point["fraction"] > 1 + ROOF_SLACK else ""
-    return f"{100 * point['fraction']:.0f}%{mark} {bound}"
+    return f"{'~' if point.get('weights_estimated') else ''}{100 * point['fraction']:.0f}%{mark} {bound}"
 
 
 def above_roof(points) -> bool:

@@ -104,6 +104,7 @@ class Technique:
             exports the model built so far; only exportable steps may come before it, none after.
         compute_dtype: the dtype its matrix products run in ("bfloat16", "int8", ...), whose measured
             GEMM peak is a plan's compute roof (`core.roofline`); None: it leaves the dtype as it was.
+            A technique whose dtype depends on its config (a runtime's precision) overrides `dtype_of`.
     """
 
     config_cls: ClassVar[type[TechniqueConfig]]
@@ -147,6 +148,10 @@ class Technique:
         """The configs the tuner measures, each alone, when the user gave none (`config` is the default):
         the fastest kept one is composed. One, `config`, unless the technique has modes worth searching."""
         return [config]
+
+    def dtype_of(self, config: TechniqueConfig) -> str | None:
+        """The dtype `config`'s matrix products run in (see `compute_dtype`); None: unchanged."""
+        return self.compute_dtype
 
     def includes(self, config: TechniqueConfig) -> tuple[str, ...]:
         """Names of techniques whose effect this step already has (a searched precision step that
@@ -268,7 +273,7 @@ def conflict(steps: list[TechniqueConfig], step: TechniqueConfig) -> str | None:
 
 def compute_dtype(steps: list[TechniqueConfig]) -> str:
     """The dtype a plan's matrix products run in: the last step's that sets one, else "float32"."""
-    dtypes = [technique_for(s).compute_dtype for s in steps if technique_for(s).compute_dtype]
+    dtypes = [d for d in (technique_for(s).dtype_of(s) for s in steps) if d]
     return dtypes[-1] if dtypes else "float32"
 
 

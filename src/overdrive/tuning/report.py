@@ -120,8 +120,7 @@ def figure_lines(result: TuneResult) -> list[str]:
         if m.roofline:
             from overdrive.core.roofline import Roofline
 
-            point = Roofline(**{k: m.roofline[k] for k in ("dtype", "flops_per_s", "bytes_per_s", "intensity",
-                                                             "peak_flops_per_s", "peak_bytes_per_s")})
+            point = Roofline.from_dict(m.roofline)
             lines.append(f"roofline, {name}: {point.describe()}")
         if m.audit:
             from overdrive.core.audit import Audit

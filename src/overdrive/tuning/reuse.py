@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from overdrive.core.errors import ConfigError, WorkloadError, arg
-from overdrive.core.measure import Measurement, cycle_indices, measure
+from overdrive.core.measure import Measurement, count_flops_per_sample, cycle_indices, measure
 from overdrive.core.workload import Workload
 from overdrive.tuning.api import PYTHON_MODEL_PREFIX, data_left, as_workload
 from overdrive.tuning.plan import Plan, build, load_plan
@@ -65,7 +65,7 @@ def _example_from(plan: Plan) -> tuple[torch.Tensor, ...]:
 def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int] | None = None,
           device: str | torch.device | None = None, plan: str | Path | None = None,
           data: Iterable | str | Path | None = None, num_samples: int | None = None,
-          text_field: str | None = None) -> dict[int, Measurement]:
+          text_field: str | None = None, audit: bool = False) -> dict[int, Measurement]:
     """Measure latency, throughput and peak memory at each batch size.
 
     Args:
@@ -81,6 +81,10 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
             example's rows); for any model, a file as for `optimize`; `text_field` names the text
             column of a .jsonl / .csv file.
         num_samples: rows per measurement (≥ the batch size); None: 512 for text, all otherwise.
+        audit: also audit one forward at each size (`Measurement.audit`: host↔device copies, syncs,
+            operations; see `overdrive.core.audit`).
+
+    Every Measurement has its roofline point (`Measurement.roofline`) against this device's measured peaks.
 
     Returns:
         {batch size: Measurement}, in the order of `batch_sizes` (static-batch models: their one size).
@@ -99,11 +103,13 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
         if session.refused_sizes(batch_sizes or []):
             raise ConfigError(f"{arg('batch_sizes', batch_sizes)}: {session.refused_sizes(batch_sizes)[0]}")
         sizes = session.sweep_sizes(batch_sizes or [session.batch_size])
+        indices = cycle_indices(session.num_distinct_samples, len(workload.samples))
+        flops = count_flops_per_sample(model, workload, device=session.device, indices=indices)
         out = {}
         for b in sizes:
             indices = cycle_indices(max(session.num_distinct_samples, b), len(workload.samples))
             out[b] = measure(model, workload, device=session.device, batch_size=b, indices=indices,
-                             min_timed_calls=5, min_timed_s=0.5)[0]
+                             min_timed_calls=5, min_timed_s=0.5, flops_per_sample=flops, audit=audit)[0]
         return out
     loaded = None
     if plan is not None:
@@ -112,7 +118,8 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
                            num_samples=num_samples, data=data, text_field=text_field)
     if session.refused_sizes(batch_sizes or []):
         raise ConfigError(f"{arg('batch_sizes', batch_sizes)}: {session.refused_sizes(batch_sizes)[0]}")
-    curves, failures, _ = compare_plan(session, loaded, session.sweep_sizes(batch_sizes or [session.batch_size]))
+    curves, failures, _ = compare_plan(session, loaded, session.sweep_sizes(batch_sizes or [session.batch_size]),
+                                       audit=audit)
     if failures:
         raise WorkloadError("; ".join(failures))
     return dict(curves[list(curves)[-1]])

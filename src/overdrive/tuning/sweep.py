@@ -221,7 +221,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
                 m = judge_outputs(runner.measurement(), workload, outputs[label], indices, reference)
                 m.gain = gains.get(label)
                 steps = configs[label]
-                m.roofline = runner.roofline(flops[label], compute_dtype(steps), m.samples_per_s, weights=first_weights)
+                m.roofline = runner.roofline(flops[label], compute_dtype(steps), m.samples_per_s, fp32_weights=first_weights)
                 fell_back = fallbacks(runner.model)
                 if fell_back:  # not a failure: said, with the figures
                     notice(f"{label} at batch size {b}: {fell_back}")

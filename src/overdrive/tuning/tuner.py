@@ -247,7 +247,7 @@ class Tuner:
         if fell_back:
             self.warnings.append(f"{' + '.join(s.name for s in steps)}: {fell_back}; those calls' figures are eager")
         try:
-            m.roofline = runner.roofline(flops, compute_dtype(steps), m.samples_per_s, weights=self.weights)
+            m.roofline = runner.roofline(flops, compute_dtype(steps), m.samples_per_s, fp32_weights=self.weights)
             if audit:
                 m.audit = runner.audit(opaque=any(technique_for(s).leaves_pytorch for s in steps))
         except Exception as exc:  # noqa: BLE001 - informative figures, never the verdict
@@ -299,8 +299,8 @@ class Tuner:
     def run(self) -> TuneResult:
         rows: list[Row] = []
         self.progress("the device's peaks (GEMM per dtype, copy bandwidth)")
-        measure_peaks(self.device, [get_technique(n).compute_dtype for n in self.techniques
-                                    if get_technique(n).compute_dtype and self._skip_reason(n) is None])
+        measure_peaks(self.device, [d for n in self.techniques if self._skip_reason(n) is None
+                                    for d in [get_technique(n).dtype_of(self._step(n))] if d])
         self.progress("baseline (eager fp32)")
         base, self.reference, flops = self._baseline()
         self.baseline_task_metric = self.workload.task_metric(self.reference, self.indices) if self.workload.has_task_metric \

@@ -58,7 +58,8 @@ class ExpandableSegmentsTechnique(Technique):
     lossless = True
     opt_in = True
     devices = ("cuda",)
-    description = "the CUDA caching allocator's expandable segments (less fragmentation: read the reserved memory)"
+    description = ("opt-in: the CUDA caching allocator's expandable segments (less fragmentation: read the reserved "
+                   "memory)")
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if not hasattr(torch.cuda.memory, "_set_allocator_settings"):

@@ -157,6 +157,7 @@ class OnnxRuntimeInt8(ExportedRuntime):
     package = "onnxruntime"
     install_hint = "pip install onnxruntime"
     description = "ONNX Runtime int8 (dynamic, or static calibrated on training rows)"
+    compute_dtype = "int8"
     batch_dependence = "ONNX Runtime's dynamic int8 scales each activation with one scale for the whole batch"
 
     def apply(self, model, config, *, workload, device):

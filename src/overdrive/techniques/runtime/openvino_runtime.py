@@ -21,11 +21,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from overdrive.core.devices import cpu_has_native_bf16
 from overdrive.core.workload import Workload
 from overdrive.techniques.registry import TechniqueConfig, register
 from overdrive.techniques.runtime.exported import ExportedRuntime, RuntimeModule, cpu_model
 
 CALIBRATION_ROWS = 128
+
 
 
 class Precision(str, enum.Enum):
@@ -122,6 +124,12 @@ class OpenVino(ExportedRuntime):
     install_hint = "pip install openvino"
     description = "OpenVINO on CPU (converted from PyTorch; the CPU plugin's precision: bf16 where the CPU has it)"
 
+    def dtype_of(self, config):
+        """The CPU plugin's default is bf16 where the CPU has AVX512-BF16 or AMX (what `apply` reports)."""
+        if config.precision == Precision.DEFAULT:
+            return "bfloat16" if cpu_has_native_bf16() else "float32"
+        return {Precision.F32: "float32", Precision.BF16: "bfloat16"}[config.precision]
+
     def apply(self, model, config, *, workload, device):
         ov_model = convert(model, workload)
         hint = {} if config.precision == Precision.DEFAULT else {"INFERENCE_PRECISION_HINT": config.precision.value}
@@ -136,6 +144,7 @@ class OpenVinoInt8(ExportedRuntime):
     package = "nncf"
     install_hint = "pip install nncf openvino"
     description = "OpenVINO int8 (NNCF post-training quantisation calibrated on training rows)"
+    compute_dtype = "int8"
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if not workload.train_samples:

@@ -50,6 +50,10 @@ class TensorRt(ExportedRuntime):
     install_hint = "an optional extra: pip install torch-tensorrt matching your torch"
     description = "TensorRT through torch-tensorrt (CUDA; fp16/bf16 where faster)"
 
+    def dtype_of(self, config):
+        """The lowest precision TensorRT may pick: the compute roof it could reach."""
+        return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(config.precision.value, "float32")
+
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if workload.is_torchscript:
             return "not applicable: torch-tensorrt's dynamo path cannot trace TorchScript modules"
