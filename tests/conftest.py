@@ -12,7 +12,9 @@ from overdrive.core.workload import Workload, embedding_fidelity, logits_fidelit
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def requires_cuda(test):
+    """Skipped without a CUDA GPU, and marked `cuda`, so `pytest -m cuda` (what `make gpu-check` runs) selects it."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
 class TinyConvNet(nn.Module):

@@ -84,7 +84,7 @@ def main(args, argv: list[str]) -> int:
     for label, points in curves.items():
         for b, m in points:
             if m.audit:
-                audit = Audit(**{k: v for k, v in m.audit.items() if k != "num_syncs"})
+                audit = Audit.from_dict(m.audit)
                 console.print(f"audit, {label}: {audit.describe()}", highlight=False, soft_wrap=True)
     out = session.out_dir
     write_results(out / "bench.json", {

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch import nn
@@ -133,6 +133,11 @@ class Audit:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "num_syncs": self.num_syncs}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Audit:
+        """`to_dict`'s inverse (results.json, bench.json)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 _INTERNAL = (f"{os.sep}torch{os.sep}", f"{os.sep}overdrive{os.sep}core{os.sep}audit.py", f"{os.sep}contextlib.py")

@@ -125,7 +125,7 @@ def figure_lines(result: TuneResult) -> list[str]:
         if m.audit:
             from overdrive.core.audit import Audit
 
-            audit = Audit(**{k: v for k, v in m.audit.items() if k != "num_syncs"})
+            audit = Audit.from_dict(m.audit)
             lines.append(f"audit, {name}: {audit.describe()}")
     return lines
 
