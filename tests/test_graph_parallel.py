@@ -378,3 +378,18 @@ def test_branch_names_are_unique_within_a_region():
     net = torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=False).eval()
     for region in find_regions(fx.symbolic_trace(net)):
         assert len(set(region.names)) == len(region.names), region.names
+
+
+def test_graph_replays_from_several_threads_each_get_their_own_answer():
+    """serve's instance threads and run's replicas may share one model: a replay and its copy-out are one step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    module = CUDAGraphModule(Doubler(), capture=FakeCapture(), max_graphs=4)
+
+    def call(k: int) -> bool:
+        x = torch.full((4, 8), float(k))
+        return torch.equal(module(x)["y"], x * 2)
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(call, range(200)))
+    assert module.stats.captured == 1 and module.stats.replays == 200
