@@ -307,7 +307,7 @@ def _force_eager():
 
 _PROFILED_SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
                    "aten::unique_dim", "aten::unique_consecutive"}
-FAST_PATH = "in PyTorch fast paths the counting modes switch off (seen by the profiler)"
+FAST_PATH = "in the model as it runs, beyond the eager count (fused fast paths, compiled code; the profiler)"
 
 
 @contextlib.contextmanager
@@ -329,13 +329,14 @@ def _quiet_native_stderr():
 
 
 def _profile(model: nn.Module, inputs: tuple, audit: Audit, seen_by_modes: int, device: torch.device) -> None:
-    """The model run as it is (no counting modes) under the PyTorch profiler: scalar reads and
-    data-dependent ops beyond `seen_by_modes` are syncs of a fast path the modes switched off
-    (nn.TransformerEncoder's nested tensors, nn.MultiheadAttention's fused kernel); on CUDA also the
-    kernel launches, CUDA-graph launches, memcpy calls and device synchronisations."""
+    """The model run as it is (no counting modes; once unprofiled first) under the PyTorch profiler:
+    scalar reads and data-dependent ops beyond `seen_by_modes` are syncs of a path the modes did not
+    see (a fused fast path they switch off, such as nn.TransformerEncoder's nested tensors, or compiled
+    code); on CUDA also the kernel launches, CUDA-graph launches, memcpy calls and device synchronisations."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
+    model(*inputs)  # after the eager pass under the modes: anything lazy happens here, not in the profile
     if cuda:
         torch.cuda.synchronize(device)
     with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:

@@ -23,7 +23,8 @@ What is counted, per batch (`traffic_per_batch`):
   (marked '~'). Activations that spill to memory are not counted, so the intensity is an upper bound.
 - The memory roof is the device-memory (DRAM, HBM) copy bandwidth. On a CPU a model whose weights
   fit in the last-level cache can run above it: the share is then marked '!' (`ABOVE_ROOF`), as it is
-  when a peak was measured low on a busy machine.
+  when a peak was measured low on a busy machine, or when a runtime outside PyTorch (OpenVINO's VNNI
+  int8 kernels) beats the PyTorch GEMM the compute peak is measured with.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ def tensors_bytes(values) -> int:
 
 # Above the roof by more than this, a fraction means the peak was measured low (a busy machine), not a faster kernel.
 ROOF_SLACK = 0.05
-ABOVE_ROOF = ("above the roof: a peak was measured low (the machine was busy while it was measured), or on a CPU the "
-              "weights fit in its cache (faster than the memory roof); such shares are uncertain")
+ABOVE_ROOF = ("above the roof: a peak was measured low (the machine was busy while it was measured, or a runtime's own "
+              "kernels beat the PyTorch GEMM the peak is measured with), or on a CPU the weights fit in its cache (faster "
+              "than the memory roof); such shares are uncertain")
 
 
 @dataclass(frozen=True, kw_only=True)
