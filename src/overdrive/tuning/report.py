@@ -12,7 +12,8 @@ from rich.table import Table
 
 from overdrive.core.measure import Measurement
 from overdrive.core.report import environment, format_bytes, format_fidelity, sweep_markdown
-from overdrive.core.roofline import roofline_cell
+from overdrive.core.audit import Audit
+from overdrive.core.roofline import Roofline, roofline_cell
 from overdrive.techniques import describe_report
 from overdrive.tuning.tuner import Row, TuneResult
 
@@ -109,24 +110,17 @@ def figure_lines(result: TuneResult) -> list[str]:
     """The roofline of the baseline and the plan (with the peaks measured), and the copy and sync audit of
     one forward of each."""
     lines = []
-    peaks = getattr(result, "peaks", "")
-    if peaks:
-        lines.append(f"measured peaks: {peaks}")
+    if result.peaks:
+        lines.append(f"measured peaks: {result.peaks}")
     for row in result.rows:
         m = row.measurement
         if row.phase not in ("baseline", "plan") or m is None or (row.phase == "plan" and not row.steps):
             continue
         name = "baseline" if row.phase == "baseline" else row.label
         if m.roofline:
-            from overdrive.core.roofline import Roofline
-
-            point = Roofline.from_dict(m.roofline)
-            lines.append(f"roofline, {name}: {point.describe()}")
+            lines.append(f"roofline, {name}: {Roofline.from_dict(m.roofline).describe()}")
         if m.audit:
-            from overdrive.core.audit import Audit
-
-            audit = Audit.from_dict(m.audit)
-            lines.append(f"audit, {name}: {audit.describe()}")
+            lines.append(f"audit, {name}: {Audit.from_dict(m.audit).describe()}")
     return lines
 
 
@@ -179,8 +173,8 @@ def write_report_md(path: Path, *, result: TuneResult, workload_name: str, devic
                     sweep: dict[str, list[tuple[int, Measurement]]], plot_name: str | None, command: str,
                     real_weights: bool, rows_description: str = "the evaluation rows", notes: list[str] = ()) -> None:
     b = result.baseline
-    flops = (f"; FLOPs per sample (eager fp32, torch.utils.flop_counter; text: real tokens, no padding): {result.flops_per_sample / 1e9:.3f} GFLOP"
-             if result.flops_per_sample else "")
+    flops = (f"; FLOPs per sample (eager fp32, torch.utils.flop_counter; text: real tokens, no padding): "
+             f"{result.flops_per_sample / 1e9:.3f} GFLOP" if result.flops_per_sample else "")
     env = environment()
     lines = [
         f"# overdrive optimize {workload_name}",
