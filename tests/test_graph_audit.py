@@ -227,3 +227,41 @@ def test_runtime_compute_dtypes():
     assert compute_dtype([default_config("onnxruntime-int8")]) == "int8"
     assert compute_dtype([default_config("onnxruntime")]) == "float32"
     assert compute_dtype([default_config("bf16"), default_config("compile")]) == "bfloat16"
+
+
+def test_audit_tracks_factories_and_new_tensor():
+    class Made(nn.Module):
+        def forward(self, x):
+            steps = torch.arange(3).to(x.device)  # made on the host, then moved: one copy
+            zeros = torch.zeros(3, device=x.device)  # made on the device: none
+            extra = x.new_tensor([1.0, 2.0, 3.0])  # host data to x's device: one copy
+            buf = torch.empty(2, 3)
+            buf.copy_(x)  # device to a host buffer: one copy and a sync
+            return x + steps + zeros + extra + buf  # the host buffer used on the device: a copy back
+
+    audit = audit_forward(Made(), (torch.ones(2, 3),), device=CPU)
+    assert (audit.h2d_copies, audit.d2h_copies) == (3, 1) and audit.syncs == {"copy_ to host": 1}
+    assert audit.h2d_bytes == 3 * 8 + 3 * 4 + 6 * 4 and audit.d2h_bytes == 24
+
+
+def test_nan_and_non_init_dataclass_fields_in_graphs():
+    from dataclasses import dataclass as plain_dataclass, field as plain_field
+
+    from overdrive.techniques.runtime.cuda_graphs import CUDAGraphModule, FakeCapture
+
+    @plain_dataclass
+    class Out:
+        a: torch.Tensor
+        b: torch.Tensor = plain_field(init=False)
+
+    class Model(nn.Module):
+        def forward(self, x, scale):
+            out = Out(x * 2)
+            out.b = x + (0.0 if scale != scale else scale)
+            return out
+
+    module = CUDAGraphModule(Model(), capture=FakeCapture(), max_graphs=4)
+    for k in range(3):
+        got = module(torch.full((2,), float(k)), float("nan"))
+        assert torch.equal(got.a, torch.full((2,), 2.0 * k)) and torch.equal(got.b, torch.full((2,), float(k)))
+    assert module.stats.captured == 1 and module.stats.eager_calls == 0

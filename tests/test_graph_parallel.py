@@ -3,6 +3,8 @@ streams on the CPU) and cuda-graphs (the capture bookkeeping, with a fake captur
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torchvision
@@ -393,3 +395,63 @@ def test_graph_replays_from_several_threads_each_get_their_own_answer():
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(call, range(200)))
     assert module.stats.captured == 1 and module.stats.replays == 200
+
+
+class WritesThroughACast(nn.Module):
+    """`.float()` of a float tensor is the tensor itself: a write through it reaches the shared input."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.ha, self.hb = nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        a = self.ha(h)
+        b = self.hb(torch.nn.functional.relu(h.float(), inplace=True))
+        return a, b
+
+
+class OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        h = self.a(x) + self.b(x)
+        return h if mask is None else h * mask
+
+
+class ScalesABuffer(nn.Module):
+    """A forward that writes into a buffer no traced value holds: fx records one run of it, not the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.ha, self.hb = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.register_buffer("s", torch.ones(()))
+
+    def forward(self, x):
+        a = self.ha(x * self.s)
+        self.s.mul_(2)
+        b = self.hb(x * self.s)
+        self.s.div_(2)
+        return a + b
+
+
+def test_writes_through_calls_that_may_return_their_input_keep_the_region_serial():
+    assert find_regions(fx.symbolic_trace(WritesThroughACast())) == []
+
+
+def test_parameters_not_passed_are_traced_at_their_defaults_and_untraced_work_is_refused():
+    technique = get_technique("concurrent-streams")
+    model, x = OptionalMask().eval(), torch.randn(3, 8)
+    workload = _workload(model)
+    streamed = technique.apply(copy.deepcopy(workload.model), technique.config_cls(), workload=workload, device=CPU)
+    with torch.no_grad():
+        assert torch.equal(streamed(x), model(x))
+    scaled = ScalesABuffer().eval()
+    workload = _workload(scaled)
+    before = scaled.s.clone()
+    assert technique.applicability(workload, torch.device("cuda")) is None  # traced on a copy: the buffer is untouched
+    assert torch.equal(scaled.s, before)
+    with pytest.raises(RuntimeError, match="does not reproduce the model"):
+        technique.apply(copy.deepcopy(workload.model), technique.config_cls(), workload=workload, device=CPU)

@@ -140,7 +140,8 @@ class Audit:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
-_INTERNAL = (f"{os.sep}torch{os.sep}", f"{os.sep}overdrive{os.sep}core{os.sep}audit.py", f"{os.sep}contextlib.py")
+_INTERNAL = (f"{os.sep}torch{os.sep}", f"{os.sep}overdrive{os.sep}core{os.sep}", f"{os.sep}overdrive{os.sep}techniques{os.sep}",
+             f"{os.sep}contextlib.py")
 
 
 def _caller() -> str:
@@ -159,6 +160,11 @@ def _count_tensors(values) -> int:
     if isinstance(values, (tuple, list)):
         return sum(_count_tensors(v) for v in values)
     return 0
+
+
+# Factories that make a tensor on `device=` (the host when not given), from no tensor.
+_FACTORIES = {"zeros", "ones", "empty", "full", "arange", "linspace", "logspace", "eye", "rand", "randn", "randint",
+              "randperm", "empty_strided", "tril_indices", "triu_indices"}
 
 
 class _Transfers(TorchFunctionMode):
@@ -243,6 +249,15 @@ class _Transfers(TorchFunctionMode):
                 self._d2h(args[1], "copy_ to host")
             elif src_host and not dst_host:
                 self._h2d(args[1])
+        elif name in _FACTORIES and isinstance(out, torch.Tensor) and not self._to_host(kwargs.get("device", "cpu")):
+            pass  # made on the model's device (device=x.device): no copy, not on the host
+        elif name in _FACTORIES and isinstance(out, torch.Tensor):
+            self._mark_host(out)  # torch.zeros(8), torch.arange(n): made on the host, as on a GPU run
+        elif this is not None and name == "new_tensor" and isinstance(out, torch.Tensor):
+            if not self.is_host(this):
+                self._h2d(out)  # host data to the tensor's device
+            else:
+                self._mark_host(out)
         elif name in ("tensor", "as_tensor", "from_numpy") and isinstance(out, torch.Tensor):
             source = args[0] if args else kwargs.get("data")
             if isinstance(source, torch.Tensor):
@@ -307,7 +322,18 @@ def _force_eager():
 
 _PROFILED_SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
                    "aten::unique_dim", "aten::unique_consecutive"}
-FAST_PATH = "in the model as it runs, beyond the eager count (fused fast paths, compiled code; the profiler)"
+FAST_PATH = ("in the model as it runs, beyond the eager count (fused fast paths, compiled code; the profiler, on this "
+             "device's own kernels)")
+
+
+def _inside_sync(event) -> bool:
+    """Whether a profiler event runs inside another event counted as a sync."""
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        if parent.name in _PROFILED_SYNCS:
+            return True
+        parent = getattr(parent, "cpu_parent", None)
+    return False
 
 
 @contextlib.contextmanager
@@ -344,9 +370,12 @@ def _profile(model: nn.Module, inputs: tuple, audit: Audit, seen_by_modes: int, 
         if cuda:
             torch.cuda.synchronize(device)
     counts: dict[str, int] = {}
+    syncs = 0
     for event in prof.events():
         counts[event.name] = counts.get(event.name, 0) + 1
-    hidden = sum(n for name, n in counts.items() if name in _PROFILED_SYNCS) - seen_by_modes
+        if event.name in _PROFILED_SYNCS and not _inside_sync(event):
+            syncs += 1  # a masked_select's own scalar read is part of it, not a second sync
+    hidden = syncs - seen_by_modes
     if hidden > 0:
         audit.syncs[FAST_PATH] = hidden
     if cuda:

@@ -369,6 +369,7 @@ def measure(
     min_timed_s: float = 1.0,
     max_timed_s: float = 30.0,
     flops_per_sample: float | None = None,
+    dtype: str = "float32",
     audit: bool = False,
 ) -> tuple[Measurement, torch.Tensor]:
     """Measure `model` alone on the workload's samples `indices` at `batch_size`: warm-up, then
@@ -381,7 +382,7 @@ def measure(
         min_timed_s: and at least this much timed wall time, seconds.
         max_timed_s: stop adding passes once this much time was spent timing, seconds.
         flops_per_sample: the model's FLOPs per row (`count_flops_per_sample`): with it, the
-            measurement's roofline point against this device's peaks (fp32).
+            measurement's roofline point against this device's peaks, the GEMM peak in `dtype`.
         audit: also audit one forward (`Measurement.audit`, `core.audit`).
 
     Returns:
@@ -399,7 +400,7 @@ def measure(
         if (len(runner.latencies_s) >= min_timed_calls and elapsed >= min_timed_s) or elapsed > max_timed_s:
             break
     m = judge_outputs(runner.measurement(), workload, outputs, indices, reference)
-    m.roofline = runner.roofline(flops_per_sample, "float32", m.samples_per_s)
+    m.roofline = runner.roofline(flops_per_sample, dtype, m.samples_per_s)
     m.audit = runner.audit() if audit else None
     return m, outputs
 
@@ -487,7 +488,7 @@ def compare(reference: Runner, candidate: Runner, *, min_gain: float, min_rounds
 def count_flops_per_sample(model: nn.Module, workload: Workload, *, device: torch.device, indices: list[int]) -> float | None:
     """FLOPs per row of one eager forward on the first samples (torch.utils.flop_counter).
 
-    Text (a workload with `sample_length`): each of the first 16 samples alone, so the count is of
+    Text (a workload with `sample_length`): up to 64 samples spread over `indices`, each alone, so the count is of
     real tokens only, never of the padding a batch adds (a candidate that pads less, length bucketing
     or remove-padding, does the same useful work); the mean per sample. Otherwise one batch of the
     first samples, divided by its rows. A compiled model is counted eagerly (not recompiled).
@@ -500,8 +501,9 @@ def count_flops_per_sample(model: nn.Module, workload: Workload, *, device: torc
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    if workload.is_text:
-        chunks = [[i] for i in list(dict.fromkeys(indices))[:16]]
+    if workload.is_text:  # up to 64 rows spread evenly over the distinct rows measured, each alone
+        distinct = list(dict.fromkeys(indices))
+        chunks = [[distinct[k * len(distinct) // min(64, len(distinct))]] for k in range(min(64, len(distinct)))]
     else:
         chunks = [indices[: min(len(indices), workload.default_batch_size)]]
     fast_path = torch.backends.mha.get_fastpath_enabled()

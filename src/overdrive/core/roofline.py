@@ -202,9 +202,10 @@ class Roofline:
         return self.flops_per_s / self.roof if self.roof > 0 else math.nan
 
     def describe(self) -> str:
+        unit = "TOP/s" if self.dtype == "int8" else "TFLOP/s"
         line = (f"{self.flops_per_s / 1e12:.3g} TFLOP/s and {self.bytes_per_s / 1e9:.3g} GB/s at {self.intensity:.3g} "
                 f"FLOP/byte: {100 * self.fraction:.1f}% of the {self.bound} roof (measured peaks: {self.dtype} GEMM "
-                f"{self.peak_flops_per_s / 1e12:.3g} TFLOP/s, copy {self.peak_bytes_per_s / 1e9:.3g} GB/s)")
+                f"{self.peak_flops_per_s / 1e12:.3g} {unit}, copy {self.peak_bytes_per_s / 1e9:.3g} GB/s)")
         if self.weights_estimated:
             line += "; the runtime holds the weights out of sight: their bytes are estimated at the plan's dtype"
         return line + (f"; {ABOVE_ROOF}" if self.fraction > 1 + ROOF_SLACK else "")

@@ -96,7 +96,7 @@ def format_memory(m: Measurement) -> str:
 
 ROOFLINE_NOTE = ("roofline: achieved FLOP/s (the model's FLOPs per sample × samples/s) over the binding roof (comp: the "
                  "GEMM peak in the plan's dtype; mem: FLOP/byte × copy bandwidth), both peaks measured on this device; "
-                 "bytes: weights + inputs + outputs")
+                 "bytes: weights + inputs + outputs; ~: a runtime's hidden weights estimated; !: above the roof, uncertain")
 
 
 def table_note(result: TuneResult, rows_description: str = "") -> str:

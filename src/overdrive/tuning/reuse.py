@@ -62,6 +62,17 @@ def _example_from(plan: Plan) -> tuple[torch.Tensor, ...]:
     return tuple(example)
 
 
+def _weights_dtype(model: nn.Module) -> str:
+    """The floating dtype most of `model`'s parameters are stored in ("float32" when it has none), the
+    dtype whose GEMM peak is its compute roof."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    dtype = max(counts, key=counts.get) if counts else torch.float32
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
 def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int] | None = None,
           device: str | torch.device | None = None, plan: str | Path | None = None,
           data: Iterable | str | Path | None = None, num_samples: int | None = None,
@@ -103,13 +114,16 @@ def bench(model: str | nn.Module, example_inputs=None, *, batch_sizes: list[int]
         if session.refused_sizes(batch_sizes or []):
             raise ConfigError(f"{arg('batch_sizes', batch_sizes)}: {session.refused_sizes(batch_sizes)[0]}")
         sizes = session.sweep_sizes(batch_sizes or [session.batch_size])
+        # The workload's model is `model` as it is called with the workload's inputs (keyword inputs, structured
+        # outputs flattened), not a copy.
+        called = workload.model
         indices = cycle_indices(session.num_distinct_samples, len(workload.samples))
-        flops = count_flops_per_sample(model, workload, device=session.device, indices=indices)
+        flops = count_flops_per_sample(called, workload, device=session.device, indices=indices)
         out = {}
         for b in sizes:
             indices = cycle_indices(max(session.num_distinct_samples, b), len(workload.samples))
-            out[b] = measure(model, workload, device=session.device, batch_size=b, indices=indices,
-                             min_timed_calls=5, min_timed_s=0.5, flops_per_sample=flops, audit=audit)[0]
+            out[b] = measure(called, workload, device=session.device, batch_size=b, indices=indices, min_timed_calls=5,
+                             min_timed_s=0.5, flops_per_sample=flops, dtype=_weights_dtype(model), audit=audit)[0]
         return out
     loaded = None
     if plan is not None:

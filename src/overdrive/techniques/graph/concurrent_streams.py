@@ -38,6 +38,7 @@ which the tests use to check which node ran on which stream.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 import os
@@ -51,6 +52,7 @@ from torch import fx, nn
 from overdrive.core.errors import one_line
 from overdrive.core.workload import Workload
 from overdrive.techniques.registry import ForwardWrapper, Stage, Technique, TechniqueConfig, register
+from overdrive.techniques.runtime.cuda_graphs import tensors_in
 from overdrive.workloads.signature import SignatureModel
 
 _HEAVY_FUNCTIONS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum, operator.matmul,
@@ -91,12 +93,18 @@ def _heavy(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     return node.op == "call_method" and node.target in _HEAVY_METHODS
 
 
-_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "flatten", "unflatten", "squeeze",
-                 "unsqueeze", "expand", "expand_as", "narrow", "select", "t", "contiguous", "detach", "as_strided",
-                 "unbind", "split", "chunk", "movedim", "swapaxes", "diagonal", "__getitem__", "real", "imag"}
-_VIEW_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.squeeze, torch.unsqueeze,
-                   torch.narrow, torch.select, torch.t, torch.detach, torch.split, torch.chunk, torch.unbind, torch.movedim,
-                   torch.diagonal, torch.swapaxes, torch.as_strided, operator.getitem}
+# Calls that always return a new tensor (never their input or a view of it). Every other call is assumed to
+# possibly return its first argument or an alias of it (views, `.to()` / `.float()` / `.type_as()` of a tensor
+# already so, `.data`, an in-place module's output), so a write through it reaches that argument.
+_FRESH_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.matmul,
+                    operator.neg, operator.pow, torch.add, torch.sub, torch.mul, torch.div, torch.matmul, torch.mm,
+                    torch.bmm, torch.cat, torch.stack, torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.softmax,
+                    torch.sum, torch.mean, torch.clone, torch.nn.functional.linear, torch.nn.functional.conv1d,
+                    torch.nn.functional.conv2d, torch.nn.functional.conv3d, torch.nn.functional.gelu,
+                    torch.nn.functional.softmax, torch.nn.functional.layer_norm, torch.nn.functional.max_pool2d,
+                    torch.nn.functional.avg_pool2d, torch.nn.functional.adaptive_avg_pool2d}
+_FRESH_METHODS = {"add", "sub", "mul", "div", "matmul", "sum", "mean", "softmax", "clone", "exp", "sigmoid", "tanh",
+                  "__add__", "__sub__", "__mul__", "__truediv__", "__matmul__", "__neg__", "pow"}
 
 
 def _writes_into(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
@@ -121,13 +129,28 @@ def _writes_into(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None
     return first if bound.get("inplace") is True else None
 
 
-def _aliases(node: fx.Node) -> list[fx.Node]:
-    """`node` and the nodes it may be a view of, back through view-making calls, itself first."""
+def _fresh(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether `node`'s output is a new tensor, never its input or an alias of it (see `_FRESH_FUNCTIONS`)."""
+    if node.op == "call_module":
+        module = modules[node.target]
+        return not isinstance(module, nn.Identity) and getattr(module, "inplace", False) is not True
+    if node.op == "call_function":
+        if node.target not in _FRESH_FUNCTIONS:
+            return False
+        try:
+            return inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments.get("inplace") is not True
+        except (TypeError, ValueError):
+            return True
+    if node.op == "call_method":
+        return node.target in _FRESH_METHODS
+    return True  # placeholders, attributes: roots
+
+
+def _aliases(node: fx.Node, modules: dict[str, nn.Module]) -> list[fx.Node]:
+    """`node` and the nodes whose tensor it may be, back through every call not known to return a new
+    tensor (`_fresh`), itself first."""
     chain = [node]
-    while (node.op == "call_method" and node.target in _VIEW_METHODS) or \
-            (node.op == "call_function" and node.target in _VIEW_FUNCTIONS):
-        if not node.args or not isinstance(node.args[0], fx.Node):
-            break
+    while not _fresh(node, modules) and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
         chain.append(node)
     return chain
@@ -143,7 +166,7 @@ def _unsafe_write(span: list[fx.Node], branches: list[list[fx.Node]], modules: d
             continue
         k = branch_of.get(node)
         local = k is not None and all(branch_of.get(a) == k and all(branch_of.get(u) == k for u in a.users)
-                                      for a in _aliases(target))
+                                      for a in _aliases(target, modules))
         if not local:
             return node
     return None
@@ -201,7 +224,8 @@ def _branch_names(branches: list[list[fx.Node]]) -> list[str]:
     for branch in branches:
         calls = [n.target for n in branch if n.op == "call_module"] or [n.name for n in branch]
         last = calls[-1][len(os.path.commonprefix([calls[0], calls[-1]])):] if len(calls) > 1 else ""
-        out.append(calls[0] + (f"…{last}" if last else ""))
+        name = calls[0] + (f"…{last}" if last else "")
+        out.append(name if name not in out else f"{name} (call {sum(o.split(' (call')[0] == name for o in out) + 1})")
     return out
 
 
@@ -324,19 +348,39 @@ def _reads(nodes: list[fx.Node]) -> list[fx.Node]:
     return out
 
 
-def streamed_graph(model: nn.Module, device: torch.device, *, fake: bool = False) -> tuple[fx.GraphModule, list[Region]]:
+def trace(model: nn.Module, supplied: int | tuple[str, ...]) -> fx.GraphModule:
+    """`model` traced by torch.fx, with the parameters the caller never passes (beyond `supplied`: a
+    count of positional inputs, or their names) fixed at their defaults, as the model runs them.
+
+    Raises:
+        RuntimeError: fx cannot trace it.
+    """
+    params = list(inspect.signature(model.forward).parameters.values())
+    given = set(supplied) if isinstance(supplied, tuple) else {p.name for p in params[:supplied]}
+    concrete = {p.name: p.default for p in params
+                if p.name not in given and p.default is not inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+    try:
+        return fx.symbolic_trace(model, concrete_args=concrete or None)
+    except Exception as exc:  # noqa: BLE001 - data-dependent control flow, untraceable calls
+        raise RuntimeError(f"torch.fx could not trace the model: {one_line(exc)}") from None
+
+
+def streamed_graph(model: nn.Module, device: torch.device, *, fake: bool = False,
+                   supplied: int | tuple[str, ...] | None = None) -> tuple[fx.GraphModule, list[Region]]:
     """`model` traced and rewritten so each region's branches run on their own streams: the branches'
     nodes move, in order, to just before the join (only merged nodes read them, and those move after
     them), each between `enter(k)` and `leave(k)`, after one `fork`; then the `join` wait, then the
     merged nodes.
 
+    Args:
+        supplied: the inputs the caller passes (a count, or names); the other parameters are traced at
+            their defaults. None: all of them.
+
     Raises:
         RuntimeError: torch.fx cannot trace the model, or it has no independent branches.
     """
-    try:
-        gm = fx.symbolic_trace(model)
-    except Exception as exc:  # noqa: BLE001 - data-dependent control flow, untraceable calls
-        raise RuntimeError(f"torch.fx could not trace the model: {one_line(exc)}") from None
+    gm = trace(model, supplied if supplied is not None else len(inspect.signature(model.forward).parameters))
     regions = find_regions(gm)
     if not regions:
         raise RuntimeError("no independent branches (siblings with no data path between them)")
@@ -389,6 +433,45 @@ class StreamedModel(ForwardWrapper):
             return self.inner(*args, **kwargs)
 
 
+def _users_module(model: nn.Module, workload: Workload) -> tuple[nn.Module, int | tuple[str, ...]]:
+    """The module to trace and the inputs it is given: inside overdrive's keyword-input / structured-output
+    wrapper, the user's module and the names passed; else the model and the count of its inputs."""
+    if isinstance(model, SignatureModel):
+        return model.model, model.input_names or len(workload.collate(workload.samples[:1]))
+    return model, len(workload.collate(workload.samples[:1]))
+
+
+def _parent_of(model: nn.Module, target: nn.Module) -> nn.Module:
+    """The ForwardWrapper in `model`'s chain whose `inner` is `target`."""
+    while model.inner is not target:
+        model = model.inner
+    return model
+
+
+def _check_against_eager(streamed: nn.Module, workload: Workload, device: torch.device) -> None:
+    """The rewritten model must give the eager model's outputs on the workload's first rows: torch.fx
+    records one run of the Python code, and a forward whose work is not all in its graph (a write into
+    a buffer outside any traced value, an augmented assignment fx records as a new tensor) would
+    otherwise change answers silently.
+
+    Raises:
+        RuntimeError: the outputs differ (the largest difference named).
+    """
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
+                   for t in workload.collate(workload.samples[: min(4, len(workload.samples))]))
+    reference = copy.deepcopy(workload.model).to(device).eval()
+    with torch.no_grad():
+        want, got = reference(*inputs), streamed(*inputs)
+    wants, gots = tensors_in(want), tensors_in(got)
+    if len(wants) != len(gots) or any(w.shape != g.shape or not torch.allclose(w.float(), g.float(), rtol=1e-5, atol=1e-6)
+                                      for w, g in zip(wants, gots)):
+        worst = max(((w.float() - g.float()).abs().max().item() for w, g in zip(wants, gots) if w.shape == g.shape),
+                    default=float("nan"))
+        raise RuntimeError(f"the traced graph does not reproduce the model (largest difference {worst:.3g}): its forward "
+                           "does work torch.fx does not record (a write into a buffer, an in-place update fx records as "
+                           "a new tensor)")
+
+
 def describe_regions(regions: list[Region]) -> str:
     shown = "; ".join(r.describe() for r in regions[:4]) + ("; …" if len(regions) > 4 else "")
     return f"{len(regions)} regions, {sum(len(r.branches) for r in regions)} branches: {shown}"
@@ -406,24 +489,28 @@ class ConcurrentStreams(Technique):
     description = "independent branches (multi-tower, multi-head, Inception) on their own CUDA streams"
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
-        model = workload.model
-        model = model.model if isinstance(model, SignatureModel) else model  # the user's module, as they wrote it
+        model, supplied = _users_module(copy.deepcopy(workload.model), workload)  # tracing runs its code: a copy
         try:
-            regions = find_regions(fx.symbolic_trace(model))
-        except Exception as exc:  # noqa: BLE001 - untraceable models
-            return f"not applicable: torch.fx could not trace the model ({one_line(exc)})"
+            regions = find_regions(trace(model, supplied))
+        except RuntimeError as exc:
+            return f"not applicable: {exc}"
         return None if regions else "not applicable: no independent branches (siblings with no data path between them)"
 
     def apply(self, model, config, *, workload, device):
-        inner = "inner" if isinstance(model, ForwardWrapper) and not isinstance(model, StreamedModel) else \
-            "model" if isinstance(model, SignatureModel) else None
-        if inner is not None:  # inside autocast / layout wrappers, or the user's module inside keyword inputs / outputs
-            streamed = self.apply(getattr(model, inner), config, workload=workload, device=device)
-            model.overdrive_report = streamed.__dict__.pop("overdrive_report")
-            setattr(model, inner, streamed)
-            return model
-        gm, regions = streamed_graph(model, device, fake=device.type != "cuda")
+        holder, attribute = model, None
+        while isinstance(holder, ForwardWrapper) and not isinstance(holder, StreamedModel):  # autocast / layout wrappers
+            holder, attribute = holder.inner, "inner"
+        parent = model if attribute is None else _parent_of(model, holder)
+        user, supplied = _users_module(holder, workload)
+        gm, regions = streamed_graph(user, device, fake=device.type != "cuda", supplied=supplied)
         streamed = StreamedModel(gm, regions, device)
+        if user is not holder:  # the user's module inside keyword inputs / structured outputs
+            holder.model = streamed
+            streamed = holder
+        if attribute is not None:
+            parent.inner = streamed
+            streamed = model
+        _check_against_eager(streamed, workload, device)
         streamed.overdrive_report = {"technique": self.name, "regions": describe_regions(regions)}
         return streamed
 

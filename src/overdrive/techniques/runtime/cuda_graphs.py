@@ -114,8 +114,10 @@ def owned(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(owned(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: owned(getattr(value, f.name))
-                                             for f in dataclasses.fields(value) if f.init})
+        copy = copy_module.copy(value)  # every field, `init=False` ones too
+        for f in dataclasses.fields(value):
+            object.__setattr__(copy, f.name, owned(getattr(value, f.name)))
+        return copy
     held = vars(value).values() if hasattr(value, "__dict__") else ()
     if any(isinstance(v, torch.Tensor) for v in held):
         raise TypeError(f"outputs of type {type(value).__name__} hold tensors that cannot be copied out")
@@ -163,6 +165,8 @@ def _leaf_key(leaf: Any):
     anything else by type and value, so 1, 1.0 and True are three keys."""
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device)
+    if isinstance(leaf, float):  # by its bits: NaN equals itself here, so it reuses its graph
+        return ("float", leaf.hex())
     return (type(leaf).__qualname__, leaf)
 
 
