@@ -455,3 +455,17 @@ def test_parameters_not_passed_are_traced_at_their_defaults_and_untraced_work_is
     assert torch.equal(scaled.s, before)
     with pytest.raises(RuntimeError, match="does not reproduce the model"):
         technique.apply(copy.deepcopy(workload.model), technique.config_cls(), workload=workload, device=CPU)
+
+
+def test_streams_inside_bf16_are_checked_against_the_same_model_before_the_rewrite():
+    from overdrive.techniques import default_config
+    from overdrive.tuning.plan import build
+
+    workload = _workload(TwoTower().eval())
+    expected, _ = build(workload, [default_config("bf16")], CPU)
+    technique = get_technique("concurrent-streams")  # CUDA-only in a plan: applied directly, with recording streams
+    streamed = technique.apply(copy.deepcopy(expected), technique.config_cls(), workload=workload, device=CPU)
+    assert "2 branches" in streamed.overdrive_report["regions"]
+    inputs = workload.collate(workload.samples[:4])
+    with torch.no_grad():
+        assert torch.equal(streamed(*inputs), expected(*inputs))

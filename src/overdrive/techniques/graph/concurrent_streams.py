@@ -448,8 +448,9 @@ def _parent_of(model: nn.Module, target: nn.Module) -> nn.Module:
     return model
 
 
-def _check_against_eager(streamed: nn.Module, workload: Workload, device: torch.device) -> None:
-    """The rewritten model must give the eager model's outputs on the workload's first rows: torch.fx
+def _check_against_eager(streamed: nn.Module, reference: nn.Module, workload: Workload, device: torch.device) -> None:
+    """The rewritten model must give `reference`'s (the same model before the rewrite, inside the same
+    wrappers' reach) outputs on the workload's first rows: torch.fx
     records one run of the Python code, and a forward whose work is not all in its graph (a write into
     a buffer outside any traced value, an augmented assignment fx records as a new tensor) would
     otherwise change answers silently.
@@ -459,7 +460,6 @@ def _check_against_eager(streamed: nn.Module, workload: Workload, device: torch.
     """
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
                    for t in workload.collate(workload.samples[: min(4, len(workload.samples))]))
-    reference = copy.deepcopy(workload.model).to(device).eval()
     with torch.no_grad():
         want, got = reference(*inputs), streamed(*inputs)
     wants, gots = tensors_in(want), tensors_in(got)
@@ -501,16 +501,17 @@ class ConcurrentStreams(Technique):
         while isinstance(holder, ForwardWrapper) and not isinstance(holder, StreamedModel):  # autocast / layout wrappers
             holder, attribute = holder.inner, "inner"
         parent = model if attribute is None else _parent_of(model, holder)
+        reference = copy.deepcopy(holder)  # before tracing, which runs the forward's Python once
         user, supplied = _users_module(holder, workload)
         gm, regions = streamed_graph(user, device, fake=device.type != "cuda", supplied=supplied)
         streamed = StreamedModel(gm, regions, device)
         if user is not holder:  # the user's module inside keyword inputs / structured outputs
             holder.model = streamed
             streamed = holder
+        _check_against_eager(streamed, reference, workload, device)
         if attribute is not None:
             parent.inner = streamed
             streamed = model
-        _check_against_eager(streamed, workload, device)
         streamed.overdrive_report = {"technique": self.name, "regions": describe_regions(regions)}
         return streamed
 
