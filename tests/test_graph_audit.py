@@ -265,3 +265,17 @@ def test_nan_and_non_init_dataclass_fields_in_graphs():
         got = module(torch.full((2,), float(k)), float("nan"))
         assert torch.equal(got.a, torch.full((2,), 2.0 * k)) and torch.equal(got.b, torch.full((2,), float(k)))
     assert module.stats.captured == 1 and module.stats.eager_calls == 0
+
+
+def test_a_roof_for_a_dtype_on_part_of_the_flops_is_time_weighted(conv_workload):
+    from overdrive.core import roofline as rl
+    from overdrive.core.measure import layer_flop_share
+
+    share = layer_flop_share(conv_workload.model, conv_workload, device=CPU, indices=list(range(8)),
+                             layer_types=(nn.Linear,))
+    assert 0 < share < 0.05  # the head only: the convolutions stay fp32
+    int8, fp32 = rl.peak_flops(CPU, "int8"), rl.peak_flops(CPU, "float32")
+    point = rl.measured_roofline(device=CPU, dtype="int8", flops_per_sample=1e6, bytes_per_batch=1e3, batch_size=8,
+                                 samples_per_s=10.0, dtype_share=share)
+    assert point.peak_flops_per_s == pytest.approx(1 / (share / int8 + (1 - share) / fp32))
+    assert point.dtype.startswith("int8 on ") and "float32 the rest" in point.dtype

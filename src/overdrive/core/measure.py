@@ -311,11 +311,12 @@ class Runner:
 
 
     def roofline(self, flops_per_sample: float | None, dtype: str, samples_per_s: float,
-                 fp32_weights: int | None = None) -> dict | None:
+                 fp32_weights: int | None = None, dtype_share: float = 1.0) -> dict | None:
         """The roofline point (`core.roofline`) of `samples_per_s` for this runner's model and batches:
         bytes per batch = the model's weights + the mean timed batch's inputs + its outputs; where the
         weights are out of PyTorch's sight (a runtime outside it), `fp32_weights` (the fp32 model's)
-        at `dtype`'s width, marked as an estimate. None when the FLOPs are unknown."""
+        at `dtype`'s width, marked as an estimate; `dtype_share` of the FLOPs run in `dtype`, the rest in
+        fp32 (`measured_roofline`). None when the FLOPs are unknown."""
         from overdrive.core.roofline import DTYPE_BYTES, measured_roofline, tensors_bytes, weight_bytes
 
         if self.model is None or not self.timed_batches:
@@ -327,7 +328,8 @@ class Runner:
             model_bytes = fp32_weights * DTYPE_BYTES.get(dtype, 4) / 4
         point = measured_roofline(device=self.device, dtype=dtype, flops_per_sample=flops_per_sample,
                                   bytes_per_batch=model_bytes + inputs + self.output_row_bytes * self.batch_size,
-                                  batch_size=self.batch_size, samples_per_s=samples_per_s, weights_estimated=estimated)
+                                  batch_size=self.batch_size, samples_per_s=samples_per_s, weights_estimated=estimated,
+                                  dtype_share=dtype_share)
         return point.to_dict() if point is not None else None
 
     def audit(self, *, opaque: bool = False) -> dict:
@@ -519,6 +521,36 @@ def count_flops_per_sample(model: nn.Module, workload: Workload, *, device: torc
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)
     return counter.get_total_flops() / sum(len(chunk) for chunk in chunks)
+
+
+def layer_flop_share(model: nn.Module, workload: Workload, *, device: torch.device, indices: list[int],
+                     layer_types: tuple[type[nn.Module], ...]) -> float | None:
+    """The share of the model's FLOPs (as `count_flops_per_sample` counts them, on one batch of the first
+    rows) done inside modules of `layer_types`: where a technique that lowers only those layers' precision
+    (int8-dynamic: nn.Linear) puts its work. None when it cannot be counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    chunk = indices[: min(len(indices), workload.default_batch_size)]
+    inside = [0]
+    with FlopCounterMode(display=False) as counter:
+        def before(module, args):
+            module._overdrive_flops = counter.get_total_flops()
+
+        def after(module, args, output):
+            inside[0] += counter.get_total_flops() - module.__dict__.pop("_overdrive_flops", 0)
+
+        handles = [h for m in model.modules() if isinstance(m, layer_types)
+                   for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+        try:
+            with torch.no_grad():
+                model(*to_device(workload.collate([workload.samples[i] for i in chunk]), device))
+        except Exception:  # noqa: BLE001 - informative, never required
+            return None
+        finally:
+            for handle in handles:
+                handle.remove()
+    total = counter.get_total_flops()
+    return inside[0] / total if total else None
 
 
 def compiled_graphs() -> int:

@@ -202,7 +202,7 @@ class Roofline:
         return self.flops_per_s / self.roof if self.roof > 0 else math.nan
 
     def describe(self) -> str:
-        unit = "TOP/s" if self.dtype == "int8" else "TFLOP/s"
+        unit = "TOP/s" if self.dtype == "int8" else "TFLOP/s"  # a mixed roof is in FLOP/s
         line = (f"{self.flops_per_s / 1e12:.3g} TFLOP/s and {self.bytes_per_s / 1e9:.3g} GB/s at {self.intensity:.3g} "
                 f"FLOP/byte: {100 * self.fraction:.1f}% of the {self.bound} roof (measured peaks: {self.dtype} GEMM "
                 f"{self.peak_flops_per_s / 1e12:.3g} {unit}, copy {self.peak_bytes_per_s / 1e9:.3g} GB/s)")
@@ -236,9 +236,14 @@ def roofline(*, flops_per_sample: float, bytes_per_batch: float, batch_size: int
 
 
 def measured_roofline(*, device: torch.device, dtype: str, flops_per_sample: float | None, bytes_per_batch: float,
-                      batch_size: int, samples_per_s: float, weights_estimated: bool = False) -> Roofline | None:
+                      batch_size: int, samples_per_s: float, weights_estimated: bool = False,
+                      dtype_share: float = 1.0) -> Roofline | None:
     """`roofline` against this device's measured peaks (measured now if not yet); None when the
-    FLOPs are unknown or the device has no GEMM in `dtype` (the fp32 one is used instead then)."""
+    FLOPs are unknown or the device has no GEMM in `dtype` (the fp32 one is used instead then).
+
+    `dtype_share`: the share of the FLOPs that run in `dtype` (int8-dynamic lowers only the Linear
+    layers); the rest run in fp32, and the compute roof is the time-weighted one,
+    1 / (share / P_dtype + (1 − share) / P_fp32)."""
     if not flops_per_sample or samples_per_s <= 0 or bytes_per_batch <= 0:
         return None
     peak = peak_flops(device, dtype)
@@ -246,6 +251,10 @@ def measured_roofline(*, device: torch.device, dtype: str, flops_per_sample: flo
         dtype, peak = "float32", peak_flops(device, "float32")
     if peak is None:
         return None
+    if dtype != "float32" and dtype_share < 1.0:
+        fp32 = peak_flops(device, "float32")
+        peak = 1.0 / (dtype_share / peak + (1.0 - dtype_share) / fp32)
+        dtype = f"{dtype} on {100 * dtype_share:.2g}% of the FLOPs, float32 the rest,"
     return roofline(flops_per_sample=flops_per_sample, bytes_per_batch=bytes_per_batch, batch_size=batch_size,
                     samples_per_s=samples_per_s, peak_flops_per_s=peak, peak_bytes_per_s=peak_bandwidth(device),
                     dtype=dtype, weights_estimated=weights_estimated)

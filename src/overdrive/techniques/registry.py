@@ -119,6 +119,7 @@ class Technique:
     leaves_pytorch: ClassVar[bool] = False
     description: ClassVar[str] = ""
     compute_dtype: ClassVar[str | None] = None
+    dtype_layers: ClassVar[tuple[type[nn.Module], ...] | None] = None  # the layers compute_dtype applies to; None: all
 
     @property
     def name(self) -> str:
@@ -275,6 +276,12 @@ def compute_dtype(steps: list[TechniqueConfig]) -> str:
     """The dtype a plan's matrix products run in: the last step's that sets one, else "float32"."""
     dtypes = [d for d in (technique_for(s).dtype_of(s) for s in steps) if d]
     return dtypes[-1] if dtypes else "float32"
+
+
+def compute_layers(steps: list[TechniqueConfig]) -> tuple[type[nn.Module], ...] | None:
+    """The layer types `compute_dtype(steps)` applies to (int8-dynamic: nn.Linear), None for the whole model."""
+    setting = [technique_for(s) for s in steps if technique_for(s).dtype_of(s)]
+    return setting[-1].dtype_layers if setting else None
 
 
 def describe_report(report: dict[str, Any], fidelity_key: str) -> str:

@@ -20,10 +20,11 @@ from overdrive.core.measure import (
     count_flops_per_sample,
     cycle_indices,
     judge_outputs,
+    layer_flop_share,
 )
 from overdrive.core.roofline import weight_bytes
 from overdrive.techniques import TechniqueConfig, technique_for
-from overdrive.techniques.registry import compute_dtype, fallbacks
+from overdrive.techniques.registry import compute_dtype, compute_layers, fallbacks
 from overdrive.tuning.plan import build
 from overdrive.workloads import Workload, create_workload
 
@@ -178,7 +179,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
     """
     workload = session.workload
     out: dict[str, list[tuple[int, Measurement]]] = {label: [] for label in configs}
-    first_flops, first_weights = _UNSET, None
+    first_flops, first_weights, shares = _UNSET, None, {}
     first = next(iter(configs), None)
     baseline_label = first if first is not None and not configs[first] else None
     for b in batch_sizes:
@@ -197,6 +198,9 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
                     if first_flops is _UNSET:
                         first_flops = count_flops_per_sample(model, workload, device=session.device, indices=indices)
                         first_weights = weight_bytes(model)
+                        shares = {layers: layer_flop_share(model, workload, device=session.device, indices=indices,
+                                                           layer_types=layers)
+                                  for layers in {compute_layers(s) for s in configs.values()} if layers is not None}
                     flops[label] = next((r["flops_per_sample_after"] for r in reversed(collected)
                                          if r.get("flops_per_sample_after")), first_flops)
                     runners[label] = Runner(model, workload, device=session.device, batch_size=b, indices=indices,
@@ -221,7 +225,9 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
                 m = judge_outputs(runner.measurement(), workload, outputs[label], indices, reference)
                 m.gain = gains.get(label)
                 steps = configs[label]
-                m.roofline = runner.roofline(flops[label], compute_dtype(steps), m.samples_per_s, fp32_weights=first_weights)
+                share = shares.get(compute_layers(steps)) if compute_layers(steps) is not None else 1.0
+                m.roofline = runner.roofline(flops[label], compute_dtype(steps), m.samples_per_s, fp32_weights=first_weights,
+                                             dtype_share=1.0 if share is None else share)
                 fell_back = fallbacks(runner.model)
                 if fell_back:  # not a failure: said, with the figures
                     notice(f"{label} at batch size {b}: {fell_back}")

@@ -39,11 +39,12 @@ from overdrive.core.measure import (
     count_flops_per_sample,
     cycle_indices,
     judge_outputs,
+    layer_flop_share,
 )
 from overdrive.core.workload import Workload
 from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
-from overdrive.techniques.registry import compute_dtype, config_to_dict, fallbacks
+from overdrive.techniques.registry import compute_dtype, compute_layers, config_to_dict, fallbacks
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
 from overdrive.tuning.invariance import InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan, build
@@ -202,6 +203,8 @@ class Tuner:
         self.rule = fidelity_rule(self.workload, self.guard, first, second)
         self.repeat = second
         self.flops, self.weights = flops, weight_bytes(runner.model)
+        self.shares: dict[tuple, float | None] = {}
+        self.base_model = runner.model
         return runner, first, flops
 
     # -- candidates ------------------------------------------------------------------------------
@@ -247,7 +250,13 @@ class Tuner:
         if fell_back:
             self.warnings.append(f"{' + '.join(s.name for s in steps)}: {fell_back}; those calls' figures are eager")
         try:
-            m.roofline = runner.roofline(flops, compute_dtype(steps), m.samples_per_s, fp32_weights=self.weights)
+            layers = compute_layers(steps)
+            if layers is not None and layers not in self.shares:
+                self.shares[layers] = layer_flop_share(self.base_model, self.workload, device=self.device,
+                                                       indices=self.indices, layer_types=layers)
+            share = self.shares.get(layers) if layers is not None else 1.0
+            m.roofline = runner.roofline(flops, compute_dtype(steps), m.samples_per_s, fp32_weights=self.weights,
+                                         dtype_share=1.0 if share is None else share)
             if audit:
                 m.audit = runner.audit(opaque=any(technique_for(s).leaves_pytorch for s in steps))
         except Exception as exc:  # noqa: BLE001 - informative figures, never the verdict

@@ -28,6 +28,7 @@ class Int8Dynamic(Technique):
     lossless = False
     group = "precision"
     compute_dtype = "int8"
+    dtype_layers = (nn.Linear,)
     devices = ("cpu",)  # torch.ao dynamic quantization has CPU kernels only
     rewrites_modules = True
     description = "int8 dynamic quantization of nn.Linear (weights int8, activations per batch)"

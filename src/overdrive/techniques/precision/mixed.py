@@ -284,6 +284,7 @@ class MixedInt8(MixedPrecision):
     scheme = "int8"
     compute_dtype = "int8"
     form = "per-row dynamic activations"
+    dtype_layers = (nn.Linear,)
     description = ("int8 nn.Linear layers (per-row activations, per-channel weights) chosen by a per-layer sensitivity "
                    "search under the fidelity floor; the rest fp32; compiled with Inductor")
 
@@ -293,6 +294,7 @@ class MixedFp8(MixedPrecision):
     config_cls = MixedFp8Config
     scheme = "fp8"
     compute_dtype = "float8"
+    dtype_layers = (nn.Linear,)
     form = "e4m3, per-row dynamic activations"
     devices = ("cuda",)
     description = ("fp8 (e4m3, per-row) nn.Linear layers through torchao, chosen by a per-layer sensitivity search "
