@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-two-tower", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    from overdrive.core.measure import count_flops_per_sample
+    from overdrive.core.flops import count_flops_per_sample
     from overdrive.tuning.api import as_workload
     from overdrive.workloads import create_workload
 

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from overdrive.core.measure import count_flops_per_sample, measure
+from overdrive.core.flops import count_flops_per_sample
+from overdrive.core.measure import measure
 from overdrive.techniques.pruning.ffn import PruneFFNConfig
 from overdrive.techniques.pruning.heads import PruneHeadsConfig
 from overdrive.techniques.pruning.recovery import num_parameters

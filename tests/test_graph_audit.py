@@ -141,7 +141,7 @@ def test_text_flops_are_of_real_tokens_whatever_the_padding(text_workload):
     """A batch padded to its longest row does more work than its rows need; the roofline counts the rows' own."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from overdrive.core.measure import count_flops_per_sample
+    from overdrive.core.flops import count_flops_per_sample
 
     w = text_workload
     indices = list(range(16))
@@ -269,7 +269,7 @@ def test_nan_and_non_init_dataclass_fields_in_graphs():
 
 def test_a_roof_for_a_dtype_on_part_of_the_flops_is_time_weighted(conv_workload):
     from overdrive.core import roofline as rl
-    from overdrive.core.measure import layer_flop_share
+    from overdrive.core.flops import layer_flop_share
 
     share = layer_flop_share(conv_workload.model, conv_workload, device=CPU, indices=list(range(8)),
                              layer_types=(nn.Linear,))

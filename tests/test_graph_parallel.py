@@ -11,7 +11,8 @@ import torchvision
 from torch import fx, nn
 
 from overdrive.techniques import get_technique
-from overdrive.techniques.graph.concurrent_streams import StreamOps, find_regions, streamed_graph
+from overdrive.techniques.graph.branches import find_regions
+from overdrive.techniques.graph.concurrent_streams import StreamOps, streamed_graph
 from overdrive.techniques.runtime.cuda_graphs import CUDAGraphModule, FakeCapture
 from tests.conftest import requires_cuda
 
@@ -397,12 +398,8 @@ def test_graph_replays_from_several_threads_each_get_their_own_answer():
     assert module.stats.captured == 1 and module.stats.replays == 200
 
 
-class WritesThroughACast(nn.Module):
+class WritesThroughACast(WritesTheFork):
     """`.float()` of a float tensor is the tensor itself: a write through it reaches the shared input."""
-
-    def __init__(self):
-        super().__init__()
-        self.trunk, self.ha, self.hb = nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
 
     def forward(self, x):
         h = self.trunk(x)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from overdrive.core.errors import ConfigError, WorkloadError, arg
-from overdrive.core.measure import Measurement, count_flops_per_sample, cycle_indices, measure
+from overdrive.core.flops import count_flops_per_sample
+from overdrive.core.measure import Measurement, cycle_indices, measure
 from overdrive.core.workload import Workload
 from overdrive.tuning.api import PYTHON_MODEL_PREFIX, data_left, as_workload
 from overdrive.tuning.plan import Plan, build, load_plan

@@ -11,16 +11,15 @@ import torch
 
 from overdrive.core.devices import resolve_device
 from overdrive.core.errors import ConfigError, arg, one_line
+from overdrive.core.flops import count_flops_per_sample, layer_flop_share
 from overdrive.core.measure import (
     TIMING_ROWS,
     Gain,
     Measurement,
     Runner,
     compare,
-    count_flops_per_sample,
     cycle_indices,
     judge_outputs,
-    layer_flop_share,
 )
 from overdrive.core.roofline import weight_bytes
 from overdrive.techniques import TechniqueConfig, technique_for

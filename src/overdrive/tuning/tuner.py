@@ -30,16 +30,15 @@ import torch
 
 from overdrive.core import devices
 from overdrive.core.errors import WorkloadError, one_line
+from overdrive.core.flops import count_flops_per_sample, layer_flop_share
 from overdrive.core.measure import (
     TIMING_ROWS,
     Gain,
     Measurement,
     Runner,
     compare,
-    count_flops_per_sample,
     cycle_indices,
     judge_outputs,
-    layer_flop_share,
 )
 from overdrive.core.workload import Workload
 from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, weight_bytes

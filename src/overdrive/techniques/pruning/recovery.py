@@ -305,7 +305,7 @@ class PruningTechnique(Technique):
 
     def _prune_and_recover(self, model: nn.Module, config: PruningConfig, *, workload: Workload,
                            device: torch.device) -> dict[str, Any]:
-        from overdrive.core.measure import count_flops_per_sample
+        from overdrive.core.flops import count_flops_per_sample
 
         flop_indices = list(range(min(len(workload.samples), workload.default_batch_size)))
         # The teacher and the reference are the workload's own unmodified model, also when an
