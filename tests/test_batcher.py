@@ -258,3 +258,112 @@ def test_each_instance_thread_is_set_up_once_and_runs_only_its_own_work():
     assert dict(where) == model.started and len(set(model.started.values())) == 3
     assert threading.get_ident() not in model.started.values()
     assert all(model.started[instance] == thread for instance, thread in model.ran)
+
+
+# -- the adaptive policy ------------------------------------------------------------------------
+
+
+def _curve(points: dict[int, float], bucket: int = 0):
+    from overdrive.serve.adaptive import CostCurve
+
+    curve = CostCurve()
+    for rows, seconds in points.items():
+        curve.observe(bucket, rows, seconds)
+    return curve
+
+
+def _rate(per_s: float, bucket: int = 0, now: float = 100.0):
+    """An arrival estimate that reads `per_s` rows/s at `now` (the mass τ·λ, arrived at `now`)."""
+    from overdrive.serve.adaptive import ArrivalRate
+
+    rate = ArrivalRate(tau_s=0.25)
+    rate.arrived(bucket, round(per_s * 0.25), now)
+    return rate
+
+
+def test_the_cost_curve_interpolates_and_assumes_no_saving_beyond_what_was_measured():
+    curve = _curve({1: 0.010, 8: 0.017})
+    assert curve.seconds(0, 1) == 0.010 and curve.seconds(0, 8) == 0.017
+    assert curve.seconds(0, 4) == pytest.approx(0.010 + 0.007 * 3 / 7)
+    assert curve.seconds(0, 16) == pytest.approx(0.034)  # in proportion beyond the largest size
+    assert curve.seconds(7, 1) == 0.010  # an unmeasured bucket borrows the nearest
+    curve.observe(0, 8, 0.027)  # an exponentially weighted mean, weight 0.2
+    assert curve.seconds(0, 8) == pytest.approx(0.019)
+
+
+def test_a_lone_client_is_never_made_to_wait():
+    from overdrive.serve.adaptive import best_wait
+
+    # Batching pays enormously (8 rows cost what 1 does), but one closed-loop client sends a row
+    # every 12 ms: waiting for the next costs more than the whole batch.
+    curve = _curve({1: 0.010, 8: 0.010})
+    assert best_wait(curve, _rate(1 / 0.012), bucket=0, rows=1, room=7, now=100.0, latest=101.0) == 0.0
+
+
+def test_under_load_it_waits_only_while_the_expected_rows_make_rows_cheaper():
+    from overdrive.serve.adaptive import best_wait
+
+    curve = _curve({1: 0.010, 2: 0.0101, 4: 0.0102, 8: 0.0104})
+    rate = _rate(4000.0)  # a row every 0.25 ms: 7 more rows in 1.75 ms make each row ~6× cheaper
+    assert best_wait(curve, rate, bucket=0, rows=1, room=7, now=100.0, latest=101.0) == pytest.approx(7 / 4000)
+    assert best_wait(curve, rate, bucket=0, rows=1, room=7, now=100.0, latest=100.0005) == pytest.approx(2 / 4000)
+    assert best_wait(curve, rate, bucket=0, rows=8, room=0, now=100.0, latest=101.0) == 0.0  # full
+    linear = _curve({1: 0.001, 8: 0.008})  # no saving from batching: never wait
+    assert best_wait(linear, rate, bucket=0, rows=1, room=7, now=100.0, latest=101.0) == 0.0
+    assert best_wait(_curve({}), rate, bucket=0, rows=1, room=7, now=100.0, latest=101.0) == 0.0  # nothing measured
+
+
+def test_adaptive_runs_a_lone_request_at_once_though_the_cap_is_long():
+    model = ListModel()
+
+    async def main():
+        batcher = await started(model, max_batch_size=8, max_queue_delay_s=1.0, policy="adaptive")
+        batcher.observe(1, 0.002)
+        batcher.observe(8, 0.002)  # batching looks free
+        took = []
+        for i in range(5):  # one client, one request at a time
+            t0 = time.monotonic()
+            assert await batcher.infer([i]) == [i * 10]
+            took.append(time.monotonic() - t0)
+        await batcher.drain(1)
+        return took
+
+    assert max(run(main())) < 0.2  # the cap is 1 s; fixed would wait all of it
+
+
+def test_adaptive_stops_waiting_when_a_wait_brings_nothing():
+    model = ListModel()
+
+    async def main():
+        batcher = await started(model, max_batch_size=64, max_queue_delay_s=2.0, policy="adaptive")
+        batcher.observe(1, 0.050)
+        batcher.observe(64, 0.051)  # waiting for rows pays a lot ...
+        batcher.arrivals.arrived(0, 1000, time.monotonic())  # ... and rows have been arriving at 4000/s
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(batcher.infer([i]) for i in range(8)))  # ... but nothing follows it
+        took = time.monotonic() - t0
+        await batcher.drain(1)
+        return results, took
+
+    results, took = run(main())
+    assert results == [[i * 10] for i in range(8)]
+    assert took < 1.0  # not the 2 s cap: one wait found nothing, so the batch went
+    assert [sum(len(p) for p in b) for b in model.batches] == [8]
+
+
+def test_adaptive_learns_the_cost_of_each_batch_size_from_the_batches_it_runs():
+    model = ListModel(delay_s=0.01)
+
+    async def main():
+        batcher = await started(model, max_batch_size=4, max_queue_delay_s=0.0, policy="adaptive")
+        await asyncio.gather(*(batcher.infer([i]) for i in range(4)))
+        await batcher.drain(1)
+        return batcher
+
+    batcher = run(main())
+    assert 0.009 < batcher.curve.seconds(0, 4) < 0.5
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="adaptive, fixed"):
+        DynamicBatcher(ListModel(), max_batch_size=1, max_queue_delay_s=0, max_queue_size=4, policy="eager")

@@ -111,7 +111,7 @@ def test_serve_answers_400_for_text_whose_token_ids_the_model_has_no_rows_for():
     from tests.test_serve import gather_posts
 
     workload = char_bert()
-    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=20) as live:
+    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=20, batching="fixed") as live:
         r = httpx.post(live.infer_url, json=text_body(["plain ascii", "héllo"]))
         assert r.status_code == 400, r.text
         assert r.json()["error"].startswith(f"input 'text' element 1: model input 0 (tokenized) holds 233, outside [0, {TEXT_VOCAB})")

@@ -48,7 +48,7 @@ def test_serve_answers_each_request_with_its_own_rows_when_the_model_reuses_its_
     xs = [rows(1 + i % 3, 100 + i) for i in range(160)]
     with torch.no_grad():
         expected = [workload.model.linear(torch.from_numpy(x)).numpy() for x in xs]
-    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=2, max_queue_size=1024) as live:
+    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=2, batching="fixed", max_queue_size=1024) as live:
         results = asyncio.run(gather_posts(live.infer_url, [tensor_body(x) for x in xs]))
     assert [status for status, *_ in results] == [200] * len(xs)
     wrong = sum(not np.allclose(output_of(doc), e, rtol=1e-5, atol=1e-6) for (_, doc, _, _), e in zip(results, expected))

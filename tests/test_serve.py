@@ -117,7 +117,7 @@ def test_raw_http_endpoints_and_errors_name_what_was_expected():
         base, infer = live.url, live.infer_url
         assert requests.get(f"{base}/v2/health/live").json() == {"live": True}
         assert requests.get(f"{base}/v2/health/ready").status_code == 200
-        assert requests.get(f"{base}/v2").json()["extensions"] == ["binary_tensor_data"]
+        assert requests.get(f"{base}/v2").json()["extensions"] == ["binary_tensor_data", "model_repository"]
         assert requests.get(f"{base}/v2/models/toy/versions/1/ready").status_code == 200
         r = requests.get(f"{base}/v2/models/nope")
         assert r.status_code == 404 and "this server serves 'toy'" in r.json()["error"]
@@ -181,7 +181,7 @@ def test_raw_http_endpoints_and_errors_name_what_was_expected():
 
 def test_a_malformed_request_among_good_ones_fails_alone():
     workload = toy_workload()
-    with LiveServer(workload, max_batch_size=16, max_queue_delay_ms=300) as live:
+    with LiveServer(workload, max_batch_size=16, max_queue_delay_ms=300, batching="fixed") as live:
         xs = [rows(2, i) for i in range(5)]
         bodies = [tensor_body(x) for x in xs]
         bodies.insert(2, {"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 3], "data": [0.0] * 6}]})
@@ -196,7 +196,7 @@ def test_a_malformed_request_among_good_ones_fails_alone():
 
 def test_a_request_that_makes_the_model_raise_gets_the_error_alone():
     workload = toy_workload()
-    with LiveServer(workload, max_batch_size=16, max_queue_delay_ms=300) as live:
+    with LiveServer(workload, max_batch_size=16, max_queue_delay_ms=300, batching="fixed") as live:
         xs = [rows(1, i) for i in range(6)]
         xs[3] = rows(1, 3, marker=RAISE)
         results = asyncio.run(gather_posts(live.infer_url, [tensor_body(x) for x in xs]))
@@ -211,7 +211,7 @@ def test_a_request_that_makes_the_model_raise_gets_the_error_alone():
 
 def test_non_finite_outputs_are_an_error_not_invalid_json():
     workload = toy_workload()
-    with LiveServer(workload, max_batch_size=16, max_queue_delay_ms=300) as live:
+    with LiveServer(workload, max_batch_size=16, max_queue_delay_ms=300, batching="fixed") as live:
         xs = [rows(1, i) for i in range(4)]
         xs[1] = rows(1, 1, marker=NAN_OUT)
         results = asyncio.run(gather_posts(live.infer_url, [tensor_body(x) for x in xs]))
@@ -223,7 +223,7 @@ def test_non_finite_outputs_are_an_error_not_invalid_json():
 
 def test_large_small_large_requests_match_the_single_request_reference():
     workload = toy_workload()
-    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=5) as live:
+    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=5, batching="fixed") as live:
         xs = [rows(n, n) for n in (21, 1, 13, 8, 2, 30)]
         for x in xs:  # in sequence
             r = requests.post(live.infer_url, json=tensor_body(x))
@@ -239,7 +239,7 @@ def test_text_of_mixed_lengths_is_bucketed_and_unpadded_per_request():
     workload = toy_text_workload()
     words = "the quick brown fox jumps over the lazy dog and keeps running far away".split()
     sentences = [" ".join(words[: 1 + (i * 7) % len(words)]) * (1 + i % 3) for i in range(24)]
-    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=50) as live:
+    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=50, batching="fixed") as live:
         bodies = [{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [s]}]} for s in sentences]
         results = asyncio.run(gather_posts(live.infer_url, bodies))
     with torch.no_grad():
@@ -255,7 +255,7 @@ def test_text_of_mixed_lengths_is_bucketed_and_unpadded_per_request():
 def test_batch_sizes_grow_with_load_up_to_the_maximum():
     workload = toy_workload(delay_s=0.02)
     means = {}
-    with LiveServer(workload, max_batch_size=16, max_queue_delay_ms=5, max_queue_size=256) as live:
+    with LiveServer(workload, max_batch_size=16, max_queue_delay_ms=5, batching="fixed", max_queue_size=256) as live:
         for n in (20, 40, 80):
             start = len(workload.model.seen)
             results = asyncio.run(gather_posts(live.infer_url, [tensor_body(rows(1, i)) for i in range(n)]))
@@ -269,7 +269,7 @@ def test_batch_sizes_grow_with_load_up_to_the_maximum():
 
 def test_requests_of_max_batch_size_rows_never_make_a_bigger_batch():
     workload = toy_workload(delay_s=0.01)
-    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=20, max_queue_size=1024) as live:
+    with LiveServer(workload, max_batch_size=8, max_queue_delay_ms=20, batching="fixed", max_queue_size=1024) as live:
         xs = [rows(8, i) for i in range(24)] + [rows(5, 100 + i) for i in range(8)]
         results = asyncio.run(gather_posts(live.infer_url, [tensor_body(x) for x in xs]))
     for (status, doc, _, _), x in zip(results, xs):
@@ -280,7 +280,7 @@ def test_requests_of_max_batch_size_rows_never_make_a_bigger_batch():
 
 def test_clients_that_disconnect_mid_wait_have_their_rows_dropped_then_traffic_succeeds():
     workload = toy_workload()
-    with LiveServer(workload, max_batch_size=4, max_queue_delay_ms=1) as live:
+    with LiveServer(workload, max_batch_size=4, max_queue_delay_ms=1, batching="fixed") as live:
         for round_ in range(3):  # a steady stream: each round holds the instance, then 9 clients wait
             async def one_round():
                 async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -300,7 +300,7 @@ def test_clients_that_disconnect_mid_wait_have_their_rows_dropped_then_traffic_s
 
 def test_a_burst_over_the_queue_bound_is_shed_fast_and_admitted_requests_complete():
     workload = toy_workload(delay_s=0.1)
-    with LiveServer(workload, max_batch_size=4, max_queue_delay_ms=1, max_queue_size=8) as live:
+    with LiveServer(workload, max_batch_size=4, max_queue_delay_ms=1, batching="fixed", max_queue_size=8) as live:
         xs = [rows(1, i) for i in range(64)]  # 8× the queue bound
         results = asyncio.run(gather_posts(live.infer_url, [tensor_body(x) for x in xs]))
         shed = [r for r in results if r[0] == 503]
@@ -326,7 +326,7 @@ def test_json_bytes_that_are_not_utf8_get_400():
 
 def test_a_request_whose_timeout_passes_while_queued_gets_504_and_never_runs():
     workload = toy_workload()
-    with LiveServer(workload, max_batch_size=4, max_queue_delay_ms=1) as live:
+    with LiveServer(workload, max_batch_size=4, max_queue_delay_ms=1, batching="fixed") as live:
         async def scenario():
             async with aiohttp.ClientSession() as session:
                 blocker = asyncio.ensure_future(post(session, live.infer_url, tensor_body(rows(1, 0, marker=BLOCK))))

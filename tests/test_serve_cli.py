@@ -113,20 +113,37 @@ def test_a_model_with_a_static_batch_is_padded_to_it_and_unpadded_per_request():
     assert result.returncode == 2 and "--max-batch-size must be ≤ 4" in result.stderr
 
 
-def test_warmup_runs_each_batch_size_once_within_its_budget():
+def test_warmup_runs_powers_of_two_and_the_cap_and_times_each():
     from overdrive.serve.model import ServedModel
     from tests.fixtures.serve_models import toy_text_workload, toy_workload
 
     workload = toy_workload()
     served = ServedModel("toy", workload, [workload.model], [torch.device("cpu")])
-    assert served.warmup(6, budget_s=60)[0] == 6
-    assert [n for n, _ in workload.model.seen[1:]] == [1, 2, 3, 4, 5, 6]
-    assert served.warmup(6, budget_s=0)[0] == 0
+    sizes, _, timings = served.warmup(6, budget_s=60)
+    assert sizes == [1, 2, 4, 6] and [t[0] for t in timings] == [1, 2, 4, 6] and all(t[1] > 0 for t in timings)
+    assert [n for n, _ in workload.model.seen[1:]] == [1, 1, 2, 2, 4, 4, 6, 6]  # a set-up run, then a timed one
+    assert served.warmup(6, budget_s=0)[0] == []
     text = toy_text_workload()
     served = ServedModel("toy-text", text, [text.model], [torch.device("cpu")])
-    assert served.warmup(12, budget_s=60)[0] == 12
+    assert served.warmup(12, budget_s=60)[0] == [1, 2, 4, 8, 12]
     # [0]: the input-limits probe (its ids feed an embedding: core/input_limits.py), [1]: the start-up probe
-    assert text.model.seen[0][0] == len(text.samples) and [rows for rows, _ in text.model.seen[2:]] == [1, 2, 4, 8, 12]
+    assert text.model.seen[0][0] == len(text.samples) and [rows for rows, _ in text.model.seen[2::2]] == [1, 2, 4, 8, 12]
+
+
+def test_a_batch_size_the_warm_up_skipped_is_counted_cold_once():
+    from overdrive.serve.model import ServedModel
+    from tests.fixtures.serve_models import toy_workload
+
+    workload = toy_workload()
+    served = ServedModel("toy", workload, [workload.model], [torch.device("cpu")])
+    cold = []
+    served.on_cold_batch = lambda: cold.append(1)
+    served.warmup(8, budget_s=60)
+    served.watch_recompiles()  # the server calls it once warm
+    x = torch.randn(3, 4)
+    for rows in (1, 3, 3, 8, 5):
+        served.execute([(x[:1].expand(rows, 4),)], 0)
+    assert len(cold) == 2  # 3 and 5, each once
 
 
 def test_instance_threads_set_their_own_intra_op_threads_and_warm_only_their_model():
@@ -141,8 +158,8 @@ def test_instance_threads_set_their_own_intra_op_threads_and_warm_only_their_mod
     probed = len(first.model.seen)  # the constructor runs model 0 once for the output shape
     with ThreadPoolExecutor(1, initializer=served.start_instance, initargs=(1,)) as thread:
         assert thread.submit(torch.get_num_threads).result() == 1
-        assert thread.submit(served.warmup, 3, 60, 1).result()[0] == 3
-    assert len(first.model.seen) == probed and [n for n, _ in second.model.seen[1:]] == [1, 2, 3]
+        assert thread.submit(served.warmup, 3, 60, 1).result()[0] == [1, 2, 3]
+    assert len(first.model.seen) == probed and [n for n, _ in second.model.seen[1:]] == [1, 1, 2, 2, 3, 3]
 
 
 def test_a_huge_text_is_counted_from_its_start_only_in_the_request_handler():

@@ -1,18 +1,24 @@
-"""The HTTP server: Open Inference Protocol (KServe v2) on Starlette + uvicorn, in front of
-the dynamic batcher, with Prometheus metrics and a graceful drain.
+"""The server: Open Inference Protocol (KServe v2) over HTTP (Starlette + uvicorn) and gRPC
+(`overdrive.serve.grpc_service`), one or several models each with its own dynamic batcher and
+queue bound, Prometheus metrics (`overdrive.serve.metrics`) and a graceful drain.
 
-Endpoints (KServe v2 REST; the binary tensor data extension as Triton defines it):
+HTTP endpoints (KServe v2 REST; the binary tensor data extension and the model repository
+extension as Triton defines them):
     GET  /v2/health/live, /v2/health/ready, /v2
     GET  /v2/models/{name}[/versions/1], /v2/models/{name}[/versions/1]/ready, .../config
     POST /v2/models/{name}[/versions/1]/infer
+    GET|POST /v2/repository/index; POST /v2/repository/models/{name}/load, .../unload
     GET  /metrics (Prometheus text format)
 
 Status codes: 400 a request that does not decode or match the model (the message names what
 was expected), 404 an unknown model, 413 a body or row count over the limits, 500 the model
-raised on this request, 503 queue full or shutting down (with Retry-After), 504 the request's
-timeout passed before it ran. A request's timeout is the `timeout` request parameter in
-microseconds (as tritonclient sends it; 0: none), or the server default. Unknown paths and
-methods get the same JSON error object, `{"error": "..."}`.
+raised on this request, 503 queue full, shutting down, warming up or unloaded (with
+Retry-After), 504 the request's timeout passed before it ran; a client gone before its answer
+is logged in one line and counted (499), never answered. A request's timeout is the `timeout`
+request parameter in microseconds (as tritonclient sends it; 0: none), or the server default.
+Unknown paths and methods get the same JSON error object, `{"error": "..."}`.
+
+The server is ready when every model is; a model is ready once loaded and warmed up.
 """
 
 from __future__ import annotations
@@ -21,21 +27,25 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from overdrive import __version__
+from overdrive.serve.adaptive import ADAPTIVE, FIXED, POLICIES
 from overdrive.serve.batcher import BatcherError, DynamicBatcher, QueueFull, RequestTooLarge, ShuttingDown
+from overdrive.serve.metrics import Metrics, ModelMetrics
 from overdrive.serve.model import ServedModel, ValidationError
 from overdrive.serve.protocol import (
     HEADER_LENGTH,
+    InferRequest,
     ProtocolError,
     TooLarge,
     decompress,
@@ -48,26 +58,33 @@ log = logging.getLogger("overdrive.cli.serve")
 
 _STATUS = {"queue_full": 503, "shutting_down": 503, "timeout": 504, "client_disconnected": 499, "too_large": 413,
            "model_error": 500}
+DEFAULT_DELAY_MS = {FIXED: 2.0, ADAPTIVE: 10.0}
+OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are decoded in a worker thread, not on the event loop
+READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 
 
 @dataclass(kw_only=True)
 class ServerConfig:
-    """Batching and load limits (the `overdrive serve` flags).
+    """One model's batching and load limits (the `overdrive serve` flags).
 
     Attributes:
         max_batch_size: rows per model batch.
-        max_queue_delay_ms: longest a request waits for others to join its batch, ms.
+        batching: "adaptive" (a batch waits only while waiting is expected to pay, up to the
+            delay: `overdrive.serve.adaptive`) or "fixed" (waits up to the delay for a full batch).
+        max_queue_delay_ms: the longest a request waits for others to join its batch, ms (None:
+            2 ms for fixed, a 10 ms cap for adaptive).
         max_queue_size: rows that may wait; beyond it requests get 503 with Retry-After.
         instances: model threads (one per GPU on a multi-GPU machine).
         request_timeout_ms: default per-request timeout while queued, ms (None: none).
         drain_timeout_s: on SIGTERM/SIGINT, how long admitted requests may take to finish.
         max_request_bytes: largest request body accepted (413 beyond).
-        warmup_s: seconds the server may spend at start running each batch size once
-            (`ServedModel.warmup`); it is live but not ready meanwhile.
+        warmup_s: seconds the model may spend at load running each batch size the batcher
+            warms (`ServedModel.warmup`); it is not ready meanwhile.
     """
 
     max_batch_size: int
-    max_queue_delay_ms: float = 2.0
+    batching: str = ADAPTIVE
+    max_queue_delay_ms: float | None = None
     max_queue_size: int = 512
     instances: int = 1
     request_timeout_ms: float | None = 30_000.0
@@ -75,61 +92,105 @@ class ServerConfig:
     max_request_bytes: int = 64 << 20
     warmup_s: float = 0.0
 
+    def __post_init__(self):
+        if self.batching not in POLICIES:
+            raise ValueError(f"batching must be one of {', '.join(POLICIES)}, got {self.batching!r}")
+        if self.max_queue_delay_ms is None:
+            self.max_queue_delay_ms = DEFAULT_DELAY_MS[self.batching]
 
-class Metrics:
-    """Prometheus metrics of one server, in their own registry (several servers per process in tests)."""
 
-    def __init__(self, model: str, max_batch_size: int):
-        self.registry = CollectorRegistry()
-        r, m = self.registry, [model]
-        self.requests = Counter("overdrive_requests", "Inference requests by HTTP status", ["model", "status"], registry=r)
-        self.queue_seconds = Histogram("overdrive_queue_duration_seconds", "Time from arrival to the start of its batch",
-                                       ["model"], registry=r,
-                                       buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
-        self.compute_seconds = Histogram("overdrive_compute_duration_seconds", "Model time per batch", ["model"], registry=r,
-                                         buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
-        sizes = sorted({2 ** i for i in range(max_batch_size.bit_length())} | {max_batch_size})
-        self.batch_rows = Histogram("overdrive_batch_size", "Rows per model batch", ["model"], registry=r, buckets=sizes)
-        self.batch_requests = Histogram("overdrive_batch_requests", "Requests (or chunks) per model batch", ["model"],
-                                        registry=r, buckets=sizes)
-        self.queue_depth = Gauge("overdrive_queue_depth", "Rows waiting in the queue", ["model"], registry=r)
-        self.rejections = Counter("overdrive_rejections", "Requests refused or dropped, by reason", ["model", "reason"],
-                                  registry=r)
-        self._m = m
+class InferError(Exception):
+    """A request answered with an error status (HTTP status; gRPC maps it to a code)."""
 
-    # BatcherMetrics
-    def batch(self, rows: int, requests: int, compute_s: float) -> None:
-        self.batch_rows.labels(*self._m).observe(rows)
-        self.batch_requests.labels(*self._m).observe(requests)
-        self.compute_seconds.labels(*self._m).observe(compute_s)
+    def __init__(self, status: int, message: str, retry_after: bool = False):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
 
-    def queued(self, seconds: float) -> None:
-        self.queue_seconds.labels(*self._m).observe(seconds)
 
-    def depth(self, rows: int) -> None:
-        self.queue_depth.labels(*self._m).set(rows)
+class ModelSlot:
+    """One model in the repository: its served model, batcher, metrics and state.
 
-    def rejected(self, reason: str) -> None:
-        self.rejections.labels(*self._m, reason).inc()
+    `loader` rebuilds the served model after an unload (None: the unloaded one is kept in
+    memory and reused).
+    """
+
+    def __init__(self, served: ServedModel, config: ServerConfig, metrics: ModelMetrics,
+                 loader: Callable[[], ServedModel] | None = None):
+        self.name = served.name
+        self.served: ServedModel | None = served
+        self.config = config
+        self.metrics = metrics
+        self.loader = loader
+        self.batcher: DynamicBatcher | None = None
+        self.state, self.reason = UNAVAILABLE, "not loaded"
+        self._warmup: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY
+
+    def start(self) -> None:
+        """Start the batcher and the warm-up on the running loop (state LOADING until warm)."""
+        served, c = self.served, self.config
+        served.on_cold_batch = self.metrics.cold_batch
+        self.batcher = DynamicBatcher(
+            served, max_batch_size=c.max_batch_size, max_queue_delay_s=c.max_queue_delay_ms / 1e3,
+            max_queue_size=c.max_queue_size, instances=c.instances, policy=c.batching,
+            length=served.length if served.workload.is_text else None, metrics=self.metrics)
+        self.batcher.start()
+        self.state, self.reason = LOADING, "warming up"
+        self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        c, batcher = self.config, self.batcher
+        if c.warmup_s > 0:
+            warmed = await batcher.on_instances(lambda i: self.served.warmup(c.max_batch_size, c.warmup_s, instance=i))
+            for _, _, timings in warmed:
+                for rows, seconds, length in timings:
+                    batcher.observe(rows, seconds, length)
+            sizes = sorted(set.intersection(*(set(w[0]) for w in warmed)))
+            cold = c.max_batch_size - len(sizes)
+            log.info("%s ready: warmed batch sizes %s in %.1f s%s", self.name, ", ".join(map(str, sizes)),
+                     max(w[1] for w in warmed),
+                     f"; the {cold} other sizes run cold the first time (counted in overdrive_cold_batches_total)"
+                     if cold else "")
+        self.served.watch_recompiles()
+        self.state, self.reason = READY, ""
+
+    async def stop(self, timeout_s: float) -> int:
+        """Drain: queued requests finish (up to `timeout_s`), new ones get 503. Returns the refused."""
+        if self._warmup:
+            self._warmup.cancel()
+        if self.batcher is None or self.batcher.closing:
+            return 0
+        return await self.batcher.drain(timeout_s)
 
 
 class InferenceServer:
-    """The ASGI app (`self.app`) for one served model, and its batcher.
+    """The ASGI app (`self.app`) for one or more served models, and their batchers.
 
-    The batcher starts with the app (lifespan) and is drained by `drain()`.
+    Args:
+        served: a ServedModel, or a list of (ServedModel, ServerConfig[, loader]) for several.
+        config: the ServerConfig when `served` is one model.
+        grpc_port: also serve KServe v2 gRPC on this port (0: any free one; None: no gRPC).
+        host: the address gRPC binds.
+
+    The batchers start with the app (lifespan) and are drained by `drain()`.
     """
 
-    def __init__(self, served: ServedModel, config: ServerConfig):
-        self.served = served
-        self.config = config
-        self.metrics = Metrics(served.name, config.max_batch_size)
-        self.batcher = DynamicBatcher(
-            served, max_batch_size=config.max_batch_size, max_queue_delay_s=config.max_queue_delay_ms / 1e3,
-            max_queue_size=config.max_queue_size, instances=config.instances,
-            length=served.length if served.workload.is_text else None, metrics=self.metrics)
+    def __init__(self, served, config: ServerConfig | None = None, *, grpc_port: int | None = None,
+                 host: str = "127.0.0.1"):
+        models = [(served, config)] if isinstance(served, ServedModel) else served
+        names = [m[0].name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two models are named alike in {names}; give each its own name")
+        self.metrics = Metrics()
+        self.slots = {m[0].name: ModelSlot(m[0], m[1], self.metrics.add_model(m[0].name, m[1].instances),
+                                           m[2] if len(m) > 2 else None) for m in models}
+        self.config = models[0][1]  # server-wide limits (drain, body size) are the first model's
         self.draining = False
         self.started = False
-        self.warmed = False
+        self.grpc_port, self.grpc_host, self.grpc_server = grpc_port, host, None
         model_routes = []
         for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
             model_routes += [Route(prefix, self.model_metadata), Route(prefix + "/ready", self.model_ready),
@@ -138,40 +199,53 @@ class InferenceServer:
         self.app = Starlette(routes=[
             Route("/v2/health/live", self.live), Route("/v2/health/ready", self.ready), Route("/v2", self.server_metadata),
             Route("/metrics", self.prometheus), *model_routes,
+            Route("/v2/repository/index", self.repository_index, methods=["GET", "POST"]),
+            Route("/v2/repository/models/{name}/load", self.repository_load, methods=["POST"]),
+            Route("/v2/repository/models/{name}/unload", self.repository_unload, methods=["POST"]),
         ], lifespan=self._lifespan, exception_handlers={HTTPException: _http_error})
+
+    # back-compatible views of a one-model server
+    @property
+    def served(self) -> ServedModel:
+        return next(iter(self.slots.values())).served
+
+    @property
+    def batcher(self) -> DynamicBatcher:
+        return next(iter(self.slots.values())).batcher
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
-        self.batcher.start()
-        self.started = True
-        warmup = asyncio.get_running_loop().create_task(self._warm_up())
-        yield
-        warmup.cancel()
-        if not self.batcher.closing:  # stopped without a drain (tests, a second signal)
-            await self.drain()
+        for slot in self.slots.values():
+            slot.start()
+        if self.grpc_port is not None:
+            from overdrive.serve.grpc_service import start_grpc
 
-    async def _warm_up(self) -> None:
-        if self.config.warmup_s > 0:
-            warmed = await self.batcher.on_instances(
-                lambda i: self.served.warmup(self.config.max_batch_size, self.config.warmup_s, instance=i))
-            sizes, seconds = min(n for n, _ in warmed), max(s for _, s in warmed)
-            log.info("ready: warmed batch sizes up to %d in %.1f s", sizes, seconds)
-        self.served.watch_recompiles()
-        self.warmed = True
+            self.grpc_server, self.grpc_port = await start_grpc(self, self.grpc_host, self.grpc_port)
+        self.started = True
+        yield
+        if not self.draining:  # stopped without a drain (tests, a second signal)
+            await self.drain()
 
     async def drain(self) -> None:
         """Readiness false, new requests 503, admitted ones finish (up to drain_timeout_s)."""
         self.draining = True
         start = time.monotonic()
-        refused = await self.batcher.drain(self.config.drain_timeout_s)
+        timeout = self.config.drain_timeout_s
+        refused = sum(await asyncio.gather(*(slot.stop(timeout) for slot in self.slots.values())))
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=1.0)
         log.info("drained in %.1f s%s", time.monotonic() - start,
-                 f"; {refused} still-queued request(s) got 503 at the {self.config.drain_timeout_s:g} s limit" if refused else "")
+                 f"; {refused} still-queued request(s) got 503 at the {timeout:g} s limit" if refused else "")
 
-    # -- health and metadata -------------------------------------------------------------------------
+    # -- health, metadata, repository ------------------------------------------------------------------
 
     @property
     def is_ready(self) -> bool:
-        return self.started and self.warmed and not self.draining
+        return self.started and not self.draining and all(s.ready for s in self.slots.values())
+
+    @property
+    def warmed(self) -> bool:
+        return all(s.ready for s in self.slots.values())
 
     async def live(self, request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -180,93 +254,257 @@ class InferenceServer:
         return JSONResponse({"ready": self.is_ready}, status_code=200 if self.is_ready else 503)
 
     async def server_metadata(self, request: Request) -> Response:
-        return JSONResponse({"name": "overdrive", "version": __version__, "extensions": ["binary_tensor_data"]})
+        return JSONResponse(self.metadata())
 
-    def _unknown(self, request: Request) -> Response | None:
-        name, version = request.path_params["name"], request.path_params.get("version", "1")
-        if name != self.served.name:
-            return _error(404, f"unknown model {name!r}; this server serves {self.served.name!r}")
-        if version != "1":
-            return _error(404, f"model {name!r} has version '1' only, not {version!r}")
-        return None
+    def metadata(self) -> dict:
+        return {"name": "overdrive", "version": __version__, "extensions": ["binary_tensor_data", "model_repository"]}
+
+    def slot(self, name: str, version: str | None = None) -> ModelSlot:
+        """The model named `name` (version '1' or none).
+
+        Raises:
+            InferError: 404 naming the models this server holds.
+        """
+        slot = self.slots.get(name)
+        if slot is None:
+            held = ", ".join(repr(n) for n in self.slots)
+            raise InferError(404, f"unknown model {name!r}; this server serves {held}")
+        if version not in (None, "", "1"):
+            raise InferError(404, f"model {name!r} has version '1' only, not {version!r}")
+        return slot
+
+    def _slot_of(self, request: Request) -> ModelSlot:
+        return self.slot(request.path_params["name"], request.path_params.get("version"))
 
     async def model_metadata(self, request: Request) -> Response:
-        return self._unknown(request) or JSONResponse(self.served.metadata())
+        try:
+            slot = self._slot_of(request)
+        except InferError as exc:
+            return _error(exc.status, str(exc))
+        if slot.served is None:
+            return _error(503, f"model {slot.name!r} is unloaded; load it through /v2/repository/models/{slot.name}/load",
+                          retry_after=True)
+        return JSONResponse(slot.served.metadata())
 
     async def model_ready(self, request: Request) -> Response:
-        return self._unknown(request) or JSONResponse({"name": self.served.name, "ready": self.is_ready},
-                                                      status_code=200 if self.is_ready else 503)
+        try:
+            slot = self._slot_of(request)
+        except InferError as exc:
+            return _error(exc.status, str(exc))
+        ready = slot.ready and not self.draining
+        return JSONResponse({"name": slot.name, "ready": ready}, status_code=200 if ready else 503)
 
     async def model_config(self, request: Request) -> Response:
-        c = self.config
-        return self._unknown(request) or JSONResponse({
-            "name": self.served.name, "max_batch_size": c.max_batch_size,
-            "dynamic_batching": {"max_queue_delay_microseconds": int(c.max_queue_delay_ms * 1000),
-                                 "default_queue_policy": {"max_queue_size": c.max_queue_size,
-                                                          "default_timeout_microseconds": int((c.request_timeout_ms or 0) * 1000)}},
-            "instance_group": [{"count": c.instances, "kind": self.served.devices[0].type.upper()}],
-            "input": [s.to_dict() for s in self.served.inputs], "output": [s.to_dict() for s in self.served.outputs]})
+        try:
+            slot = self._slot_of(request)
+        except InferError as exc:
+            return _error(exc.status, str(exc))
+        return JSONResponse(self.model_config_dict(slot))
+
+    @staticmethod
+    def model_config_dict(slot: ModelSlot) -> dict:
+        c, served = slot.config, slot.served
+        doc = {"name": slot.name, "max_batch_size": c.max_batch_size,
+               "dynamic_batching": {"max_queue_delay_microseconds": int(c.max_queue_delay_ms * 1000),
+                                    "default_queue_policy": {"max_queue_size": c.max_queue_size,
+                                                             "default_timeout_microseconds":
+                                                                 int((c.request_timeout_ms or 0) * 1000)}},
+               "parameters": {"overdrive_batching": c.batching}}
+        if served is not None:
+            doc |= {"instance_group": [{"count": c.instances, "kind": served.devices[0].type.upper()}],
+                    "input": [s.to_dict() for s in served.inputs], "output": [s.to_dict() for s in served.outputs]}
+        return doc
+
+    async def repository_index(self, request: Request) -> Response:
+        return JSONResponse(self.index())
+
+    def index(self) -> list[dict]:
+        return [{"name": s.name, "version": "1", "state": s.state, "reason": s.reason} for s in self.slots.values()]
+
+    async def repository_load(self, request: Request) -> Response:
+        try:
+            await self.load(request.path_params["name"])
+        except InferError as exc:
+            return _error(exc.status, str(exc))
+        return JSONResponse({})
+
+    async def repository_unload(self, request: Request) -> Response:
+        try:
+            await self.unload(request.path_params["name"])
+        except InferError as exc:
+            return _error(exc.status, str(exc))
+        return JSONResponse({})
+
+    async def load(self, name: str) -> None:
+        """Load (or reload) a model of the repository and wait until it is warm and ready.
+
+        Raises:
+            InferError: 404 unknown, 503 while draining, 500 the model failed to build.
+        """
+        slot = self.slot(name)
+        if self.draining:
+            raise InferError(503, "the server is shutting down", retry_after=True)
+        if slot.state in (LOADING, UNLOADING):
+            raise InferError(409, f"model {name!r} is {slot.state.lower()}; try again when it is done")
+        if slot.state == READY:
+            await slot.stop(slot.config.drain_timeout_s)
+        slot.state, slot.reason = LOADING, "loading"
+        if slot.served is None:
+            try:
+                slot.served = await asyncio.to_thread(slot.loader)
+            except Exception as exc:  # noqa: BLE001 — reported in the index and to the caller
+                slot.state, slot.reason = UNAVAILABLE, f"load failed: {type(exc).__name__}: {exc}"
+                raise InferError(500, f"model {name!r} failed to load: {exc}") from None
+        slot.start()
+        await slot._warmup  # noqa: SLF001
+
+    async def unload(self, name: str) -> None:
+        """Drain a model (its queued requests finish) and unload it; its URL answers 503 until loaded.
+
+        Raises:
+            InferError: 404 unknown, 409 while it loads.
+        """
+        slot = self.slot(name)
+        if slot.state == LOADING:
+            raise InferError(409, f"model {name!r} is loading; unload it when it is ready")
+        if slot.state != READY:
+            return
+        slot.state, slot.reason = UNLOADING, "unloading"
+        await slot.stop(slot.config.drain_timeout_s)
+        if slot.loader is not None:
+            slot.served = None  # its memory goes; the loader builds it again
+        slot.state, slot.reason = UNAVAILABLE, "unloaded"
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- inference ----------------------------------------------------------------------------------------
 
+    async def run(self, slot: ModelSlot, parsed: InferRequest, parsed_bytes: int = 0,
+                  disconnected=None) -> list[tuple[str, np.ndarray]]:
+        """Validate a decoded request, run it through the model's batcher, and return its outputs
+        as (name, array) pairs (those it asked for, or all). Shared by HTTP and gRPC.
+
+        Raises:
+            InferError: with the HTTP status of the failure.
+        """
+        self.admit(slot)
+        payload = await self.validate(slot, parsed, parsed_bytes)
+        return await self.execute(slot, parsed, payload, disconnected)
+
+    def admit(self, slot: ModelSlot) -> None:
+        if self.draining or slot.state == UNLOADING:
+            slot.metrics.rejected(ShuttingDown.reason)
+            raise InferError(503, "the server is shutting down; retry on another replica", retry_after=True)
+        if slot.state == LOADING:
+            slot.metrics.rejected("warming_up")
+            raise InferError(503, f"model {slot.name!r} is warming up; retry when /v2/health/ready says ready",
+                             retry_after=True)
+        if slot.state != READY:
+            slot.metrics.rejected("unavailable")
+            raise InferError(503, f"model {slot.name!r} is {slot.reason or 'unavailable'}; load it through "
+                                  f"/v2/repository/models/{slot.name}/load", retry_after=True)
+
+    async def validate(self, slot: ModelSlot, parsed: InferRequest, parsed_bytes: int):
+        try:
+            if parsed_bytes > OFF_LOOP_BYTES:
+                return await asyncio.to_thread(slot.served.validate, parsed)
+            return slot.served.validate(parsed)
+        except ValidationError as exc:
+            slot.metrics.rejected("invalid")
+            raise InferError(400, str(exc)) from None
+
+    async def execute(self, slot: ModelSlot, parsed: InferRequest, payload, disconnected) -> list[tuple[str, np.ndarray]]:
+        try:
+            timeout_s = _timeout_s(parsed.parameters.get("timeout"), slot.config.request_timeout_ms)
+        except ProtocolError as exc:
+            slot.metrics.rejected("invalid")
+            raise InferError(400, str(exc)) from None
+        slot.metrics.admitted(1)
+        try:
+            output = await slot.batcher.infer(payload, timeout_s=timeout_s, disconnected=disconnected)
+        except BatcherError as exc:
+            raise InferError(_STATUS.get(exc.reason, 500), str(exc),
+                             retry_after=isinstance(exc, (QueueFull, ShuttingDown))) from None
+        finally:
+            slot.metrics.admitted(-1)
+        return [(n, a) for n, a in slot.served.split_output(output) if not parsed.outputs or n in parsed.outputs]
+
     async def infer(self, request: Request) -> Response:
-        response = await self._infer(request)
-        self.metrics.requests.labels(self.served.name, str(response.status_code)).inc()
+        started = time.perf_counter()
+        try:
+            slot = self._slot_of(request)
+        except InferError as exc:
+            return _error(exc.status, str(exc))
+        try:
+            response = await self._infer(slot, request)
+        except _BodyCut as cut:  # the body never arrived whole: nobody to answer
+            log.warning("%s: a client disconnected while sending its request body (%d of %s bytes came); dropped",
+                        slot.name, cut.received, request.headers.get("content-length", "unknown"))
+            slot.metrics.rejected("client_disconnected")
+            return Response(status_code=499)
+        except InferError as exc:
+            if exc.status == 499:
+                return Response(status_code=499)  # counted by the batcher; nobody to answer
+            response = _error(exc.status, str(exc), retry_after=exc.retry_after)
+        slot.metrics.answered(response.status_code, started)
         return response
 
-    async def _infer(self, request: Request) -> Response:
-        unknown = self._unknown(request)
-        if unknown:
-            return unknown
-        if self.draining:
-            self.metrics.rejected(ShuttingDown.reason)
-            return _error(503, "the server is shutting down; retry on another replica", retry_after=True)
-        if not self.warmed:
-            self.metrics.rejected("warming_up")
-            return _error(503, "the model is warming up; retry when /v2/health/ready says ready", retry_after=True)
+    async def _infer(self, slot: ModelSlot, request: Request) -> Response:
+        self.admit(slot)
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
-            self.metrics.rejected(RequestTooLarge.reason)
-            return _error(413, f"the body is {declared} bytes; this server takes at most {limit}")
+            slot.metrics.rejected(RequestTooLarge.reason)
+            raise InferError(413, f"the body is {declared} bytes; this server takes at most {limit}")
         try:
-            body = decompress(await _read_body(request, limit), request.headers.get("content-encoding"), limit)
-            parsed = parse_request(body, request.headers.get(HEADER_LENGTH.lower()))
-            payload = self.served.validate(parsed)
-            timeout_s = _timeout_s(parsed.parameters.get("timeout"), self.config.request_timeout_ms)
+            raw = await _read_body(request, limit)
+            encoding, header = request.headers.get("content-encoding"), request.headers.get(HEADER_LENGTH.lower())
+            if len(raw) > OFF_LOOP_BYTES:  # json.loads of 60 MB holds the loop for seconds: a thread instead
+                parsed = await asyncio.to_thread(lambda: parse_request(decompress(raw, encoding, limit), header))
+            else:
+                parsed = parse_request(decompress(raw, encoding, limit), header)
         except TooLarge as exc:
-            self.metrics.rejected(RequestTooLarge.reason)
-            return _error(413, str(exc))
-        except (ProtocolError, ValidationError) as exc:
-            self.metrics.rejected("invalid")
-            return _error(400, str(exc))
-        try:
-            output = await self.batcher.infer(payload, timeout_s=timeout_s, disconnected=lambda: _disconnected(request))
-        except BatcherError as exc:
-            return _error(_STATUS.get(exc.reason, 500), str(exc), retry_after=isinstance(exc, (QueueFull, ShuttingDown)))
-        parts = [(n, a) for n, a in self.served.split_output(output) if not parsed.outputs or n in parsed.outputs]
+            slot.metrics.rejected(RequestTooLarge.reason)
+            raise InferError(413, str(exc)) from None
+        except ProtocolError as exc:
+            slot.metrics.rejected("invalid")
+            raise InferError(400, str(exc)) from None
+        payload = await self.validate(slot, parsed, len(raw))
+        parts = await self.execute(slot, parsed, payload, lambda: _disconnected(request))
         binary = {n for n, _ in parts if parsed.binary_outputs or parsed.outputs.get(n)}
         bad = sum(int((~np.isfinite(a)).sum()) for n, a in parts if n not in binary)
         if bad:  # JSON has no NaN or infinity; never send invalid JSON
-            self.metrics.rejected("nonfinite_output")
-            return _error(500, f"the model gave {bad} non-finite output value(s) (NaN/inf) for this request, which JSON "
-                               "cannot carry; ask for the output as binary data to receive them")
-        body, headers = encode_response(self.served.name, parsed.id, parts, binary)
-        return Response(body, headers=headers,
-                        media_type="application/octet-stream" if binary else "application/json")
+            slot.metrics.rejected("nonfinite_output")
+            raise InferError(500, f"the model gave {bad} non-finite output value(s) (NaN/inf) for this request, which "
+                                  "JSON cannot carry; ask for the output as binary data to receive them")
+        body, headers = encode_response(slot.name, parsed.id, parts, binary)
+        return Response(body, headers=headers, media_type="application/octet-stream" if binary else "application/json")
+
+
+class _BodyCut(Exception):
+    """The client went away before its body's end (`received` bytes came)."""
+
+    def __init__(self, received: int):
+        self.received = received
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, read as it streams in (also chunked), refused as soon as it passes `limit` bytes."""
+    """The body, read as it streams in (also chunked), refused as soon as it passes `limit` bytes.
+
+    Raises:
+        TooLarge: over `limit`.
+        _BodyCut: the client went away before the body's end.
+    """
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"the body is more than {limit} bytes, the most this server takes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"the body is more than {limit} bytes, the most this server takes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _BodyCut(size) from None
     return b"".join(chunks)
 
 

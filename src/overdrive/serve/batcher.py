@@ -6,7 +6,10 @@ Invariant (what every caller may rely on):
   a request larger than that is split into chunks of at most `max_batch_size` rows, which are
   queued one after another and whose outputs are joined back in order.
 - A batch is released as soon as it is full, and otherwise no later than `max_queue_delay_s`
-  after its oldest request arrived (while a model instance is free to take it).
+  after its oldest request arrived (while a model instance is free to take it). With the
+  `adaptive` policy (the server's default) it is released earlier, at once when waiting is not
+  expected to pay (`overdrive.serve.adaptive`: the rule, from the measured time per batch size
+  and arrival rate); with `fixed` it waits the whole delay unless it fills.
 - Batches are formed around the oldest waiting request (so none starves). With a `length`
   function (variable-length inputs), only requests of its length bucket join it (lengths
   within a factor of two), so no row is padded to more than twice its length (of the policies
@@ -41,6 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from overdrive.serve.adaptive import ADAPTIVE, FIXED, POLICIES, ArrivalRate, CostCurve, best_wait
+
 
 class BatchModel(Protocol):
     """What the batcher needs from a model. Payloads are opaque to the batcher."""
@@ -65,7 +70,7 @@ class BatchModel(Protocol):
 class BatcherMetrics(Protocol):
     """Observations the batcher reports (the server turns them into Prometheus metrics)."""
 
-    def batch(self, rows: int, requests: int, compute_s: float) -> None: ...
+    def batch(self, rows: int, requests: int, compute_s: float, instance: int = 0) -> None: ...
     def queued(self, seconds: float) -> None: ...
     def depth(self, rows: int) -> None: ...
     def rejected(self, reason: str) -> None: ...
@@ -150,17 +155,24 @@ class DynamicBatcher:
         length: row length of a payload (the longest row), for length bucketing; None for
             fixed-shape inputs (one bucket).
         metrics: observer of batch sizes, queue times, depth and rejections.
+        policy: "fixed" (wait up to `max_queue_delay_s` for a full batch, as Triton does) or
+            "adaptive" (wait only while it is expected to pay, `max_queue_delay_s` the cap).
 
     Raises:
-        ValueError: a size or delay out of range.
+        ValueError: a size, delay or policy out of range.
     """
 
     def __init__(self, model: BatchModel, *, max_batch_size: int, max_queue_delay_s: float, max_queue_size: int,
-                 instances: int = 1, length=None, metrics: BatcherMetrics | None = None):
+                 instances: int = 1, length=None, metrics: BatcherMetrics | None = None, policy: str = FIXED):
         if max_batch_size < 1 or instances < 1 or max_queue_size < 1:
             raise ValueError("max_batch_size, instances and max_queue_size must be ≥ 1")
         if not 0 <= max_queue_delay_s < math.inf:
             raise ValueError(f"max_queue_delay_s must be a finite number ≥ 0, got {max_queue_delay_s}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.curve = CostCurve()  # seconds per batch by rows (adaptive): seeded by `observe`, then every batch
+        self.arrivals = ArrivalRate()
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
@@ -216,6 +228,11 @@ class DynamicBatcher:
         for executor in self._executors:
             executor.shutdown(wait=True)
         return refused
+
+    def observe(self, rows: int, seconds: float, length: int | None = None) -> None:
+        """A measured batch of `rows` rows (of row length `length`, for text) that took `seconds`:
+        seeds the adaptive policy's cost curve (the server passes its warm-up timings)."""
+        self.curve.observe(length_bucket(length) if self.length is not None and length else 0, rows, seconds)
 
     # -- the request side ---------------------------------------------------------------------
 
@@ -285,6 +302,7 @@ class DynamicBatcher:
             entry = _Entry(request=request, chunk=i, payload=part, rows=stop - start, bucket=bucket, arrived=now,
                            seq=next(self._seq))
             request.entries.append(entry)
+            self.arrivals.arrived(bucket, stop - start, now)
             self._order.append(entry)
             self._buckets.setdefault(bucket, deque()).append(entry)
         self.queued_rows += rows
@@ -343,6 +361,7 @@ class DynamicBatcher:
         return batch, rows
 
     async def _next_batch(self) -> list[_Entry] | None:
+        waited_in_vain = False  # adaptive: the last wait brought no row, so the next decision is to run
         while True:
             now = time.monotonic()
             for entry in list(self._order):  # a request past its deadline never starts
@@ -356,13 +375,20 @@ class DynamicBatcher:
                 await arrival.wait()
                 continue
             batch, rows = self._select(head)
-            wait = head.arrived + self.max_queue_delay_s - now
+            latest = head.arrived + self.max_queue_delay_s
+            if self.policy == ADAPTIVE:
+                wait = 0.0 if waited_in_vain else best_wait(
+                    self.curve, self.arrivals, bucket=head.bucket, rows=rows, room=self.max_batch_size - rows, now=now,
+                    latest=latest)
+            else:
+                wait = latest - now
             if rows >= self.max_batch_size or wait <= 0 or self.closing:
                 return batch
             try:
                 await asyncio.wait_for(arrival.wait(), timeout=min(wait, head.request.deadline - now))
+                waited_in_vain = False
             except asyncio.TimeoutError:
-                pass
+                waited_in_vain = self.policy == ADAPTIVE
 
     async def _worker(self, instance: int) -> None:
         loop = asyncio.get_running_loop()
@@ -375,10 +401,18 @@ class DynamicBatcher:
             for entry in batch:
                 entry.request.state = _RUNNING
                 self.metrics.queued(started - entry.arrived)
-            outcomes = await loop.run_in_executor(self._executors[instance], self._run, batch, instance)
-            self.metrics.batch(sum(e.rows for e in batch), len(batch), time.monotonic() - started)
+            outcomes, seconds = await loop.run_in_executor(self._executors[instance], self._timed_run, batch, instance)
+            rows = sum(e.rows for e in batch)
+            if not any(isinstance(o, BaseException) for o in outcomes):  # a bisected batch's time is not its size's
+                self.curve.observe(batch[0].bucket, rows, seconds)
+            self.metrics.batch(rows, len(batch), seconds, instance)
             for entry, outcome in zip(batch, outcomes):
                 self._deliver(entry, outcome)
+
+    def _timed_run(self, batch: list[_Entry], instance: int) -> tuple[list[Any], float]:
+        start = time.perf_counter()
+        outcomes = self._run(batch, instance)
+        return outcomes, time.perf_counter() - start
 
     def _run(self, batch: list[_Entry], instance: int) -> list[Any]:
         """Results (or the exception each entry earned), bisecting a failing batch (instance thread)."""

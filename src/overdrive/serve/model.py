@@ -91,6 +91,8 @@ class ServedModel:
         self.fixed_batch_size = workload.fixed_batch_size
         self.threads_per_instance: int | None = None  # intra-op threads each instance thread sets (None: leave)
         self.recompiles = 0  # graphs torch.compile compiled for live batches, after the warm-up
+        self.on_cold_batch = None  # called (instance thread) the first time a batch size the warm-up skipped runs
+        self._warm_sizes: set[int] = set()
         self._graphs_seen: int | None = None  # compiled_graphs() once warm; None: still warming up
         # Token counts for the length buckets, computed in the request handler: the tokenizer reads
         # at most 128 × max_seq_length characters of a text (a string of megabytes tokenised whole
@@ -132,32 +134,38 @@ class ServedModel:
         if self.threads_per_instance:
             torch.set_num_threads(self.threads_per_instance)
 
-    def warmup(self, max_batch_size: int, budget_s: float, instance: int | None = None) -> tuple[int, float]:
-        """Run every batch size 1..max_batch_size once on instance `instance`'s model (every
-        instance's when None; powers of two for text, whose shapes also vary in length), until
-        `budget_s` seconds have passed. The server calls it in each instance's own thread.
+    def warmup(self, max_batch_size: int, budget_s: float,
+               instance: int | None = None) -> tuple[list[int], float, list[tuple[int, float, int]]]:
+        """Run the batch sizes the server warms, 1, 2, 4, ... and `max_batch_size`, once each on
+        instance `instance`'s model (every instance's when None), until `budget_s` seconds have
+        passed. The server calls it in each instance's own thread.
 
         Kernel libraries build and cache per-shape state on first use (oneDNN primitives on
         CPU, cuDNN/cuBLAS plans on GPU): without this, the first batch of each size a server
-        sees is tens of ms slower, which shows up as its p99 (Triton's `model_warmup`).
+        sees is tens of ms slower, which shows up as its p99 (Triton's `model_warmup`). The
+        other sizes are cold once: each is counted (`on_cold_batch`) the first time it runs.
 
         Returns:
-            (batch sizes warmed, seconds taken).
+            (batch sizes warmed, seconds taken, [(rows, seconds of the second run, row length)]:
+            the adaptive batcher's first cost curve).
         """
         start = time.perf_counter()
-        sizes = range(1, max_batch_size + 1)
-        if self.workload.is_text:
-            sizes = sorted({2 ** i for i in range(max_batch_size.bit_length())} | {max_batch_size})
-        done = 0
+        sizes = sorted({2 ** i for i in range(max_batch_size.bit_length())} | {max_batch_size})
+        done, timings = [], []
+        example = self._example()
+        length = self.length(example)
         for size in sizes:
             if time.perf_counter() - start > budget_s:
                 break
-            example = self._example()
             payload = self.concat_payloads([example] * size)
             for i in range(len(self.models)) if instance is None else [instance]:
+                self.execute([payload], i)  # the first run at a shape pays its set-up
+                t0 = time.perf_counter()
                 self.execute([payload], i)
-            done = size
-        return done, time.perf_counter() - start
+                timings.append((size, time.perf_counter() - t0, length))
+            done.append(size)
+        self._warm_sizes.update(done)
+        return done, time.perf_counter() - start, timings
 
     def watch_recompiles(self) -> None:
         """From now on (the warm-up is done), a batch that makes torch.compile compile a new graph
@@ -305,6 +313,11 @@ class ServedModel:
                 inputs = tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in inputs)
         output = model(*to_device(inputs, device))
         self._check_recompiles(inputs)
+        rows = inputs[0].shape[0]
+        if self._graphs_seen is not None and rows not in self._warm_sizes:  # warm from now on
+            self._warm_sizes.add(rows)
+            if self.on_cold_batch is not None:
+                self.on_cold_batch()
         if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != sum(sizes) + max(pad, 0):
             shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
             raise ValueError(f"the model returned {shape} for a batch of {sum(sizes)} rows; expected [rows, ...]")
