@@ -152,8 +152,8 @@ class ModelSlot:
             cold = c.max_batch_size - len(sizes)
             log.info("%s ready: warmed batch sizes %s in %.1f s%s", self.name, ", ".join(map(str, sizes)),
                      max(w[1] for w in warmed),
-                     f"; the {cold} other sizes run cold the first time (counted in overdrive_cold_batches_total)"
-                     if cold else "")
+                     f"; {cold} other size{'s' if cold > 1 else ''} up to {c.max_batch_size} run{'' if cold > 1 else 's'} "
+                     "cold the first time (counted in overdrive_cold_batches_total)" if cold else "")
         self.served.watch_recompiles()
         self.state, self.reason = READY, ""
 

@@ -3,7 +3,9 @@ for the same figures, so dashboards built for Triton read an overdrive server un
 
 Every series of a model is present at 0 from the moment the model is registered. Triton's names
 (from its metrics documentation, `nv_inference_*`, labels `model` and `version`) are exported as
-counters and gauges under their exact names, computed from overdrive's own figures:
+series under their exact names (declared `untyped`: the Prometheus client library names every counter
+`*_total`, Triton's counters have no suffix; PromQL's rate() reads them alike), computed from
+overdrive's own figures:
 
     nv_inference_request_success          requests answered 200
     nv_inference_request_failure          requests answered with an error, or dropped (any reason)
@@ -139,15 +141,15 @@ class ModelMetrics:
 class _TritonNames:
     """Triton Inference Server's metric names, read off overdrive's figures at scrape time."""
 
-    FIGURES = [("nv_inference_request_success", "counter", "success", 1, "Number of successful inference requests"),
-               ("nv_inference_request_failure", "counter", "failure", 1, "Number of failed inference requests"),
-               ("nv_inference_count", "counter", "rows", 1, "Number of inferences performed (rows)"),
-               ("nv_inference_exec_count", "counter", "batches", 1, "Number of model executions (batches)"),
-               ("nv_inference_request_duration_us", "counter", "request_s", 1e6,
+    FIGURES = [("nv_inference_request_success", "unknown", "success", 1, "Number of successful inference requests"),
+               ("nv_inference_request_failure", "unknown", "failure", 1, "Number of failed inference requests"),
+               ("nv_inference_count", "unknown", "rows", 1, "Number of inferences performed (rows)"),
+               ("nv_inference_exec_count", "unknown", "batches", 1, "Number of model executions (batches)"),
+               ("nv_inference_request_duration_us", "unknown", "request_s", 1e6,
                 "Cumulative end-to-end inference request duration in microseconds"),
-               ("nv_inference_queue_duration_us", "counter", "queue_s", 1e6,
+               ("nv_inference_queue_duration_us", "unknown", "queue_s", 1e6,
                 "Cumulative inference queuing duration in microseconds"),
-               ("nv_inference_compute_infer_duration_us", "counter", "compute_s", 1e6,
+               ("nv_inference_compute_infer_duration_us", "unknown", "compute_s", 1e6,
                 "Cumulative compute inference duration in microseconds (per batch)"),
                ("nv_inference_pending_request_count", "gauge", "pending", 1,
                 "Instantaneous number of pending rows awaiting execution")]

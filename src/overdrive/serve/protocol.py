@@ -113,6 +113,10 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
     try:
         doc = json.loads(header, parse_constant=_no_constant, parse_float=_finite_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if header_length is None and _json_then_bytes(header):
+            raise ProtocolError(f"the body is a JSON header followed by binary data, but the {HEADER_LENGTH} header "
+                                "(the JSON part's length in bytes) is missing; the binary tensor data extension "
+                                "needs it") from None
         raise ProtocolError(f"the request is not valid JSON ({exc})") from None
     except RecursionError:
         raise ProtocolError("the request JSON is nested too deeply") from None
@@ -141,6 +145,16 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
                         parameters=parameters, binary_outputs=bool(parameters.get("binary_data_output", False)))
 
 
+def _json_then_bytes(body: bytes) -> bool:
+    """Whether `body` starts with a whole JSON object that more bytes follow (a binary body sent
+    without its header length)."""
+    try:
+        _, end = json.JSONDecoder().raw_decode(body.decode("utf-8", errors="replace"))
+    except ValueError:
+        return False
+    return end < len(body)
+
+
 def _no_constant(name: str):
     raise ProtocolError(f"{name} is not JSON (RFC 8259); send non-finite values as binary tensor data")
 
@@ -158,11 +172,12 @@ def _object(value: Any, what: str) -> dict:
     return value
 
 
-def _parse_tensor(spec: Any, index: int, binary: memoryview) -> tuple[Tensor, int]:
-    if not isinstance(spec, dict):
-        raise ProtocolError(f"inputs[{index}] must be a JSON object")
-    name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
-    where = f"input {name!r}" if isinstance(name, str) else f"inputs[{index}]"
+def check_tensor_spec(name: Any, datatype: Any, shape: Any, where: str) -> None:
+    """A tensor's name, datatype and shape as the protocol allows them.
+
+    Raises:
+        ProtocolError: naming what is wrong.
+    """
     if not isinstance(name, str) or not name:
         raise ProtocolError(f'{where} needs a "name" string')
     if datatype not in DATATYPES:
@@ -171,6 +186,50 @@ def _parse_tensor(spec: Any, index: int, binary: memoryview) -> tuple[Tensor, in
         raise ProtocolError(f'{where}: "shape" must be a list of non-negative integers, got {shape!r}')
     if len(shape) > MAX_DIMS:
         raise ProtocolError(f"{where}: shape has {len(shape)} dimensions; at most {MAX_DIMS} are accepted")
+
+
+def tensor_from_raw(name: str, datatype: str, shape: list[int], raw: bytes) -> Tensor:
+    """A tensor from its raw little-endian bytes (gRPC `raw_input_contents`, the HTTP binary
+    extension): fixed-size elements row-major, BYTES as 4-byte length + bytes per element.
+
+    Raises:
+        ProtocolError: a bad name, datatype or shape, or bytes that do not fill the shape.
+    """
+    where = f"input {name!r}"
+    check_tensor_spec(name, datatype, shape, where)
+    count = math.prod(shape)
+    data = _bytes_elements(raw, count, where) if datatype == "BYTES" else _fixed_from_binary(raw, datatype, count, where)
+    return Tensor(name=name, datatype=datatype, shape=tuple(shape), data=data.reshape(shape))
+
+
+def tensor_from_values(name: str, datatype: str, shape: list[int], values: list) -> Tensor:
+    """A tensor from a flat list of values (gRPC `InferTensorContents`; BYTES as bytes objects).
+
+    Raises:
+        ProtocolError: as `tensor_from_raw`, or values of the wrong kind or count.
+    """
+    where = f"input {name!r}"
+    check_tensor_spec(name, datatype, shape, where)
+    if len(values) != math.prod(shape):
+        raise ProtocolError(f"{where}: shape {list(shape)} holds {math.prod(shape)} elements but the contents have "
+                            f"{len(values)}")
+    if datatype == "BYTES":
+        data = np.empty(len(values), dtype=object)
+        data[:] = list(values)
+    else:
+        try:
+            data = np.asarray(values, dtype=DATATYPES[datatype])
+        except (OverflowError, ValueError):
+            raise ProtocolError(f"{where}: a value does not fit in {datatype}") from None
+    return Tensor(name=name, datatype=datatype, shape=tuple(shape), data=data.reshape(shape))
+
+
+def _parse_tensor(spec: Any, index: int, binary: memoryview) -> tuple[Tensor, int]:
+    if not isinstance(spec, dict):
+        raise ProtocolError(f"inputs[{index}] must be a JSON object")
+    name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
+    where = f"input {name!r}" if isinstance(name, str) else f"inputs[{index}]"
+    check_tensor_spec(name, datatype, shape, where)
     count = math.prod(shape)
     params = _object(spec.get("parameters", {}), f"{where} parameters")
     size = params.get("binary_data_size")

@@ -57,66 +57,105 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
     return served, plan, instances
 
 
-def serve(spec: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto", model_name: str | None = None,
-          max_batch_size: int | None = None, max_queue_delay_ms: float = 2.0, max_queue_size: int | None = None,
+def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = None,
+          device: str = "auto", model_name: str | None = None, max_batch_size: int | None = None,
+          batching: str = "adaptive", max_queue_delay_ms: float | None = None, max_queue_size: int | None = None,
           instances: int | None = None, request_timeout_ms: float = 30_000.0, drain_timeout_s: float = 30.0,
           warmup_s: float = 30.0, access_log: bool = False, weights: str | None = None) -> int:
-    """Serve a workload, or the plan `optimize` wrote, until SIGTERM/SIGINT, then drain and return 0.
+    """Serve one or more workloads or plans `optimize` wrote until SIGTERM/SIGINT, then drain and return 0.
 
     Args:
-        spec: a workload (minilm, digits-cnn, ...) or a plan.json.
-        host, port: where to listen (port 0: any free port; the bound one is logged).
+        specs: a workload (minilm, digits-cnn, ...) or a plan.json, or a list of them (one model each,
+            each with its own batcher and queue; the CPU's cores are split between all their instances).
+        host, port: where to listen for HTTP (port 0: any free port; the bound one is logged).
+        grpc_port: also serve KServe v2 gRPC on this port (0: any free one; None: HTTP only).
         device: "auto", "cpu", "cuda" (every GPU, one instance each) or "cuda:N".
-        model_name: the name in the URLs (default: the workload's).
-        max_batch_size: rows per model batch (default: the plan's batch size, else the workload's).
-        max_queue_delay_ms: longest a request waits for others to join its batch, ms.
+        model_name: the name in the URLs (default: the workload's); one model only.
+        max_batch_size: rows per model batch (default: each plan's batch size, else the workload's).
+        batching: "adaptive" (a batch waits only while it is expected to pay) or "fixed" (Triton's rule:
+            up to the delay for a full batch).
+        max_queue_delay_ms: the longest a request waits for others to join its batch, ms (default: 2 for
+            fixed, a 10 ms cap for adaptive).
         max_queue_size: rows that may wait before requests get 503 (default: 512, or 8 batches
-            per instance if more).
-        instances: model instances, each in its own thread (default: one per GPU, 1 on CPU).
+            per instance if more), per model.
+        instances: model instances per model, each in its own thread (default: one per GPU, 1 on CPU).
         request_timeout_ms: a queued request's timeout when it sets none, ms (0: none).
         drain_timeout_s: how long admitted requests may take to finish on SIGTERM/SIGINT.
-        warmup_s: seconds at start spent running each batch size once (0: none).
+        warmup_s: seconds per model at start spent running the batch sizes it warms (0: none).
         access_log: log every request.
-        weights: a checkpoint loaded into the model (`overdrive.workloads.weights`); a plan loads its own.
+        weights: a checkpoint loaded into the model (`overdrive.workloads.weights`); one model only; a plan
+            loads its own.
 
     Raises:
-        ConfigError: a model name, batch size or queue size that cannot work, or a port in use.
+        ConfigError: a model name, batch size or queue size that cannot work, a port in use, two models
+            with one name.
         WorkloadError, PlanError: as `load_served_model`.
     """
+    specs = [specs] if isinstance(specs, str) else list(specs)
+    if len(specs) > 1 and (model_name is not None or weights is not None):
+        raise ConfigError(f"{arg('model_name')} and {arg('weights')} name one model; serve the models one per plan, "
+                          "each with its own name, or one model per server")
     if model_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", model_name):
         raise ConfigError(f"{arg('model_name', model_name)} cannot be a URL path segment; use letters, digits, '_', '.' "
                           "and '-' (e.g. minilm-v2)")
     cores = serial_main_thread()  # the model runs in the instance threads (devices.serial_main_thread)
-    served, plan, instances = load_served_model(spec, device=device, instances=instances,
-                                                name=model_name, weights=weights)
+    models, plans, threads = [], {}, {}
+    for spec in specs:
+        served, plan, n = load_served_model(spec, device=device, instances=instances, name=model_name, weights=weights)
+        if any(m[0].name == served.name for m in models):
+            raise ConfigError(f"two of the models are named {served.name!r}; serve them from separate servers, or give "
+                              "one a plan of another workload")
+        config = _model_config(spec, served, plan, n, max_batch_size=max_batch_size, batching=batching,
+                               max_queue_delay_ms=max_queue_delay_ms, max_queue_size=max_queue_size,
+                               request_timeout_ms=request_timeout_ms, drain_timeout_s=drain_timeout_s, warmup_s=warmup_s)
+        loader = (lambda spec=spec, n=n, name=served.name:  # what /v2/repository/models/<name>/load rebuilds
+                  _with_threads(load_served_model(spec, device=device, instances=n, name=name)[0], threads.get("each")))
+        models.append((served, config, loader))
+        plans[served.name] = (spec, plan)
     # Instances on one CPU split its cores, or each batch's threads fight the others' (two
     # single-threaded instances served more than one two-threaded one on 2 cores: benchmarks/RESULTS.md,
-    # serve_cpu 2026-12-01, "the same with two instances").
-    served.threads_per_instance = max(1, cores // instances)
+    # serve_cpu 2026-12-01, "the same with two instances"). With several models, all their instances share them.
+    threads["each"] = max(1, cores // sum(c.instances for _, c, _ in models))
+    for served, _, _ in models:
+        served.threads_per_instance = threads["each"]
+    if grpc_port is not None and grpc_port != 0:
+        bind(host, grpc_port, what="grpc_port").close()  # refused here with one line, not inside the server's start
+    server = InferenceServer(models, grpc_port=grpc_port, host=host)
+    del models, served  # the server holds them: an unloaded model's memory can go
+
+    def started(port: int) -> None:
+        for name, slot in server.slots.items():
+            spec, plan = plans[name]
+            source = f"plan {spec} ({' + '.join(plan.names) or 'baseline'})" if plan else spec
+            sys.stderr.write(f"overdrive serve: {source} as model {name!r} on http://{host}:{port}/v2/models/{name}/infer"
+                             + (f" and grpc {host}:{server.grpc_port}" if server.grpc_port is not None else "")
+                             + f"  {describe_config(slot)}"
+                             + (f"; warming up (ready within {warmup_s:g} s)\n" if warmup_s else "\n"))
+            if slot.served.workload.extra.get("weights_differ_from_plan"):
+                sys.stderr.write(f"overdrive serve: warning: {slot.served.workload.extra['weights_differ_from_plan']}\n")
+        sys.stderr.flush()
+
+    return run_server(server, host=host, port=port, access_log=access_log, on_started=started)
+
+
+def _with_threads(served: ServedModel, threads: int | None) -> ServedModel:
+    served.threads_per_instance = threads
+    return served
+
+
+def _model_config(spec: str, served: ServedModel, plan: Plan | None, instances: int, *, max_batch_size: int | None,
+                  max_queue_size: int | None, **settings) -> ServerConfig:
     max_batch_size = max_batch_size or served.fixed_batch_size or (plan.batch_size if plan else None) \
         or served.workload.default_batch_size
     if served.fixed_batch_size and max_batch_size > served.fixed_batch_size:
         raise ConfigError(f"{spec} runs only at batch size {served.fixed_batch_size}; "
-                        f"{arg('max_batch_size')} must be ≤ {served.fixed_batch_size}")
+                          f"{arg('max_batch_size')} must be ≤ {served.fixed_batch_size}")
     max_queue_size = max_queue_size or max(512, 8 * max_batch_size * instances)
     if max_queue_size < max_batch_size:
         raise ConfigError(f"{arg('max_queue_size', max_queue_size)} rows is less than one batch ({max_batch_size} rows)")
-    config = ServerConfig(max_batch_size=max_batch_size, max_queue_delay_ms=max_queue_delay_ms,
-                          max_queue_size=max_queue_size, instances=instances,
-                          request_timeout_ms=request_timeout_ms or None, drain_timeout_s=drain_timeout_s,
-                          warmup_s=warmup_s)
-    server = InferenceServer(served, config)
-
-    def started(port: int) -> None:
-        source = f"plan {spec} ({' + '.join(plan.names) or 'baseline'})" if plan else spec
-        sys.stderr.write(f"overdrive serve: {source} as model {served.name!r} on http://{host}:{port}/v2/models/"
-                         f"{served.name}/infer  {describe_config(server)}"
-                         + (f"; warming up (ready within {warmup_s:g} s)\n" if warmup_s else "\n"))
-        if served.workload.extra.get("weights_differ_from_plan"):
-            sys.stderr.write(f"overdrive serve: warning: {served.workload.extra['weights_differ_from_plan']}\n")
-        sys.stderr.flush()
-
-    return run_server(server, host=host, port=port, access_log=access_log, on_started=started)
+    request_timeout_ms = settings.pop("request_timeout_ms")
+    return ServerConfig(max_batch_size=max_batch_size, max_queue_size=max_queue_size, instances=instances,
+                        request_timeout_ms=request_timeout_ms or None, **settings)
 
 
 def run_server(server: InferenceServer, *, host: str, port: int, access_log: bool = False, on_started=None) -> int:
@@ -163,7 +202,7 @@ def run_server(server: InferenceServer, *, host: str, port: int, access_log: boo
     return 0
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, what: str = "port") -> socket.socket:
     """A listening TCP socket on host:port (IPv4 or IPv6).
 
     Raises:
@@ -176,16 +215,17 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
         sock.listen(2048)
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another {arg('port')} or "
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another {arg(what)} or "
                           f"{arg('host')}") from None
     sock.set_inheritable(True)
     return sock
 
 
-def describe_config(server: InferenceServer) -> str:
-    c, s = server.config, server.served
+def describe_config(slot) -> str:
+    c, s = slot.config, slot.served
     return json.dumps({"model": s.name, "devices": [str(d) for d in s.devices], "max_batch_size": c.max_batch_size,
-                       "max_queue_delay_ms": c.max_queue_delay_ms, "max_queue_size_rows": c.max_queue_size,
-                       "instances": c.instances, "request_timeout_ms": c.request_timeout_ms,
+                       "batching": c.batching, "max_queue_delay_ms": c.max_queue_delay_ms,
+                       "max_queue_size_rows": c.max_queue_size, "instances": c.instances,
+                       "request_timeout_ms": c.request_timeout_ms,
                        **({"intra_op_threads_each": s.threads_per_instance or torch.get_num_threads()}
                           if s.devices[0].type == "cpu" else {})})
