@@ -154,7 +154,7 @@ def test_raw_http_endpoints_and_errors_name_what_was_expected():
                 '"data" must be a JSON list, got str',
             '{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [NaN, 0, 0, 0]}]}': "NaN is not JSON",
             '{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1e400, 0, 0, 0]}]}':
-                "1e400 does not fit",
+                "does not fit in a 64-bit float",
         }
         for body, expected in bad.items():
             r = requests.post(infer, content=body)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -155,6 +156,12 @@ class ModelSlot:
                      f"; {cold} other size{'s' if cold > 1 else ''} up to {c.max_batch_size} run{'' if cold > 1 else 's'} "
                      "cold the first time (counted in overdrive_cold_batches_total)" if cold else "")
         self.served.watch_recompiles()
+        # What loading and warming built (the model, gRPC's message classes, kernel caches' Python
+        # side) lives as long as the model: out of the cyclic collector's reach, or every gen-2
+        # collection walks it and stalls the event loop ~150 ms (benchmarks/RESULTS.md, serve_cpu
+        # 2026-12-03, "gen-2 collections"; serve.runner freezes what exists before the server starts).
+        gc.collect()
+        gc.freeze()
         self.state, self.reason = READY, ""
 
     async def stop(self, timeout_s: float) -> int:

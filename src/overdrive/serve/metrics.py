@@ -80,39 +80,38 @@ class Metrics:
         self._totals[model]  # noqa: B018 — created at 0
         return ModelMetrics(self, model)
 
-    def remove_model(self, model: str) -> None:
-        """A model unloaded for good: its series go (Triton drops an unloaded model's metrics too)."""
-        for metric in (self.requests, self.request_seconds, self.queue_seconds, self.compute_seconds, self.batch_rows,
-                       self.batch_requests, self.queue_depth, self.in_flight, self.busy, self.cold, self.rejections,
-                       self.disconnects):
-            for labels in [k for k in list(metric._metrics) if k[0] == model]:  # noqa: SLF001 — no public removal by prefix
-                metric.remove(*labels)
-        self._totals.pop(model, None)
-
 
 class ModelMetrics:
-    """One model's observations: what the batcher reports (`BatcherMetrics`), and the server's."""
+    """One model's observations: what the batcher reports (`BatcherMetrics`), and the server's.
+    The labelled series are looked up once (a `labels()` call takes a lock and a dict lookup)."""
 
     def __init__(self, metrics: Metrics, model: str):
         self.m, self.model = metrics, model
         self.totals = metrics._totals[model]  # noqa: SLF001
+        m = metrics
+        self._rows, self._requests = m.batch_rows.labels(model), m.batch_requests.labels(model)
+        self._compute, self._queue = m.compute_seconds.labels(model), m.queue_seconds.labels(model)
+        self._depth, self._in_flight = m.queue_depth.labels(model), m.in_flight.labels(model)
+        self._latency, self._ok = m.request_seconds.labels(model), m.requests.labels(model, "200")
+        self._busy: dict[int, object] = {}
 
     # BatcherMetrics
     def batch(self, rows: int, requests: int, compute_s: float, instance: int = 0) -> None:
-        self.m.batch_rows.labels(self.model).observe(rows)
-        self.m.batch_requests.labels(self.model).observe(requests)
-        self.m.compute_seconds.labels(self.model).observe(compute_s)
-        self.m.busy.labels(self.model, str(instance)).inc(compute_s)
+        self._rows.observe(rows)
+        self._requests.observe(requests)
+        self._compute.observe(compute_s)
+        busy = self._busy.get(instance) or self._busy.setdefault(instance, self.m.busy.labels(self.model, str(instance)))
+        busy.inc(compute_s)
         self.totals["rows"] += rows
         self.totals["batches"] += 1
         self.totals["compute_s"] += compute_s
 
     def queued(self, seconds: float) -> None:
-        self.m.queue_seconds.labels(self.model).observe(seconds)
+        self._queue.observe(seconds)
         self.totals["queue_s"] += seconds
 
     def depth(self, rows: int) -> None:
-        self.m.queue_depth.labels(self.model).set(rows)
+        self._depth.set(rows)
         self.totals["pending"] = rows
 
     def rejected(self, reason: str) -> None:
@@ -127,15 +126,17 @@ class ModelMetrics:
 
     def answered(self, status: int, started: float) -> None:
         """A response was sent (never called for a client that went away)."""
-        self.m.requests.labels(self.model, str(status)).inc()
         if status == 200:
             seconds = time.perf_counter() - started
-            self.m.request_seconds.labels(self.model).observe(seconds)
+            self._ok.inc()
+            self._latency.observe(seconds)
             self.totals["success"] += 1
             self.totals["request_s"] += seconds
+        else:
+            self.m.requests.labels(self.model, str(status)).inc()
 
     def admitted(self, delta: int) -> None:
-        self.m.in_flight.labels(self.model).inc(delta)
+        self._in_flight.inc(delta)
 
 
 class _TritonNames:

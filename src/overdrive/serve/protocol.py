@@ -111,7 +111,7 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
     else:
         header, binary = body, memoryview(b"")
     try:
-        doc = json.loads(header, parse_constant=_no_constant, parse_float=_finite_float)
+        doc = json.loads(header, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         if header_length is None and _json_then_bytes(header):
             raise ProtocolError(f"the body is a JSON header followed by binary data, but the {HEADER_LENGTH} header "
@@ -157,13 +157,6 @@ def _json_then_bytes(body: bytes) -> bool:
 
 def _no_constant(name: str):
     raise ProtocolError(f"{name} is not JSON (RFC 8259); send non-finite values as binary tensor data")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ProtocolError(f"{text} does not fit in a 64-bit float; send non-finite values as binary tensor data")
-    return value
 
 
 def _object(value: Any, what: str) -> dict:
@@ -288,10 +281,17 @@ def _from_json(value: Any, datatype: str, shape: tuple[int, ...], where: str) ->
         return out
     dtype = DATATYPES[datatype]
     kind = bool if datatype == "BOOL" else (float if dtype.kind == "f" else int)
-    for v in flat:
-        if isinstance(v, bool) != (kind is bool) or not isinstance(v, (int, float)) or (kind is int and isinstance(v, float)):
-            raise ProtocolError(f"{where}: {datatype} data must be {kind.__name__} values, got {v!r}")
+    allowed = {bool} if kind is bool else ({int, float} if kind is float else {int})
+    if not set(map(type, flat)) <= allowed:  # json gives exactly int, float, bool, str, None, list, dict
+        bad = next(v for v in flat if type(v) not in allowed)
+        raise ProtocolError(f"{where}: {datatype} data must be {kind.__name__} values, got {bad!r}")
     try:
+        if kind is float:
+            wide = np.asarray(flat, dtype=np.float64)
+            if not np.isfinite(wide).all():  # NaN and Infinity tokens are refused by the parser: this overflowed
+                raise ProtocolError(f"{where}: a value does not fit in a 64-bit float (beyond ±1.8e308); send non-finite "
+                                    "values as binary tensor data")
+            return wide.astype(dtype)
         return np.asarray(flat, dtype=dtype)
     except OverflowError:
         raise ProtocolError(f"{where}: a value does not fit in {datatype}") from None

@@ -22,6 +22,7 @@ from overdrive.tuning.plan import Plan, build_on_devices, load_plan
 from overdrive.workloads import create_workload
 
 log = logging.getLogger("overdrive.serve")
+SWITCH_INTERVAL_S = 0.0005
 
 
 def load_served_model(spec: str, *, device: str, instances: int | None, name: str | None = None,
@@ -115,7 +116,9 @@ def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, 
     # Instances on one CPU split its cores, or each batch's threads fight the others' (two
     # single-threaded instances served more than one two-threaded one on 2 cores: benchmarks/RESULTS.md,
     # serve_cpu 2026-12-01, "the same with two instances"). With several models, all their instances share them.
-    threads["each"] = max(1, cores // sum(c.instances for _, c, _ in models))
+    # One core is left to the event loop (HTTP, gRPC, JSON): with every core in the model's OpenMP team,
+    # the team's spin-waiting took the loop's core and cost ~1 ms of CPU per request (serve_cpu 2026-12-03).
+    threads["each"] = max(1, (cores - 1) // sum(c.instances for _, c, _ in models))
     for served, _, _ in models:
         served.threads_per_instance = threads["each"]
     if grpc_port is not None and grpc_port != 0:
@@ -198,6 +201,11 @@ def run_server(server: InferenceServer, *, host: str, port: int, access_log: boo
     # (the p99 stalls it caused: benchmarks/RESULTS.md, serve_cpu 2026-12-01 morning, gc.freeze()).
     gc.collect()
     gc.freeze()
+    # The instance threads reacquire the GIL after every torch op; while the event loop parses
+    # requests it holds the GIL, and a waiting thread gets it only after the switch interval (5 ms
+    # by default), so a small model's batch took 10-20 ms instead of 2. 0.5 ms lets the model's
+    # thread back in quickly (benchmarks/RESULTS.md, serve_cpu 2026-12-03: "GIL switch interval").
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     _Server(config).run(sockets=[sock])
     return 0
 
