@@ -21,8 +21,9 @@ threads per instance, no server), and the server's share of it: (adaptive ÷ bat
 at C = 32, ≥ 0.9 of the ceiling's gain, ≥ 1.5× LitServe, p99 below both; gRPC within 10% of HTTP.
 
 Models: digits-cnn eager fp32 and MiniLM served from a plan with bf16 autocast (what `optimize`
-keeps on a CPU with AVX512-BF16; LitServe builds it from the same plan.json); `--minilm-fp32`
-adds MiniLM eager fp32.
+keeps on a CPU with AVX512-BF16; LitServe builds it from the same plan.json); on a CPU without
+native bf16 (emulated bf16 ran MiniLM 2.8× slower than fp32 on such a machine), MiniLM eager fp32
+instead, as `optimize` would keep it there. `--minilm-fp32` adds MiniLM eager fp32 anyway.
 
     .venv/bin/python benchmarks/serve_cpu.py [--only minilm|digits-cnn] [--seconds S]
 """
@@ -131,8 +132,8 @@ def compute_ceiling(workload: str, plan: Path | None, instances: int, rows: int,
     w = create_workload(workload)
     model = Plan.load(plan).build(w, torch.device("cpu"))[0] if plan else build(w, [], torch.device("cpu"))[0]
     threads = torch.get_num_threads()
-    # what each server instance has: its cores less one for the event loop (serve.runner), split between instances
-    torch.set_num_threads(max(1, (len(core_split()[0] or os.sched_getaffinity(0)) - 1) // instances))
+    # what each server instance has (serve.runner): its cores split between instances
+    torch.set_num_threads(max(1, len(core_split()[0] or os.sched_getaffinity(0)) // instances))
     picked = random.Random(0).sample(list(w.samples), samples)
     buckets: dict[int, list] = {}
     for sample in picked:
@@ -199,9 +200,15 @@ def main() -> int:
     met = True
     all_results = {}
     workloads = [args.only] if args.only else ["digits-cnn", "minilm"]
-    runs = [(w, None) for w in workloads if w != "minilm" or args.minilm_fp32]
-    if "minilm" in workloads:
+    from overdrive.core.devices import cpu_has_native_bf16
+
+    bf16 = cpu_has_native_bf16()
+    runs = [(w, None) for w in workloads if w != "minilm" or args.minilm_fp32 or not bf16]
+    if "minilm" in workloads and bf16:
         runs.append(("minilm", bf16_plan("minilm")))
+    elif "minilm" in workloads:
+        print("serve_cpu: this CPU has no native bf16 (AVX512-BF16 or AMX): MiniLM is served eager fp32, not from the "
+              "bf16 plan, which would run it slower here", flush=True)
     for workload, plan in runs:
         key = workload + (" (bf16 plan)" if plan else " (eager fp32)")
         all_results[key] = results = bench_workload(workload, args.seconds, plan, args.instances)

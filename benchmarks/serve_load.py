@@ -97,7 +97,8 @@ class Server:
                  litserve_args: list[str] | None = None, cores: set[int] | None = None):
         self.port = free_port()
         base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src"), **SERVER_ENV}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **SERVER_ENV,
+               "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)}
         self.grpc = None
         if kind == "litserve":
             cmd = [sys.executable, str(ROOT / "benchmarks" / "litserve_app.py"), spec, "--port", str(self.port),

@@ -12,7 +12,7 @@ OUT_DIR=${OUT:-out/gpu-check}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-# ONLY="tests run" runs just those parts (tests optimize sparsity train run backends precision graph); the whole check is longer than
+# ONLY="tests run" runs just those parts (tests optimize sparsity train run backends precision graph serve); the whole check is longer than
 # one device loan of 15 minutes can hold with its start-up, so a loan runs the parts its issue needs.
 ONLY=${ONLY:-tests optimize sparsity train run}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
@@ -108,4 +108,15 @@ timeout 50 $PY -m overdrive optimize benchmarks.graph_gpu:two_tower --batch-size
 cp "$OUT_DIR/runsg/two_tower/results.json" "$OUT_DIR/graph_two_tower_results.json" 2>/dev/null || status=1
 fi
 rm -rf "$OUT_DIR/runs" "$OUT_DIR/runs24" "$OUT_DIR/train" "$OUT_DIR/runsb" "$OUT_DIR/runsp" "$OUT_DIR/runsg"  # nested folders do not come back from the device tool; the flat copies do
+if want serve; then
+echo "== serve: resnet50 bf16 plan on cuda, adaptive batching vs batching off at 1, 32, 128 clients"
+# The CUDA image has no starlette or uvicorn: carry them as wheels (scripts/gpu_wheels.sh fetches them into .whl).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+timeout 240 $PY benchmarks/serve_gpu.py --seconds 5 --out "$OUT_DIR" 2>&1 | tail -n 20 | tee "$OUT_DIR/serve_gpu.txt" || status=1
+rm -rf "$OUT_DIR/serve_gpu"
+fi
+
 exit $status

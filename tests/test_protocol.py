@@ -71,6 +71,12 @@ BINARY = b'{"inputs": [{"name": "a", "datatype": "%s", "shape": [%d], "parameter
     (b'{"inputs": [{"name": "a", "datatype": "FP32", "shape": [1]}]}', None, 'neither "data"'),
     (b'[1, 2]', None, "JSON object"),
     (b'\xff\xfe', None, "not valid JSON"),
+    (b'{"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], "data": [1.0, true]}]}', None,
+     "FP32 data must be float values, got True"),
+    (b'{"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], "data": [1.0, null]}]}', None, "got None"),
+    (b'{"inputs": [{"name": "a", "datatype": "FP64", "shape": [1], "data": [-1e400]}]}', None,
+     "does not fit in a 64-bit float"),
+    (BINARY % (b"FP32", 1, 4) + b"\0\0\x80\x3f", None, "Inference-Header-Content-Length header (the JSON part's length"),
 ])
 def test_bad_bodies_raise_protocol_errors_that_say_what_was_expected(header, tail, message):
     """`tail`: binary data after the JSON header (its length is then sent), or a bad header value."""

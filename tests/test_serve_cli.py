@@ -59,6 +59,10 @@ def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, plan_file):
         (["tests.fixtures.user_models:build", "--model-name", ""], "cannot be a URL path segment"),
         (["tests.fixtures.user_models:build", "--max-queue-delay-ms", "-1"], "expected a finite number ≥ 0"),
         (["tests.fixtures.user_models:scalar_output"], "the model must return a tensor"),
+        (["tests.fixtures.user_models:build", "digits-cnn", "--model-name", "m"], "--model-name and --weights name one model"),
+        (["tests.fixtures.user_models:build", "tests.fixtures.user_models:build"], "two of the models are named 'user_models'"),
+        (["tests.fixtures.user_models:build", "--grpc-port", str(busy.getsockname()[1])], "choose another --grpc-port"),
+        (["tests.fixtures.user_models:build", "--batching", "eager"], "invalid choice: 'eager'"),
     ]
     if not torch.cuda.is_available():
         cases.append(([str(cuda_plan)], "no CUDA GPU is present"))
@@ -85,7 +89,7 @@ def test_a_plan_is_served_with_its_techniques(plan_file):
     try:
         line = proc.stderr.readline()
         assert "(bf16)" in line and "'user_models'" in line, line
-        threads = max(1, (torch.get_num_threads() - 1) // 2)  # two CPU instances split the cores less the loop's
+        threads = max(1, torch.get_num_threads() // 2)  # two CPU instances split the cores
         assert '"instances": 2' in line and f'"intra_op_threads_each": {threads}' in line, line
         url = line.split(" on ")[1].split()[0]
         wait_ready(url.split("/v2/")[0])

@@ -116,9 +116,9 @@ def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, 
     # Instances on one CPU split its cores, or each batch's threads fight the others' (two
     # single-threaded instances served more than one two-threaded one on 2 cores: benchmarks/RESULTS.md,
     # serve_cpu 2026-12-01, "the same with two instances"). With several models, all their instances share them.
-    # One core is left to the event loop (HTTP, gRPC, JSON): with every core in the model's OpenMP team,
-    # the team's spin-waiting took the loop's core and cost ~1 ms of CPU per request (serve_cpu 2026-12-03).
-    threads["each"] = max(1, (cores - 1) // sum(c.instances for _, c, _ in models))
+    # Leaving one core to the event loop was measured too (serve_cpu 2026-12-03): digits-cnn served the
+    # same, MiniLM 15% less at 32 clients on 2 cores, so the instances keep every core.
+    threads["each"] = max(1, cores // sum(c.instances for _, c, _ in models))
     for served, _, _ in models:
         served.threads_per_instance = threads["each"]
     if grpc_port is not None and grpc_port != 0:
