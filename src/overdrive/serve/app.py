@@ -18,7 +18,8 @@ is logged in one line and counted (499), never answered. A request's timeout is 
 request parameter in microseconds (as tritonclient sends it; 0: none), or the server default.
 Unknown paths and methods get the same JSON error object, `{"error": "..."}`.
 
-The server is ready when every model is; a model is ready once loaded and warmed up.
+The server is ready when every model is, but those unloaded through the repository extension; a
+model is ready once loaded and warmed up.
 """
 
 from __future__ import annotations
@@ -248,11 +249,9 @@ class InferenceServer:
 
     @property
     def is_ready(self) -> bool:
-        return self.started and not self.draining and all(s.ready for s in self.slots.values())
-
-    @property
-    def warmed(self) -> bool:
-        return all(s.ready for s in self.slots.values())
+        """Every model is ready but those unloaded on purpose (Triton's strict readiness: a model that
+        is loading, or failed to load, keeps the server not ready)."""
+        return self.started and not self.draining and all(s.ready or s.reason == "unloaded" for s in self.slots.values())
 
     async def live(self, request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -353,7 +352,8 @@ class InferenceServer:
             raise InferError(503, "the server is shutting down", retry_after=True)
         if slot.state in (LOADING, UNLOADING):
             raise InferError(409, f"model {name!r} is {slot.state.lower()}; try again when it is done")
-        if slot.state == READY:
+        if slot.state == READY:  # a reload: the queued requests finish first
+            slot.state, slot.reason = UNLOADING, "reloading"
             await slot.stop(slot.config.drain_timeout_s)
         slot.state, slot.reason = LOADING, "loading"
         if slot.served is None:
