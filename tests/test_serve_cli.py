@@ -63,6 +63,7 @@ def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, plan_file):
         (["tests.fixtures.user_models:build", "tests.fixtures.user_models:build"], "two of the models are named 'user_models'"),
         (["tests.fixtures.user_models:build", "--grpc-port", str(busy.getsockname()[1])], "choose another --grpc-port"),
         (["tests.fixtures.user_models:build", "--batching", "eager"], "invalid choice: 'eager'"),
+        (["tests.fixtures.user_models:build", "--port", "8123", "--grpc-port", "8123"], "give gRPC a port of its own"),
     ]
     if not torch.cuda.is_available():
         cases.append(([str(cuda_plan)], "no CUDA GPU is present"))

@@ -99,6 +99,10 @@ def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, 
     if model_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", model_name):
         raise ConfigError(f"{arg('model_name', model_name)} cannot be a URL path segment; use letters, digits, '_', '.' "
                           "and '-' (e.g. minilm-v2)")
+    if grpc_port is not None and grpc_port != 0:
+        if grpc_port == port:
+            raise ConfigError(f"{arg('grpc_port', grpc_port)} is the HTTP {arg('port')}; give gRPC a port of its own")
+        bind(host, grpc_port, what="grpc_port").close()  # refused here with one line, not inside the server's start
     cores = serial_main_thread()  # the model runs in the instance threads (devices.serial_main_thread)
     models, plans, threads = [], {}, {}
     for spec in specs:
@@ -121,8 +125,6 @@ def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, 
     threads["each"] = max(1, cores // sum(c.instances for _, c, _ in models))
     for served, _, _ in models:
         served.threads_per_instance = threads["each"]
-    if grpc_port is not None and grpc_port != 0:
-        bind(host, grpc_port, what="grpc_port").close()  # refused here with one line, not inside the server's start
     server = InferenceServer(models, grpc_port=grpc_port, host=host)
     del models, served  # the server holds them: an unloaded model's memory can go
 
