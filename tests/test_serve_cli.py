@@ -59,7 +59,7 @@ def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, plan_file):
         (["tests.fixtures.user_models:build", "--model-name", ""], "cannot be a URL path segment"),
         (["tests.fixtures.user_models:build", "--max-queue-delay-ms", "-1"], "expected a finite number ≥ 0"),
         (["tests.fixtures.user_models:scalar_output"], "the model must return a tensor"),
-        (["tests.fixtures.user_models:build", "digits-cnn", "--model-name", "m"], "--model-name and --weights name one model"),
+        (["tests.fixtures.user_models:build", "digits-cnn", "--model-name", "m"], "--model-name names one model, and 2 are given"),
         (["tests.fixtures.user_models:build", "tests.fixtures.user_models:build"], "two of the models are named 'user_models'"),
         (["tests.fixtures.user_models:build", "--grpc-port", str(busy.getsockname()[1])], "choose another --grpc-port"),
         (["tests.fixtures.user_models:build", "--batching", "eager"], "invalid choice: 'eager'"),

@@ -268,3 +268,75 @@ def test_a_binary_body_without_its_header_length_names_the_header():
                                          "parameters": {"binary_data_size": 16}}]}).encode()
         r = requests.post(live.infer_url, content=header + np.ones(4, "<f4").tobytes())
         assert r.status_code == 400 and "Inference-Header-Content-Length header" in r.json()["error"], r.text
+
+
+# -- what a second new-user trial found ----------------------------------------------------------------------
+
+
+def _two_toys():
+    a, b = toy_workload(), toy_text_workload()
+    return a, [(ServedModel("toy", a, [a.model], [torch.device("cpu")]), ServerConfig(max_batch_size=8)),
+               (ServedModel("toy-text", b, [b.model], [torch.device("cpu")]), ServerConfig(max_batch_size=4))]
+
+
+def test_an_unload_while_a_body_arrives_answers_503_not_a_crash():
+    a, models = _two_toys()
+    with LiveServer(a, models=models) as live:
+        body = json.dumps(tensor_body(rows(2, 1))).encode()
+        with socket.create_connection(("127.0.0.1", live.port)) as sock:
+            sock.sendall(b"POST /v2/models/toy/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:20])
+            time.sleep(0.2)
+            assert requests.post(f"{live.url}/v2/repository/models/toy/unload").status_code == 200
+            sock.sendall(body[20:])
+            reply = sock.recv(65536).decode()
+        assert reply.startswith("HTTP/1.1 503"), reply
+        assert "model 'toy' is unloaded" in reply
+        assert live.metric("overdrive_requests_total", status="503") == 1
+
+
+def test_repository_calls_check_their_bodies_filter_ready_and_run_one_at_a_time():
+    a, models = _two_toys()
+    with LiveServer(a, models=models) as live:
+        base = live.url
+        assert requests.post(f"{base}/v2/repository/models/toy/unload", content=b"garbage{").status_code == 400
+        r = requests.post(f"{base}/v2/repository/models/toy/load", json={"parameters": {"config": "{}"}})
+        assert r.status_code == 400 and "no config parameter" in r.json()["error"]
+        assert requests.get(f"{base}/v2/repository/index").json()[0]["state"] == "READY"  # neither acted
+        with socket.create_connection(("127.0.0.1", live.port)) as sock:  # a body cut short: nothing is done
+            sock.sendall(b"POST /v2/repository/models/toy/unload HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n\r\n{")
+        time.sleep(0.3)
+        assert requests.get(f"{base}/v2/repository/index").json()[0]["state"] == "READY"
+        assert requests.post(f"{base}/v2/repository/models/toy-text/unload").status_code == 200
+        assert [m["name"] for m in requests.post(f"{base}/v2/repository/index", json={"ready": True}).json()] == ["toy"]
+
+        async def twice():
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                async def call(action):
+                    async with session.post(f"{base}/v2/repository/models/toy-text/{action}") as r:
+                        return r.status
+                return await asyncio.gather(call("load"), call("load"), call("unload"))
+
+        assert asyncio.run(twice()) == [200, 200, 200]  # queued behind each other, not refused
+        assert requests.get(f"{base}/v2/repository/index").json()[1]["state"] == "UNAVAILABLE"
+
+
+def test_unimplemented_grpc_methods_say_so_without_a_traceback(caplog):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    with LiveServer(toy_workload(), grpc_port=0, max_batch_size=8) as live, caplog.at_level(logging.WARNING):
+        client = grpcclient.InferenceServerClient(live.grpc)
+        with pytest.raises(InferenceServerException) as info:
+            client.get_inference_statistics("toy")
+        assert info.value.status() == "StatusCode.UNIMPLEMENTED" and "does not implement ModelStatistics" in info.value.message()
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_every_common_status_is_counted_from_zero():
+    with LiveServer(toy_workload(), max_batch_size=8) as live:
+        metrics = requests.get(f"{live.url}/metrics").text
+        for status in ("200", "400", "404", "413", "500", "503", "504"):
+            assert f'overdrive_requests_total{{model="toy",status="{status}"}} 0.0' in metrics

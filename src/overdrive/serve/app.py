@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from overdrive.serve.protocol import (
     decompress,
     encode_response,
     error_body,
+    leading_rows,
     parse_request,
 )
 
@@ -124,6 +126,7 @@ class ModelSlot:
         self.metrics = metrics
         self.loader = loader
         self.batcher: DynamicBatcher | None = None
+        self.lock = asyncio.Lock()  # load and unload of this model, one at a time
         self.state, self.reason = UNAVAILABLE, "not loaded"
         self._warmup: asyncio.Task | None = None
 
@@ -322,65 +325,82 @@ class InferenceServer:
         return doc
 
     async def repository_index(self, request: Request) -> Response:
-        return JSONResponse(self.index())
-
-    def index(self) -> list[dict]:
-        return [{"name": s.name, "version": "1", "state": s.state, "reason": s.reason} for s in self.slots.values()]
-
-    async def repository_load(self, request: Request) -> Response:
         try:
-            await self.load(request.path_params["name"])
+            body = await _repository_body(request, allowed=("ready",))
         except InferError as exc:
             return _error(exc.status, str(exc))
-        return JSONResponse({})
+        if body is None:
+            return Response(status_code=499)
+        ready_only = body.get("ready", False)
+        if not isinstance(ready_only, bool):
+            return _error(400, f'"ready" must be true or false, got {ready_only!r}')
+        return JSONResponse(self.index(ready_only))
+
+    def index(self, ready_only: bool = False) -> list[dict]:
+        """The repository index: every model (or the ready ones) with its state and the reason for it."""
+        return [{"name": s.name, "version": "1", "state": s.state, "reason": s.reason} for s in self.slots.values()
+                if not ready_only or s.ready]
+
+    async def repository_load(self, request: Request) -> Response:
+        return await self._repository_call(request, self.load)
 
     async def repository_unload(self, request: Request) -> Response:
+        return await self._repository_call(request, self.unload, allowed=("parameters",), parameters=("unload_dependents",))
+
+    async def _repository_call(self, request: Request, action, allowed=("parameters",), parameters=()) -> Response:
         try:
-            await self.unload(request.path_params["name"])
+            body = await _repository_body(request, allowed=allowed)
+            if body is None:  # the client went away before its body's end: nothing is done
+                return Response(status_code=499)
+            extra = set(_object_param(body.get("parameters", {}))) - set(parameters)
+            if extra:
+                raise InferError(400, f"overdrive takes no {', '.join(sorted(extra))} parameter here: a model is rebuilt "
+                                      "from the plan or workload it was served from")
+            await action(request.path_params["name"])
         except InferError as exc:
             return _error(exc.status, str(exc))
         return JSONResponse({})
 
     async def load(self, name: str) -> None:
-        """Load (or reload) a model of the repository and wait until it is warm and ready.
+        """Load (or reload) a model of the repository and wait until it is warm and ready. Calls
+        for one model run one at a time, in order (a second load waits, then reloads).
 
         Raises:
             InferError: 404 unknown, 503 while draining, 500 the model failed to build.
         """
         slot = self.slot(name)
-        if self.draining:
-            raise InferError(503, "the server is shutting down", retry_after=True)
-        if slot.state in (LOADING, UNLOADING):
-            raise InferError(409, f"model {name!r} is {slot.state.lower()}; try again when it is done")
-        if slot.state == READY:  # a reload: the queued requests finish first
-            slot.state, slot.reason = UNLOADING, "reloading"
-            await slot.stop(slot.config.drain_timeout_s)
-        slot.state, slot.reason = LOADING, "loading"
-        if slot.served is None:
-            try:
-                slot.served = await asyncio.to_thread(slot.loader)
-            except Exception as exc:  # noqa: BLE001 — reported in the index and to the caller
-                slot.state, slot.reason = UNAVAILABLE, f"load failed: {type(exc).__name__}: {exc}"
-                raise InferError(500, f"model {name!r} failed to load: {exc}") from None
-        slot.start()
-        await slot._warmup  # noqa: SLF001
+        async with slot.lock:
+            if self.draining:
+                raise InferError(503, "the server is shutting down", retry_after=True)
+            if slot.state == READY:  # a reload: the queued requests finish first
+                slot.state, slot.reason = UNLOADING, "reloading"
+                await slot.stop(slot.config.drain_timeout_s)
+            slot.state, slot.reason = LOADING, "loading"
+            if slot.served is None:
+                try:
+                    slot.served = await asyncio.to_thread(slot.loader)
+                except Exception as exc:  # noqa: BLE001 — reported in the index and to the caller
+                    slot.state, slot.reason = UNAVAILABLE, f"load failed: {type(exc).__name__}: {exc}"
+                    raise InferError(500, f"model {name!r} failed to load: {exc}") from None
+            slot.start()
+            await slot._warmup  # noqa: SLF001
 
     async def unload(self, name: str) -> None:
-        """Drain a model (its queued requests finish) and unload it; its URL answers 503 until loaded.
+        """Drain a model (its queued requests finish) and unload it; its URL answers 503 until
+        loaded. Waits for a load of the same model that is under way.
 
         Raises:
-            InferError: 404 unknown, 409 while it loads.
+            InferError: 404 unknown.
         """
         slot = self.slot(name)
-        if slot.state == LOADING:
-            raise InferError(409, f"model {name!r} is loading; unload it when it is ready")
-        if slot.state != READY:
-            return
-        slot.state, slot.reason = UNLOADING, "unloading"
-        await slot.stop(slot.config.drain_timeout_s)
-        if slot.loader is not None:
-            slot.served = None  # its memory goes; the loader builds it again
-        slot.state, slot.reason = UNAVAILABLE, "unloaded"
+        async with slot.lock:
+            if slot.state != READY:
+                return
+            slot.state, slot.reason = UNLOADING, "unloading"
+            await slot.stop(slot.config.drain_timeout_s)
+            if slot.loader is not None:
+                slot.served = None  # its memory goes (once the requests still holding it finish); the loader rebuilds it
+            slot.state, slot.reason = UNAVAILABLE, "unloaded"
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -395,12 +415,18 @@ class InferenceServer:
         Raises:
             InferError: with the HTTP status of the failure.
         """
-        self.admit(slot)
-        payload = await self.validate(slot, parsed, parsed_bytes)
-        return await self.execute(slot, parsed, payload, disconnected)
+        lease = self.admit(slot)
+        payload = await self.validate(slot, lease, parsed, parsed_bytes)
+        return await self.execute(slot, lease, parsed, payload, disconnected)
 
-    def admit(self, slot: ModelSlot) -> None:
-        if self.draining or slot.state == UNLOADING:
+    def admit(self, slot: ModelSlot) -> tuple[ServedModel, DynamicBatcher]:
+        """The model and batcher this request will use, taken now: an unload or reload meanwhile
+        closes that batcher (the request then gets 503), never the model under it.
+
+        Raises:
+            InferError: 503 while draining, or while the model is not ready.
+        """
+        if self.draining:
             slot.metrics.rejected(ShuttingDown.reason)
             raise InferError(503, "the server is shutting down; retry on another replica", retry_after=True)
         if slot.state == LOADING:
@@ -409,19 +435,22 @@ class InferenceServer:
                              retry_after=True)
         if slot.state != READY:
             slot.metrics.rejected("unavailable")
-            raise InferError(503, f"model {slot.name!r} is {slot.reason or 'unavailable'}; load it through "
-                                  f"/v2/repository/models/{slot.name}/load", retry_after=True)
+            raise InferError(503, _unavailable(slot), retry_after=True)
+        return slot.served, slot.batcher
 
-    async def validate(self, slot: ModelSlot, parsed: InferRequest, parsed_bytes: int):
+    async def validate(self, slot: ModelSlot, lease: tuple, parsed: InferRequest, parsed_bytes: int):
+        served = lease[0]
         try:
             if parsed_bytes > OFF_LOOP_BYTES:
-                return await asyncio.to_thread(slot.served.validate, parsed)
-            return slot.served.validate(parsed)
+                return await asyncio.to_thread(served.validate, parsed)
+            return served.validate(parsed)
         except ValidationError as exc:
             slot.metrics.rejected("invalid")
             raise InferError(400, str(exc)) from None
 
-    async def execute(self, slot: ModelSlot, parsed: InferRequest, payload, disconnected) -> list[tuple[str, np.ndarray]]:
+    async def execute(self, slot: ModelSlot, lease: tuple, parsed: InferRequest, payload,
+                      disconnected) -> list[tuple[str, np.ndarray]]:
+        served, batcher = lease
         try:
             timeout_s = _timeout_s(parsed.parameters.get("timeout"), slot.config.request_timeout_ms)
         except ProtocolError as exc:
@@ -429,13 +458,14 @@ class InferenceServer:
             raise InferError(400, str(exc)) from None
         slot.metrics.admitted(1)
         try:
-            output = await slot.batcher.infer(payload, timeout_s=timeout_s, disconnected=disconnected)
+            output = await batcher.infer(payload, timeout_s=timeout_s, disconnected=disconnected)
+        except ShuttingDown as exc:  # the server drains, or only this model unloads
+            raise InferError(503, str(exc) if self.draining else _unavailable(slot), retry_after=True) from None
         except BatcherError as exc:
-            raise InferError(_STATUS.get(exc.reason, 500), str(exc),
-                             retry_after=isinstance(exc, (QueueFull, ShuttingDown))) from None
+            raise InferError(_STATUS.get(exc.reason, 500), str(exc), retry_after=isinstance(exc, QueueFull)) from None
         finally:
             slot.metrics.admitted(-1)
-        return [(n, a) for n, a in slot.served.split_output(output) if not parsed.outputs or n in parsed.outputs]
+        return [(n, a) for n, a in served.split_output(output) if not parsed.outputs or n in parsed.outputs]
 
     async def infer(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -458,7 +488,7 @@ class InferenceServer:
         return response
 
     async def _infer(self, slot: ModelSlot, request: Request) -> Response:
-        self.admit(slot)
+        lease = self.admit(slot)
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
@@ -467,7 +497,13 @@ class InferenceServer:
         try:
             raw = await _read_body(request, limit)
             encoding, header = request.headers.get("content-encoding"), request.headers.get(HEADER_LENGTH.lower())
-            if len(raw) > OFF_LOOP_BYTES:  # json.loads of 60 MB holds the loop for seconds: a thread instead
+            if len(raw) > OFF_LOOP_BYTES:
+                # json.loads of 60 MB takes seconds and holds the GIL even in a thread: a request with more rows
+                # than the queue holds is refused from its "shape" before any parsing; the rest decode in a thread.
+                rows = leading_rows(raw) if not encoding and header is None else None
+                if rows is not None and rows > slot.config.max_queue_size:
+                    raise TooLarge(f"the request has {rows} rows, more than the queue holds "
+                                   f"({slot.config.max_queue_size} rows)")
                 parsed = await asyncio.to_thread(lambda: parse_request(decompress(raw, encoding, limit), header))
             else:
                 parsed = parse_request(decompress(raw, encoding, limit), header)
@@ -477,8 +513,8 @@ class InferenceServer:
         except ProtocolError as exc:
             slot.metrics.rejected("invalid")
             raise InferError(400, str(exc)) from None
-        payload = await self.validate(slot, parsed, len(raw))
-        parts = await self.execute(slot, parsed, payload, lambda: _disconnected(request))
+        payload = await self.validate(slot, lease, parsed, len(raw))
+        parts = await self.execute(slot, lease, parsed, payload, lambda: _disconnected(request))
         binary = {n for n, _ in parts if parsed.binary_outputs or parsed.outputs.get(n)}
         bad = sum(int((~np.isfinite(a)).sum()) for n, a in parts if n not in binary)
         if bad:  # JSON has no NaN or infinity; never send invalid JSON
@@ -487,6 +523,44 @@ class InferenceServer:
                                   "JSON cannot carry; ask for the output as binary data to receive them")
         body, headers = encode_response(slot.name, parsed.id, parts, binary)
         return Response(body, headers=headers, media_type="application/octet-stream" if binary else "application/json")
+
+
+def _unavailable(slot: ModelSlot) -> str:
+    if slot.state == UNLOADING:
+        return f"model {slot.name!r} is {slot.reason}; retry in a moment (on another replica if it unloads)"
+    return f"model {slot.name!r} is {slot.reason or 'unavailable'}; load it through /v2/repository/models/{slot.name}/load"
+
+
+async def _repository_body(request: Request, allowed: tuple[str, ...]) -> dict | None:
+    """A repository call's JSON body ({} when empty), or None when the client went away before its end.
+
+    Raises:
+        InferError: 400 a body that is not a JSON object, or has keys other than `allowed`.
+    """
+    try:
+        raw = await _read_body(request, 1 << 20)
+    except _BodyCut:
+        return None
+    except TooLarge as exc:
+        raise InferError(413, str(exc)) from None
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise InferError(400, "the body is not valid JSON; send a JSON object or nothing") from None
+    if not isinstance(body, dict):
+        raise InferError(400, "the body must be a JSON object")
+    unknown = set(body) - set(allowed)
+    if unknown:
+        raise InferError(400, f"unknown field(s) {sorted(unknown)}; this call takes {list(allowed) or 'no body'}")
+    return body
+
+
+def _object_param(value) -> dict:
+    if not isinstance(value, dict):
+        raise InferError(400, '"parameters" must be a JSON object')
+    return value
 
 
 class _BodyCut(Exception):

@@ -5,11 +5,11 @@ same model join the same batches.
 Served: ServerLive, ServerReady, ServerMetadata, ModelMetadata, ModelReady, ModelConfig (name,
 batch size, inputs and outputs), ModelInfer (inputs as `raw_input_contents` or typed
 `contents`; outputs always as `raw_output_contents`, as Triton answers), RepositoryIndex,
-RepositoryModelLoad, RepositoryModelUnload. The others (statistics, shared memory, tracing,
-streaming) answer UNIMPLEMENTED.
+RepositoryModelLoad, RepositoryModelUnload. The others (statistics, shared memory, tracing, log
+settings, streaming) answer UNIMPLEMENTED with the method's name.
 
 Errors map from the HTTP statuses (`app.InferError`) as Triton maps them: 400 INVALID_ARGUMENT,
-404 NOT_FOUND, 409 FAILED_PRECONDITION, 413 RESOURCE_EXHAUSTED, 500 INTERNAL, 503 UNAVAILABLE,
+404 NOT_FOUND, 413 RESOURCE_EXHAUSTED, 500 INTERNAL, 503 UNAVAILABLE,
 504 DEADLINE_EXCEEDED. A call's gRPC deadline, when shorter, is its queue timeout. A client that
 cancels a call drops its request from the queue (the batcher sees the handler cancelled).
 
@@ -31,7 +31,7 @@ from overdrive.core.errors import ConfigError, arg
 from overdrive.serve.app import InferenceServer, InferError
 from overdrive.serve.protocol import InferRequest, ProtocolError, datatype_of, tensor_from_raw, tensor_from_values
 
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.FAILED_PRECONDITION,
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
           413: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED, 500: grpc.StatusCode.INTERNAL,
           503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -172,6 +172,20 @@ class Servicer(pbg.GRPCInferenceServiceServicer):
             response.raw_output_contents.append(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
         slot.metrics.answered(200, started)
         return response
+
+
+def _unimplemented(method: str):
+    async def call(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"overdrive does not implement {method}; the KServe v2 core "
+                            "(health, metadata, ModelInfer) and the repository calls are served")
+    call.__name__ = method
+    return call
+
+
+for _method in ("ModelStatistics", "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+                "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister", "TraceSetting",
+                "LogSettings", "ModelStreamInfer"):
+    setattr(Servicer, _method, _unimplemented(_method))
 
 
 async def start_grpc(server: InferenceServer, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -72,7 +72,8 @@ class Metrics:
         for metric in (self.request_seconds, self.queue_seconds, self.compute_seconds, self.batch_rows,
                        self.batch_requests, self.queue_depth, self.in_flight, self.cold, self.disconnects):
             metric.labels(model)
-        self.requests.labels(model, "200")
+        for status in ("200", "400", "404", "413", "500", "503", "504"):
+            self.requests.labels(model, status)
         for reason in REJECTION_REASONS:
             self.rejections.labels(model, reason)
         for i in range(instances):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -143,6 +144,17 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
         raise ProtocolError(f'"id" must be a string, got {type(request_id).__name__}')
     return InferRequest(id=request_id, inputs=inputs, outputs=outputs,
                         parameters=parameters, binary_outputs=bool(parameters.get("binary_data_output", False)))
+
+
+_SHAPE = re.compile(rb'"shape"\s*:\s*\[\s*(\d{1,18})')
+
+
+def leading_rows(body: bytes) -> int | None:
+    """The largest first dimension among the `"shape": [N, ...]` of a JSON request, found by a scan
+    of the bytes (milliseconds for 60 MB, where json.loads takes seconds); None when there is none.
+    Inside JSON strings quotes are escaped, so a `"shape"` key can only be a key."""
+    found = [int(m.group(1)) for m in _SHAPE.finditer(body)]
+    return max(found) if found else None
 
 
 def _json_then_bytes(body: bytes) -> bool:

@@ -93,9 +93,10 @@ def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, 
         WorkloadError, PlanError: as `load_served_model`.
     """
     specs = [specs] if isinstance(specs, str) else list(specs)
-    if len(specs) > 1 and (model_name is not None or weights is not None):
-        raise ConfigError(f"{arg('model_name')} and {arg('weights')} name one model; serve the models one per plan, "
-                          "each with its own name, or one model per server")
+    for option, value in (("model_name", model_name), ("weights", weights)):
+        if len(specs) > 1 and value is not None:
+            raise ConfigError(f"{arg(option)} names one model, and {len(specs)} are given; serve such a model from a "
+                              "server of its own")
     if model_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", model_name):
         raise ConfigError(f"{arg('model_name', model_name)} cannot be a URL path segment; use letters, digits, '_', '.' "
                           "and '-' (e.g. minilm-v2)")
