@@ -14,11 +14,13 @@ from overdrive.core.measure import Measurement
 
 
 def format_bytes(n: int | None) -> str:
+    """Bytes in binary units with at most three integer digits ("1018.5 MiB" is "0.99 GiB": the
+    table's peak-memory column does not wrap, and a fourth digit pushed it past 100 columns)."""
     if n is None:
         return "n/a"
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        if n < 1000 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}" if n < 1 else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
 
