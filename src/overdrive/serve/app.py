@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -42,9 +39,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from overdrive import __version__
-from overdrive.serve.adaptive import ADAPTIVE, FIXED, POLICIES
 from overdrive.serve.batcher import BatcherError, DynamicBatcher, QueueFull, RequestTooLarge, ShuttingDown
-from overdrive.serve.metrics import Metrics, ModelMetrics
+from overdrive.serve.metrics import Metrics
 from overdrive.serve.model import ServedModel, ValidationError
 from overdrive.serve.protocol import (
     HEADER_LENGTH,
@@ -57,124 +53,22 @@ from overdrive.serve.protocol import (
     leading_rows,
     parse_request,
 )
+from overdrive.serve.slot import (  # noqa: F401 — ServerConfig and InferError are imported from here too
+    LOADING,
+    READY,
+    UNAVAILABLE,
+    UNLOADING,
+    InferError,
+    ModelSlot,
+    ServerConfig,
+    unavailable_message,
+)
 
 log = logging.getLogger("overdrive.cli.serve")
 
 _STATUS = {"queue_full": 503, "shutting_down": 503, "timeout": 504, "client_disconnected": 499, "too_large": 413,
            "model_error": 500}
-DEFAULT_DELAY_MS = {FIXED: 2.0, ADAPTIVE: 10.0}
 OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are decoded in a worker thread, not on the event loop
-READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
-
-
-@dataclass(kw_only=True)
-class ServerConfig:
-    """One model's batching and load limits (the `overdrive serve` flags).
-
-    Attributes:
-        max_batch_size: rows per model batch.
-        batching: "adaptive" (a batch waits only while waiting is expected to pay, up to the
-            delay: `overdrive.serve.adaptive`) or "fixed" (waits up to the delay for a full batch).
-        max_queue_delay_ms: the longest a request waits for others to join its batch, ms (None:
-            2 ms for fixed, a 10 ms cap for adaptive).
-        max_queue_size: rows that may wait; beyond it requests get 503 with Retry-After.
-        instances: model threads (one per GPU on a multi-GPU machine).
-        request_timeout_ms: default per-request timeout while queued, ms (None: none).
-        drain_timeout_s: on SIGTERM/SIGINT, how long admitted requests may take to finish.
-        max_request_bytes: largest request body accepted (413 beyond).
-        warmup_s: seconds the model may spend at load running each batch size the batcher
-            warms (`ServedModel.warmup`); it is not ready meanwhile.
-    """
-
-    max_batch_size: int
-    batching: str = ADAPTIVE
-    max_queue_delay_ms: float | None = None
-    max_queue_size: int = 512
-    instances: int = 1
-    request_timeout_ms: float | None = 30_000.0
-    drain_timeout_s: float = 30.0
-    max_request_bytes: int = 64 << 20
-    warmup_s: float = 0.0
-
-    def __post_init__(self):
-        if self.batching not in POLICIES:
-            raise ValueError(f"batching must be one of {', '.join(POLICIES)}, got {self.batching!r}")
-        if self.max_queue_delay_ms is None:
-            self.max_queue_delay_ms = DEFAULT_DELAY_MS[self.batching]
-
-
-class InferError(Exception):
-    """A request answered with an error status (HTTP status; gRPC maps it to a code)."""
-
-    def __init__(self, status: int, message: str, retry_after: bool = False):
-        super().__init__(message)
-        self.status, self.retry_after = status, retry_after
-
-
-class ModelSlot:
-    """One model in the repository: its served model, batcher, metrics and state.
-
-    `loader` rebuilds the served model after an unload (None: the unloaded one is kept in
-    memory and reused).
-    """
-
-    def __init__(self, served: ServedModel, config: ServerConfig, metrics: ModelMetrics,
-                 loader: Callable[[], ServedModel] | None = None):
-        self.name = served.name
-        self.served: ServedModel | None = served
-        self.config = config
-        self.metrics = metrics
-        self.loader = loader
-        self.batcher: DynamicBatcher | None = None
-        self.lock = asyncio.Lock()  # load and unload of this model, one at a time
-        self.state, self.reason = UNAVAILABLE, "not loaded"
-        self._warmup: asyncio.Task | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.state == READY
-
-    def start(self) -> None:
-        """Start the batcher and the warm-up on the running loop (state LOADING until warm)."""
-        served, c = self.served, self.config
-        served.on_cold_batch = self.metrics.cold_batch
-        self.batcher = DynamicBatcher(
-            served, max_batch_size=c.max_batch_size, max_queue_delay_s=c.max_queue_delay_ms / 1e3,
-            max_queue_size=c.max_queue_size, instances=c.instances, policy=c.batching,
-            length=served.length if served.workload.is_text else None, metrics=self.metrics)
-        self.batcher.start()
-        self.state, self.reason = LOADING, "warming up"
-        self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
-
-    async def _warm_up(self) -> None:
-        c, batcher = self.config, self.batcher
-        if c.warmup_s > 0:
-            warmed = await batcher.on_instances(lambda i: self.served.warmup(c.max_batch_size, c.warmup_s, instance=i))
-            for _, _, timings in warmed:
-                for rows, seconds, length in timings:
-                    batcher.observe(rows, seconds, length)
-            sizes = sorted(set.intersection(*(set(w[0]) for w in warmed)))
-            cold = c.max_batch_size - len(sizes)
-            log.info("%s ready: warmed batch sizes %s in %.1f s%s", self.name, ", ".join(map(str, sizes)),
-                     max(w[1] for w in warmed),
-                     f"; {cold} other size{'s' if cold > 1 else ''} up to {c.max_batch_size} run{'' if cold > 1 else 's'} "
-                     "cold the first time (counted in overdrive_cold_batches_total)" if cold else "")
-        self.served.watch_recompiles()
-        # What loading and warming built (the model, gRPC's message classes, kernel caches' Python
-        # side) lives as long as the model: out of the cyclic collector's reach, or every gen-2
-        # collection walks it and stalls the event loop ~150 ms (benchmarks/RESULTS.md, serve_cpu
-        # 2026-12-03, "gen-2 collections"; serve.runner freezes what exists before the server starts).
-        gc.collect()
-        gc.freeze()
-        self.state, self.reason = READY, ""
-
-    async def stop(self, timeout_s: float) -> int:
-        """Drain: queued requests finish (up to `timeout_s`), new ones get 503. Returns the refused."""
-        if self._warmup:
-            self._warmup.cancel()
-        if self.batcher is None or self.batcher.closing:
-            return 0
-        return await self.batcher.drain(timeout_s)
 
 
 class InferenceServer:
@@ -435,7 +329,7 @@ class InferenceServer:
                              retry_after=True)
         if slot.state != READY:
             slot.metrics.rejected("unavailable")
-            raise InferError(503, _unavailable(slot), retry_after=True)
+            raise InferError(503, unavailable_message(slot), retry_after=True)
         return slot.served, slot.batcher
 
     async def validate(self, slot: ModelSlot, lease: tuple, parsed: InferRequest, parsed_bytes: int):
@@ -460,7 +354,7 @@ class InferenceServer:
         try:
             output = await batcher.infer(payload, timeout_s=timeout_s, disconnected=disconnected)
         except ShuttingDown as exc:  # the server drains, or only this model unloads
-            raise InferError(503, str(exc) if self.draining else _unavailable(slot), retry_after=True) from None
+            raise InferError(503, str(exc) if self.draining else unavailable_message(slot), retry_after=True) from None
         except BatcherError as exc:
             raise InferError(_STATUS.get(exc.reason, 500), str(exc), retry_after=isinstance(exc, QueueFull)) from None
         finally:
@@ -523,12 +417,6 @@ class InferenceServer:
                                   "JSON cannot carry; ask for the output as binary data to receive them")
         body, headers = encode_response(slot.name, parsed.id, parts, binary)
         return Response(body, headers=headers, media_type="application/octet-stream" if binary else "application/json")
-
-
-def _unavailable(slot: ModelSlot) -> str:
-    if slot.state == UNLOADING:
-        return f"model {slot.name!r} is {slot.reason}; retry in a moment (on another replica if it unloads)"
-    return f"model {slot.name!r} is {slot.reason or 'unavailable'}; load it through /v2/repository/models/{slot.name}/load"
 
 
 async def _repository_body(request: Request, allowed: tuple[str, ...]) -> dict | None:

@@ -130,22 +130,23 @@ class Servicer(pbg.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     async def RepositoryIndex(self, request, context):
-        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in self.server.index()
-                                                  if not request.ready or m["state"] == "READY"])
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m)
+                                                  for m in self.server.index(request.ready)])
 
     async def RepositoryModelLoad(self, request, context):
-        try:
-            await self.server.load(request.model_name)
-        except InferError as exc:
-            await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), str(exc))
+        await self._repository(self.server.load, request.model_name, context)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
+        await self._repository(self.server.unload, request.model_name, context)
+        return pb.RepositoryModelUnloadResponse()
+
+    @staticmethod
+    async def _repository(action, name: str, context) -> None:
         try:
-            await self.server.unload(request.model_name)
+            await action(name)
         except InferError as exc:
             await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), str(exc))
-        return pb.RepositoryModelUnloadResponse()
 
     async def ModelInfer(self, request, context):
         started = time.perf_counter()
