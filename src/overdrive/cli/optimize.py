@@ -45,7 +45,8 @@ def main(args, argv: list[str]) -> int:
     from overdrive.core import devices
     from overdrive.core.report import make_console, print_table
     from overdrive.tuning.api import OptimizeJob
-    from overdrive.tuning.report import compile_times, detail_lines, figure_lines, reasons_in_full, rows_table, table_note
+    from overdrive.tuning.report import (compile_times, detail_lines, figure_lines, headline, reasons_in_full, rows_table,
+                                         table_note)
 
     console = make_console()
     job = OptimizeJob.prepare(
@@ -108,10 +109,9 @@ def main(args, argv: list[str]) -> int:
     for warning in result.warnings:
         console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
     out = session.out_dir
-    low, high = result.plan.measured.get("speedup_ci99", [None, None])
-    interval = f", 99% interval [{low:.2f}, {high:.2f}]" if result.plan.names and low is not None else ""
     console.print(f"plan: [bold]{' + '.join(result.plan.names) or 'baseline'}[/] "
-                  f"({result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s{interval})")
+                  f"({headline(result.plan.measured) if result.plan.names else 'nothing beat the baseline'})",
+                  highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}, {out / 'report.md'}")
     plan = shlex.quote(str(out / "plan.json"))
     console.print(f"next: overdrive bench {shlex.quote(args.workload)} --plan {plan} --batch-sizes 1,{session.batch_size}  ·  "

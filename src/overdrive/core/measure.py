@@ -6,13 +6,22 @@ Protocol (after gpt-fast and torch.utils.benchmark habits):
 2. Warm-up pass: every batch of the evaluation set runs once; its outputs are the ones judged
    for fidelity, and its wall time minus the steady-state time of the same batches is
    reported as `compile_s` (torch.compile, cuDNN/oneDNN autotuning, lazy init).
-3. Timed passes: whole passes over every batch (the partial last one too) until at least
+3. Settling: timed passes go on, uncounted, until two in a row agree (`Runner.settle`): caches,
+   allocator pools and thread pools reach their steady state, however many passes that takes.
+4. Timed passes: whole passes over every batch (the partial last one too) until at least
    `min_timed_calls` calls. Each call is timed by `Timer`: CUDA events read after the device
    finished, perf_counter on CPU. Throughput = rows per pass / the median pass time, so batches
    of different lengths weigh as they do in real use and one slow pass does not skew it.
-4. Comparisons (`compare`): the candidate's and the reference's passes interleaved (ABBA), so
+5. Interference (`core.interference`): around each timed stretch the OS says how long this
+   process's threads waited for a CPU. A stretch that ran preempted by other work is flagged and
+   left out of the figures (its round repeated in a comparison), never averaged in; before each
+   stretch the process's own idle threads (an OpenMP team or a runtime's pool, still spinning after
+   the other side's pass) are let go to sleep, so one side's threads do not slow the other's.
+6. Comparisons (`compare`): the candidate's and the reference's passes interleaved (ABBA), so
    both see the same machine; the gain has a 99% confidence interval, and a decision is taken
-   only once that interval clears the bar or falls below it (or the time is up).
+   only once that interval clears the bar or falls below it (or the time is up). A gain measured
+   on a busy machine (too few clean rounds) or with a wide interval says so (`Gain.uncertain`),
+   and its quoted figure (`Gain.quoted`) is then its interval's low end, or none.
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` after a reset; on CPU the process's
 resident-set high-water mark (VmHWM), reset through /proc/self/clear_refs where Linux allows.
 """
@@ -29,6 +38,7 @@ import torch
 from torch import nn
 
 from overdrive.core.devices import synchronize
+from overdrive.core.interference import Contention, LoadMeter, wait_until_idle
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Inputs, Workload
 from overdrive.techniques.registry import BatchingPolicy
@@ -64,6 +74,10 @@ class Measurement:
             (`torch.cuda.max_memory_reserved`, what the process holds); None on the CPU.
         roofline: where the throughput sits under the measured roofs (`core.roofline.Roofline.to_dict`).
         audit: one forward's copies, syncs and operations (`core.audit.Audit.to_dict`), where audited.
+        preempted_passes: of `num_passes`, those that ran preempted by other work (left out of the
+            figures unless every pass was; `core.interference`).
+        contention: how busy the machine was over this runner's timed stretches
+            (`core.interference.Contention.to_dict`).
     """
 
     batch_size: int
@@ -85,9 +99,11 @@ class Measurement:
     peak_reserved_bytes: int | None = None
     roofline: dict | None = None
     audit: dict | None = None
+    preempted_passes: int = 0
+    contention: dict | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "gain": self.gain.to_dict() if self.gain else None}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -226,8 +242,11 @@ class Runner:
             workload, indices=indices[:timed], batch_size=batch_size, policy=policy, device=device)
         self.timer = Timer(device)
         self.rows_per_pass = timed
-        self.latencies_s: list[float] = []
-        self.pass_s: list[float] = []
+        self.latencies_s: list[float] = []  # every timed call, in order
+        self.pass_s: list[float] = []  # every timed pass, in order
+        self.pass_preempted: list[bool] = []  # per pass: it ran preempted by other work (`core.interference`)
+        self.meter = LoadMeter()  # the load of each timed stretch
+        self.settle_passes = 0  # uncounted passes `settle` ran
         self.warmup_s = 0.0
         self.peak: tuple[int | None, str] = (None, "")
         self.peak_reserved: int | None = None
@@ -236,7 +255,7 @@ class Runner:
     @torch.no_grad()
     def outputs(self) -> torch.Tensor:
         """One untimed pass: float32 [N, ...] on the CPU in the order of `indices`."""
-        return self._pass(timed=False)[1]
+        return self._pass(timed=False)[2]
 
     @torch.no_grad()
     def warm_up(self) -> torch.Tensor:
@@ -244,7 +263,7 @@ class Runner:
         the peak memory is read over it, and its outputs (returned) are the ones judged."""
         baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         reset_peak_memory(self.device)
-        self.warmup_s, outputs = self._pass(timed=False)
+        self.warmup_s, _, outputs = self._pass(timed=False)
         peak, kind = peak_memory(self.device)
         self.peak = ((peak - baseline) if peak is not None and self.device.type == "cuda" else peak, kind)
         if self.device.type == "cuda":
@@ -253,41 +272,96 @@ class Runner:
 
     @torch.no_grad()
     def timed_pass(self) -> float:
-        """One timed pass; its call times are kept. Returns its seconds."""
-        seconds, _ = self._pass(timed=True)
-        self.pass_s.append(seconds)
-        return seconds
+        """One timed pass; its call times are kept, and whether it ran preempted. Returns its seconds."""
+        return self.timed_passes(1)[0]
 
-    def _pass(self, *, timed: bool) -> tuple[float, torch.Tensor | None]:
-        outputs: torch.Tensor | None = None
+    @torch.no_grad()
+    def timed_passes(self, n: int) -> tuple[float, bool]:
+        """`n` timed passes in one stretch, after this process's idle threads have gone to sleep
+        (`interference.wait_until_idle`), with the stretch's load read around it. Their call times are kept.
+
+        Returns:
+            (mean seconds per pass, whether the stretch ran preempted by other work).
+        """
+        wait_until_idle()
+        start = self.meter.start()
         total = 0.0
+        for _ in range(n):
+            seconds, latencies, _ = self._pass(timed=True)
+            self.pass_s.append(seconds)
+            self.latencies_s += latencies
+            total += seconds
+        preempted = self.meter.stop(start)
+        self.pass_preempted += [preempted] * n
+        return total / n, preempted
+
+    @torch.no_grad()
+    def settle(self, *, min_unit_s: float = 0.0, tolerance: float = 0.1, max_units: int = 8,
+               max_s: float = 10.0) -> tuple[float, int]:
+        """Uncounted timed stretches until two clean ones in a row agree within `tolerance` (or
+        `max_units` stretches, or `max_s` seconds): after the warm-up, oneDNN's primitive cache, the
+        allocator's pools and the thread pools can take a few more passes to reach their steady state.
+        A stretch is as many passes as take `min_unit_s` (at least one).
+
+        Returns:
+            (seconds of the last clean pass, or of the last pass when none was clean; passes per stretch).
+        """
+        started, clean, last = time.perf_counter(), [], math.inf
+        seconds, _, _ = self._pass(timed=True)
+        repeats = max(1, min(1000, math.ceil(min_unit_s / max(seconds, 1e-9))))
+        for _ in range(max_units):
+            wait_until_idle()
+            start = self.meter.start()
+            last = sum(self._pass(timed=True)[0] for _ in range(repeats)) / repeats
+            self.settle_passes += repeats
+            if not self.meter.stop(start):
+                clean.append(last)
+                if len(clean) >= 2 and max(clean[-2:]) <= (1 + tolerance) * min(clean[-2:]):
+                    break
+            if time.perf_counter() - started > max_s:
+                break
+        return (clean[-1] if clean else last), repeats
+
+    def _pass(self, *, timed: bool) -> tuple[float, list[float], torch.Tensor | None]:
+        """One pass: (seconds, each call's seconds, outputs float32 [N, ...] when not `timed`)."""
+        outputs: torch.Tensor | None = None
+        total, latencies = 0.0, []
         for batch in self.timed_batches if timed else self.batches:
             out, seconds = self.timer(self.model, *batch.inputs)
             total += seconds
             if timed:
-                self.latencies_s.append(seconds)
+                latencies.append(seconds)
                 continue
             self.output_row_bytes = out.numel() * out.element_size() // max(1, out.shape[0]) if out.dim() else 0
             out = out.detach().float().cpu()  # a copy before the next call, even of a reused output buffer
             if outputs is None:
                 outputs = torch.empty((len(self.indices), *out.shape[1:]), dtype=torch.float32)
             outputs[batch.positions] = out[: batch.num_rows]
-        return total, outputs
+        return total, latencies, outputs
 
     def measurement(self, since: tuple[int, int] = (0, 0)) -> Measurement:
         """The Measurement of the passes timed so far (at least one), or of those timed after
         `since` = (passes, calls) counted earlier (the passes of one comparison).
 
-        Throughput is rows per timed pass over the median pass time; compile time is the warm-up's
-        excess over the time the median pass would take for every row. `pass_spread` is p90 / p50 of the pass times: passes are the same work,
-        so a spread well above 1 means the machine was busy while measuring.
+        Passes that ran preempted by other work are left out (all are used, and `preempted_passes`
+        says so, when none ran clean). Throughput is rows per timed pass over the median pass time;
+        compile time is the warm-up's excess over the time the median pass would take for every row.
+        `pass_spread` is p90 / p50 of the pass times: passes are the same work, so a spread well above
+        1 means the machine was busy while measuring.
         """
-        pass_s, latencies_s = self.pass_s[since[0]:], self.latencies_s[since[1]:]
-        if not pass_s:
+        calls = len(self.timed_batches)
+        window = range(since[0], len(self.pass_s))
+        if not window:
             raise ValueError("no timed pass yet")
+        clean = [i for i in window if not self.pass_preempted[i]] or list(window)
+        pass_s = [self.pass_s[i] for i in clean]
+        latencies_s = [t for i in clean for t in self.latencies_s[i * calls:(i + 1) * calls]]
         median_pass_s = percentile(pass_s, 50)
         padded = [b.inputs[0].shape[1] for b in self.batches if self.workload.is_text and b.inputs[0].dim() >= 2]
+        preempted = sum(self.pass_preempted[i] for i in window)
         return Measurement(
+            preempted_passes=preempted,
+            contention=self.meter.contention().to_dict() if self.meter.loads else None,
             batch_size=self.batch_size,
             num_samples=len(self.indices),
             num_timed_calls=len(latencies_s),
@@ -304,7 +378,7 @@ class Runner:
             warmup_s=self.warmup_s,
             compile_s=max(0.0, self.warmup_s - median_pass_s * len(self.indices) / self.rows_per_pass),
             mean_padded_length=sum(padded) / len(padded) if padded else None,
-            num_passes=len(pass_s),
+            num_passes=len(window),
             pass_spread=percentile(pass_s, 90) / median_pass_s if median_pass_s > 0 else math.nan,
         )
 
@@ -379,7 +453,7 @@ def measure(
     Args:
         model, workload, device, batch_size, indices, policy: see `Runner`.
         reference: fp32 outputs [N, ...] for the same indices; fidelity is computed when given.
-        min_timed_calls: at least this many timed calls (whole passes).
+        min_timed_calls: at least this many timed calls (whole passes) that did not run preempted.
         min_timed_s: and at least this much timed wall time, seconds.
         max_timed_s: stop adding passes once this much time was spent timing, seconds.
         flops_per_sample: the model's FLOPs per row (`count_flops_per_sample`): with it, the
@@ -394,11 +468,13 @@ def measure(
     """
     runner = Runner(model, workload, device=device, batch_size=batch_size, indices=indices, policy=policy)
     outputs = runner.warm_up()
+    runner.settle(max_s=max_timed_s / 3)
     started = time.perf_counter()
     while True:
         runner.timed_pass()
         elapsed = time.perf_counter() - started
-        if (len(runner.latencies_s) >= min_timed_calls and elapsed >= min_timed_s) or elapsed > max_timed_s:
+        clean_calls = len(runner.timed_batches) * runner.pass_preempted.count(False)
+        if (clean_calls >= min_timed_calls and elapsed >= min_timed_s) or elapsed > max_timed_s:
             break
     m = judge_outputs(runner.measurement(), workload, outputs, indices, reference)
     m.roofline = runner.roofline(flops_per_sample, dtype, m.samples_per_s)
@@ -414,32 +490,99 @@ _T995 = [63.657, 9.925, 5.841, 4.604, 4.032, 3.707, 3.499, 3.355, 3.250, 3.169, 
 _Z995 = 2.576  # beyond 30 degrees of freedom
 
 
+# A gain whose 99% interval spans more than this ratio (high / low) is too wide to quote as a point.
+NOISY_INTERVAL = 1.4
+# The fewest interleaved rounds a second look at a figure times (`overdrive bench`, the report's sweep): the
+# headline's prediction interval is for a new measurement of this many rounds (`Gain.predict_rounds`).
+RECHECK_ROUNDS = 4
+
+
 @dataclass(kw_only=True)
 class Gain:
     """How much faster a candidate ran than a reference, from interleaved passes.
 
-    Each round times one pass of each (in alternating order, ABBA, so a linear drift in the
+    Each round times one stretch of each (in alternating order, ABBA, so a linear drift in the
     machine's speed cancels); the gain is the geometric mean over rounds of the reference's pass
     time over the candidate's, with a 99% confidence interval from Student's t on the log ratios.
+    A round in which either side ran preempted by other work (`core.interference`) is set aside and
+    timed again; only when too few clean rounds could be had are the preempted ones counted, and the
+    gain is then `busy`.
+
+    The confidence interval says where the true mean ratio is, which is what a decision needs. A
+    figure quoted to a user is checked by measuring again (`overdrive bench`), whose own few rounds
+    scatter too: with `predict_rounds` set, `interval` is the 99% prediction interval of a new
+    measurement of that many rounds, mean ± t·sd·√(1/n + 1/k), the range a second look lands in.
 
     Attributes:
         ratio: candidate throughput ÷ reference throughput (>1: faster).
         low, high: the 99% confidence interval of `ratio`.
-        rounds: rounds timed (pairs of passes).
+        rounds: rounds the figures come from (pairs of stretches).
+        log_sd: the standard deviation of the per-round log ratios.
         passes_per_round: passes each side ran per round (more for models whose pass is very short).
+        preempted_rounds: rounds that ran preempted (set aside, or counted when `busy`).
+        busy: fewer than the rounds needed ran clean, so preempted ones are in the figures.
+        contention: how busy the machine was over the comparison (`Contention.to_dict`), where measured.
+        predict_rounds: when set, `interval` is where a new measurement of this many rounds lands.
     """
 
     ratio: float
     low: float
     high: float
     rounds: int
+    log_sd: float = math.nan
     passes_per_round: int = 1
+    preempted_rounds: int = 0
+    busy: bool = False
+    contention: dict | None = None
+    predict_rounds: int | None = None
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """The interval shown with the figure: the 99% confidence interval, or with `predict_rounds`
+        the 99% prediction interval of a measurement of that many rounds."""
+        if self.predict_rounds is None or self.rounds < 2 or math.isnan(self.log_sd):
+            return self.low, self.high
+        half = _t995(self.rounds - 1) * self.log_sd * math.sqrt(1 / self.rounds + 1 / self.predict_rounds)
+        return self.ratio * math.exp(-half), self.ratio * math.exp(half)
+
+    @property
+    def uncertain(self) -> str | None:
+        """Why the point figure cannot be quoted, or None: a busy machine, or an interval wider than
+        `NOISY_INTERVAL` (high / low)."""
+        low, high = self.interval
+        if self.busy:
+            waited = (self.contention or {}).get("waited_share")
+            during = f", its threads waiting for a CPU {100 * waited:.0f}% of the time" if waited is not None else ""
+            return f"the machine was busy ({self.preempted_rounds} of {self.rounds} rounds ran preempted by other work{during})"
+        if high / max(low, 1e-12) > NOISY_INTERVAL:
+            return f"the 99% interval is wide (high / low = {high / max(low, 1e-12):.2f})"
+        return None
+
+    @property
+    def quoted(self) -> float | None:
+        """The figure to quote: the ratio when certain, the interval's low end when the interval is
+        wide, None when the machine was busy (no figure from it survives a second look)."""
+        if self.busy:
+            return None
+        return self.ratio if self.uncertain is None else self.interval[0]
 
     def describe(self) -> str:
-        return f"{self.ratio:.2f}× [{self.low:.2f}, {self.high:.2f}]"
+        """"2.31× [2.20, 2.43]"; "≥ 2.20× (wide: [2.20, 3.43])"; "uncertain (busy) [1.50, 9.30]"."""
+        low, high = self.interval
+        interval = f"[{low:.2f}, {high:.2f}]"
+        if self.busy:
+            return f"uncertain (busy) {interval}"
+        if self.uncertain is not None:
+            return f"≥ {low:.2f}× (wide: {interval})"
+        return f"{self.ratio:.2f}× {interval}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "interval": list(self.interval), "quoted": self.quoted, "uncertain": self.uncertain}
+
+
+def _t995(df: int) -> float:
+    """The two-sided 99% quantile of Student's t with `df` ≥ 1 degrees of freedom."""
+    return _T995[df - 1] if df <= len(_T995) else _Z995
 
 
 def gain_from_ratios(log_ratios: list[float]) -> Gain:
@@ -449,41 +592,54 @@ def gain_from_ratios(log_ratios: list[float]) -> Gain:
     if n < 2:
         return Gain(ratio=math.exp(mean), low=0.0, high=math.inf, rounds=n)
     sd = math.sqrt(sum((x - mean) ** 2 for x in log_ratios) / (n - 1))
-    half = (_T995[n - 2] if n - 1 <= len(_T995) else _Z995) * sd / math.sqrt(n)
-    return Gain(ratio=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), rounds=n)
+    half = _t995(n - 1) * sd / math.sqrt(n)
+    return Gain(ratio=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), rounds=n, log_sd=sd)
 
 
 def compare(reference: Runner, candidate: Runner, *, min_gain: float, min_rounds: int = 4, max_rounds: int = 12,
-            max_s: float = 20.0, min_unit_s: float = 0.05) -> Gain:
+            max_s: float = 20.0, min_unit_s: float = 0.05, max_width: float | None = None) -> Gain:
     """Time `candidate` against `reference` in interleaved rounds until the 99% interval of the
-    gain decides against `min_gain` (its low end above it: faster; its high end below: not),
-    or `max_rounds` rounds or `max_s` seconds have passed (at least `min_rounds` rounds).
+    gain decides against `min_gain` (its low end above it: faster; its high end below: not) and,
+    with `max_width`, is no wider than that (high / low), or `max_rounds` clean rounds or `max_s`
+    seconds have passed (at least `min_rounds` rounds).
 
-    Both runners must be warmed up. A side whose pass is shorter than `min_unit_s` runs several
-    passes per round (its time per pass is their mean), so timer resolution and call overhead
-    do not decide.
+    Both runners must be warmed up; each is settled first (`Runner.settle`). A side whose pass is
+    shorter than `min_unit_s` runs several passes per round (its time per pass is their mean), so
+    timer resolution and call overhead do not decide. A round in which either side ran preempted by
+    other work is set aside and timed again (up to `max_rounds` set aside); when `max_s` runs out with
+    fewer than `min_rounds` clean rounds, the set-aside ones are counted too and the Gain is `busy`.
 
     Returns:
         The Gain (each runner keeps its pass and call times for its Measurement).
     """
-    repeats = {}
-    for runner in (reference, candidate):  # one settling pass each after the warm-up, also sizing the rounds
-        seconds = runner.timed_pass()
-        repeats[id(runner)] = max(1, min(1000, math.ceil(min_unit_s / max(seconds, 1e-9))))
-    log_ratios: list[float] = []
+    repeats = {id(runner): runner.settle(min_unit_s=min_unit_s)[1] for runner in (reference, candidate)}
+    marks = {id(runner): len(runner.meter.loads) for runner in (reference, candidate)}
+    clean: list[float] = []
+    preempted: list[float] = []
     started = time.perf_counter()
     while True:
-        per_pass = {}
-        for runner in (reference, candidate) if len(log_ratios) % 2 == 0 else (candidate, reference):
-            n = repeats[id(runner)]
-            per_pass[id(runner)] = sum(runner.timed_pass() for _ in range(n)) / n
-        log_ratios.append(math.log(per_pass[id(reference)] / max(per_pass[id(candidate)], 1e-12)))
-        gain = gain_from_ratios(log_ratios)
-        rounds, elapsed = len(log_ratios), time.perf_counter() - started
-        decided = gain.low >= min_gain or gain.high < min_gain
-        if rounds >= min_rounds and (decided or rounds >= max_rounds or elapsed >= max_s):
-            gain.passes_per_round = repeats[id(candidate)]
-            return gain
+        per_pass, flags = {}, []
+        for runner in (reference, candidate) if (len(clean) + len(preempted)) % 2 == 0 else (candidate, reference):
+            per_pass[id(runner)], flag = runner.timed_passes(repeats[id(runner)])
+            flags.append(flag)
+        ratio = math.log(per_pass[id(reference)] / max(per_pass[id(candidate)], 1e-12))
+        (preempted if any(flags) else clean).append(ratio)
+        elapsed = time.perf_counter() - started
+        # Set-aside rounds stop counting once they outnumber the clean ones 2 to 1 (at least 2 × min_rounds):
+        # a machine that busy stays busy for longer than a comparison should wait.
+        out_of_time = elapsed >= max_s or len(preempted) >= min(max_rounds, max(2 * min_rounds, 2 * len(clean)))
+        if len(clean) >= min_rounds or (out_of_time and len(clean) + len(preempted) >= min_rounds):
+            busy = len(clean) < min_rounds
+            gain = gain_from_ratios(clean + preempted if busy else clean)
+            decided = (gain.low >= min_gain or gain.high < min_gain) and \
+                (max_width is None or gain.high <= max_width * gain.low)
+            if busy or decided or len(clean) >= max_rounds or out_of_time:
+                gain.passes_per_round, gain.busy = repeats[id(candidate)], busy
+                gain.preempted_rounds = len(preempted)
+                gain.contention = Contention.of(
+                    *[[x for r in (reference, candidate) for x in getattr(r.meter, a)[marks[id(r)]:]]
+                      for a in ("loads", "flags")]).to_dict()
+                return gain
 
 
 def compiled_graphs() -> int:

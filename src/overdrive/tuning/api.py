@@ -158,7 +158,8 @@ class OptimizeResult:
     @property
     def table(self) -> list[dict[str, Any]]:
         """The per-technique rows: technique, kept, why not, latency p50/p90 (ms), speedup vs the
-        baseline, samples/s, peak memory (bytes; on CUDA also reserved), the roofline point
+        baseline as it may be quoted (`measure.Gain.quoted`: the interval's low end when it is wide, None
+        when the machine was busy; `speedup_uncertain` says why, `gain` holds what was measured), samples/s, peak memory (bytes; on CUDA also reserved), the roofline point
         (`core.roofline.Roofline.to_dict`), the audit (baseline and plan, `core.audit.Audit.to_dict`),
         fidelity figures and task metric."""
         out = []
@@ -168,6 +169,7 @@ class OptimizeResult:
                         "latency_ms_p50": m.latency_ms["p50"] if m else None,
                         "latency_ms_p90": m.latency_ms["p90"] if m else None,
                         "speedup_vs_baseline": row.speedup,
+                        "speedup_uncertain": row.gain.uncertain if row.gain else None,
                         "gain": {**row.gain.to_dict(), "versus": row.versus} if row.gain else None,
                         "samples_per_s": m.samples_per_s if m else None,
                         "peak_memory_bytes": m.peak_memory_bytes if m else None,

@@ -44,11 +44,24 @@ def reasons_in_full(result: TuneResult) -> list[str]:
 
 def _speedup(row: Row) -> str:
     """The speedup vs the baseline, with its 99% interval where it was measured against the baseline directly."""
+    if row.gain is not None and row.versus == "the baseline":
+        return row.gain.describe()
     if row.speedup is None:
         return ""
-    if row.gain is not None and row.versus == "the baseline":
-        return f"{row.speedup:.2f}× [{row.gain.low:.2f}, {row.gain.high:.2f}]"
     return f"{row.speedup:.2f}×"
+
+
+def headline(measured: dict) -> str:
+    """The plan's speedup as a user may quote it (`measure.Gain.quoted`): "2.31× [2.20, 2.43] the baseline's
+    samples/s"; the interval's low end when it is wide; "uncertain" and why, when the machine was busy."""
+    low, high = measured.get("speedup_interval99") or measured.get("speedup_ci99") or [None, None]
+    interval = f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None and (low, high) != (1.0, 1.0) else ""
+    quoted, why = measured.get("speedup_vs_baseline"), measured.get("speedup_uncertain")
+    if quoted is None:
+        return f"speedup uncertain: {why}; 99% interval{interval}, not a figure to quote"
+    if why:
+        return f"at least {quoted:.2f}× the baseline's samples/s ({why}:{interval})"
+    return f"{quoted:.2f}×{interval} the baseline's samples/s"
 
 
 def caption(result: TuneResult, rows_description: str) -> str:
@@ -182,8 +195,7 @@ def write_report_md(path: Path, *, result: TuneResult, workload_name: str, devic
         f"- command: `{command}`",
         f"- device: {device_name}; torch {env['torch']}; date {env['date']}",
         f"- batch size {result.plan.batch_size}; {b.num_samples} evaluation samples{flops}",
-        f"- plan: {' + '.join(result.plan.names) or 'baseline (nothing beat it)'}, "
-        f"{result.plan.measured['speedup_vs_baseline']:.2f}× baseline samples/s",
+        f"- plan: {' + '.join(result.plan.names) or 'baseline (nothing beat it)'}, {headline(result.plan.measured)}",
     ]
     if not real_weights:
         lines.append("- weights are random: the figures are for speed only, not accuracy claims")

@@ -13,6 +13,7 @@ from overdrive.core.devices import resolve_device
 from overdrive.core.errors import ConfigError, arg, one_line
 from overdrive.core.flops import count_flops_per_sample, layer_flop_share
 from overdrive.core.measure import (
+    RECHECK_ROUNDS,
     TIMING_ROWS,
     Gain,
     Measurement,
@@ -28,6 +29,7 @@ from overdrive.tuning.plan import build
 from overdrive.workloads import Workload, create_workload
 
 DEFAULT_TEXT_SAMPLES = 512
+RECHECK_WIDTH = 1.2  # `bench` times a plan until its gain's 99% interval is no wider than this (high / low)
 _UNSET = object()
 
 
@@ -152,8 +154,8 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
 
 def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_sizes: list[int],
           progress=lambda _: None, warn=lambda _: None, reports: dict[str, list[dict]] | None = None, *,
-          rounds: int = 4, max_rows: int | None = None, audit: bool = False,
-          notice=lambda _: None) -> dict[str, list[tuple[int, Measurement]]]:
+          rounds: int = RECHECK_ROUNDS, max_rows: int | None = None, audit: bool = False,
+          notice=lambda _: None, max_rounds: int | None = None, max_width: float | None = None) -> dict[str, list[tuple[int, Measurement]]]:
     """Measure each configuration at each batch size, on the same rows `optimize` judged (cycled up
     to one full batch when there are fewer; passes timed over the first `TIMING_ROWS`, as there). When the first configuration is the eager baseline
     (no steps), every other one is timed against it in `rounds` interleaved rounds
@@ -162,7 +164,9 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
 
     Args:
         reports: when given, receives each configuration's technique reports from its first build.
-        rounds: interleaved rounds per configuration and batch size.
+        rounds: interleaved rounds per configuration and batch size (at least, with `max_rounds`).
+        max_rounds, max_width: with these, each comparison goes on past `rounds` until its 99% interval is
+            no wider than `max_width` (high / low), or `max_rounds` rounds (`measure.compare`).
         max_rows: rows per pass at most (the report's curve needs no full pass); None: all of them.
         audit: also audit one forward of each configuration at each size (`core.audit`, `Measurement.audit`).
         notice: called with what makes a point's figures partly something else (CUDA-graph shapes run eagerly).
@@ -209,7 +213,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
                         reports.setdefault(label, collected)
                     if label != baseline_label and baseline_label in runners:
                         gains[label] = compare(runners[baseline_label], runners[label], min_gain=0.0, min_rounds=rounds,
-                                               max_rounds=rounds)
+                                               max_rounds=max_rounds or rounds, max_width=max_width)
                     elif baseline_label is None:
                         for _ in range(rounds):
                             runners[label].timed_pass()
@@ -247,9 +251,9 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
 def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda _: None, *, audit: bool = False,
                  notice=lambda _: None) -> tuple[dict[str, list[tuple[int, Measurement]]], list[str], dict[str, list[dict]]]:
     """The eager fp32 baseline and `plan` (a Plan, or None for the baseline alone) measured at each
-    batch size, interleaved (`sweep`): the plan's gain over the baseline with its 99% interval, and
-    its fidelity against the baseline at the same size; `progress` is called with a description
-    before each measurement.
+    batch size, interleaved (`sweep`): the plan's gain over the baseline with its 99% interval (timed
+    until it is no wider than `RECHECK_WIDTH`, or `3 × RECHECK_ROUNDS` rounds), and its fidelity against the
+    baseline at the same size; `progress` is called with a description before each measurement.
 
     Returns:
         (curves {label: [(batch size, Measurement)]}, the baseline first; the points that failed,
@@ -261,6 +265,6 @@ def compare_plan(session: Session, plan, batch_sizes: list[int], progress=lambda
     failures: list[str] = []
     reports: dict[str, list[dict]] = {}
     curves = sweep(session, configs, batch_sizes, progress=progress, warn=failures.append, reports=reports, audit=audit,
-                   notice=notice)
+                   notice=notice, max_rounds=3 * RECHECK_ROUNDS, max_width=RECHECK_WIDTH)
     return curves, failures, reports
 
