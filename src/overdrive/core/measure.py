@@ -299,9 +299,10 @@ class Runner:
     def settle(self, *, min_unit_s: float = 0.0, tolerance: float = 0.1, max_units: int = 8,
                max_s: float = 10.0) -> tuple[float, int]:
         """Uncounted timed stretches until two clean ones in a row agree within `tolerance` (or
-        `max_units` stretches, or `max_s` seconds): after the warm-up, oneDNN's primitive cache, the
-        allocator's pools and the thread pools can take a few more passes to reach their steady state.
-        A stretch is as many passes as take `min_unit_s` (at least one).
+        `max_units` stretches, `max_s` seconds, or two stretches in a row that ran preempted): after
+        the warm-up, oneDNN's primitive cache, the allocator's pools and the thread pools can take a
+        few more passes to reach their steady state. A stretch is as many passes as take `min_unit_s`
+        (at least one).
 
         Returns:
             (seconds of the last clean pass, or of the last pass when none was clean; passes per stretch).
@@ -318,6 +319,8 @@ class Runner:
                 clean.append(last)
                 if len(clean) >= 2 and max(clean[-2:]) <= (1 + tolerance) * min(clean[-2:]):
                     break
+            elif self.meter.flags[-2:] == [True, True]:
+                break  # a busy machine: settling cannot be seen through it (the comparison sets such rounds aside)
             if time.perf_counter() - started > max_s:
                 break
         return (clean[-1] if clean else last), repeats
