@@ -208,7 +208,7 @@ class MixedPrecision(Technique):
         reason = super().unsupported_reason(workload, device, config)
         if reason is None and not workload.train_samples and self.needs_rows(config):
             return (f"not applicable: {self.name} calibrates on the workload's training rows, and it has none "
-                    "(pass --data with 100+ rows)")
+                    "(pass --data, or an example, with 100+ rows: a fifth is kept apart for calibration)")
         return reason
 
     def for_guard(self, config: MixedPrecisionConfig, guard) -> MixedPrecisionConfig:
