@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}  # this checkout's code
     return subprocess.run([sys.executable, "-m", "overdrive", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -201,8 +201,8 @@ def test_bench_refuses_a_plan_for_another_workload(tmp_path):
 
 
 MORE_BAD_INPUT = [
-    (["optimize", "digits-cnn", "--min-gain", "nan"], "expected a finite ratio > 0"),
-    (["optimize", "digits-cnn", "--min-gain", "-1"], "expected a finite ratio > 0"),
+    (["optimize", "digits-cnn", "--min-gain", "nan"], "expected a finite ratio ≥ 0"),
+    (["optimize", "digits-cnn", "--min-gain", "-1"], "expected a finite ratio ≥ 0"),
     (["optimize", "digits-cnn", "--max-accuracy-drop", "nan"], "expected a finite number ≥ 0"),
     (["optimize", "digits-cnn", "--techniques", ","], "got none"),
     (["optimize", ""], "the workload is empty"),
@@ -224,6 +224,24 @@ def test_more_bad_input(args, expected):
     result = run_cli(*args)
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and expected in result.stderr, result.stderr
+
+
+def test_min_gain_zero_is_accepted_as_documented():
+    """README and `optimize(min_gain=0)`: 0 keeps every step within the budget whatever its speed."""
+    from overdrive.cli import build_parser
+    from overdrive.tuning.guard import Guard
+
+    args = build_parser().parse_args(["optimize", "digits-cnn", "--min-gain", "0"])
+    assert args.min_gain == 0.0 and Guard(min_gain=args.min_gain).min_gain == 0.0
+
+
+@pytest.mark.parametrize("batch_size,expected", [(1, "--batch-sizes 1 "), (8, "--batch-sizes 1,8 ")])
+def test_next_step_hint_names_each_batch_size_once(batch_size, expected):
+    from overdrive.cli.optimize import next_steps
+
+    line = next_steps("tests.fixtures.user_models:build", Path("out/user_models/plan.json"), batch_size)
+    assert expected in line and "1,1" not in line
+    assert line.startswith("next: overdrive bench tests.fixtures.user_models:build --plan out/user_models/plan.json")
 
 
 @pytest.mark.parametrize("content", ["[1, 2, 3]", '{"version": 1, "workload": "digits-cnn", "device": "cpu", "batch_size": -3, "techniques": []}'])

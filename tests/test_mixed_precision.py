@@ -12,6 +12,9 @@ How it could be silently wrong, and the test that says it is not:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +198,68 @@ def test_static_int8_of_a_cnn_searches_calibrates_and_rebuilds_the_same_model(tm
     (tmp_path / "mixed-int8-static.pt2").write_bytes(b"junk")
     with pytest.raises(RuntimeError, match="cannot be read as a torch.export program"):
         technique.check_files(resolved)
+
+
+class ConvHead(nn.Module):
+    """A conv and a Linear head with ≥ 8 outputs (Inductor's int8 linear lowering warns there): [B, 3, 8, 8] -> [B, 16]."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).mean(dim=(2, 3)))  # [B, 8] -> [B, 16]
+
+
+def test_static_int8_search_and_compile_print_no_raw_warnings(tmp_path):
+    """PT2E, torchao and Inductor warn about their own internals while quantising and compiling; the user sees
+    the report, not those lines (a warning that matters becomes a report note)."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    rows = torch.randn(48, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    workload = Workload(name="conv-head", model=ConvHead().eval(), samples=list(rows[:16]), train_samples=list(rows[16:]),
+                        collate=lambda s: (torch.stack(s),), fidelity=logits_fidelity, fidelity_key="min_cosine",
+                        default_batch_size=8, real_weights=False)
+    step = dataclasses.replace(default_config("mixed-int8-static"), min_fidelity=0.9)
+    reports, logged = [], []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = logged.append
+    exporter = logging.getLogger("torch.export")  # torch's loggers print themselves (not to the root logger)
+    exporter.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, _ = build(workload, [step], CPU, reports)  # the search: a PT2E export and calibration per candidate
+            (resolved,) = resolve_steps([step], workload, CPU, tmp_path)  # the program saved next to the plan
+            out = outputs(model, workload)  # Inductor compiles with freezing: oneDNN int8 kernels
+            outputs(model, workload, workload.samples[:3])  # a graph per batch size: compiled again
+    finally:
+        exporter.removeHandler(handler)
+    assert set(reports[0]["chosen"]) == {"conv", "head"} and resolved.checkpoint
+    assert logits_fidelity(out, outputs(workload.model, workload))["min_cosine"] >= 0.9
+    assert not caught, [f"{w.filename}:{w.lineno}: {w.message}" for w in caught]
+    assert not logged, [r.getMessage() for r in logged]
+    assert "notes" not in reports[0]  # nothing worth saying here
+
+
+def test_pt2e_warnings_become_report_notes_noise_goes_and_the_users_own_pass():
+    from overdrive.techniques.precision import pt2e_static
+
+    torch_file = str(Path(torch.__file__).parent / "_inductor" / "mkldnn_lowerings.py")
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pt2e_static.said(notes):
+            warnings.warn_explicit("To copy construct from a tensor, use clone()", UserWarning, torch_file, 1)  # noise
+            warnings.warn_explicit("must run observer before calling calculate_qparams", UserWarning, torch_file, 2)
+            warnings.warn_explicit("an internal API is deprecated", DeprecationWarning, torch_file, 3)
+            warnings.warn("the user's model says this", UserWarning)
+    assert notes == ["torch._inductor.mkldnn_lowerings: must run observer before calling calculate_qparams"]
+    assert [str(w.message) for w in caught] == ["the user's model says this"]
+    report = {"chosen": ["conv"], "total": 1, "scheme": "int8", "notes": notes}
+    assert "PT2E said while quantising: torch._inductor" in get_technique("mixed-int8-static").describe_report(
+        report, "min_cosine")
 
 
 def test_static_int8_leaves_text_models_to_the_per_row_form():

@@ -329,6 +329,41 @@ def test_your_data_keeps_a_held_out_fifth_for_calibration(tmp_path):
     assert len(few.samples) == 40 and few.train_samples is None
 
 
+def test_an_example_of_100_rows_or_more_keeps_a_held_out_fifth_as_data_does(tmp_path):
+    """A (model, example) pair with 120 rows serves mixed-int8 without data: 96 judged, 24 for calibration only;
+    given data, the data's own fifth replaces them (the example's rows are not used then)."""
+    from overdrive.techniques import get_technique
+    from overdrive.tuning.sweep import open_session
+    from overdrive.workloads.user import workload_from_model
+    from tests.fixtures.user_models import build
+
+    model, _ = build()
+    example = torch.randn(120, 16, generator=torch.Generator().manual_seed(0))
+    workload = workload_from_model("mlp", model, example)
+    assert workload.rows_source == "example" and len(workload.samples) == 96 and len(workload.train_samples) == 24
+    assert torch.equal(torch.stack([s[0] for s in workload.train_samples]), example[96:])  # the last fifth, never judged
+    assert torch.equal(torch.stack([s[0] for s in workload.samples]), example[:96])
+    assert any("the last 24 of your example's 120 rows are held out" in n for n in workload.notes), workload.notes
+    assert workload.default_batch_size == 120  # the example's batch size stays the default
+    assert get_technique("mixed-int8").unsupported_reason(workload, torch.device("cpu")) is None
+    session = open_session(workload, device="cpu", batch_size=8)
+    assert session.num_distinct_samples == 96  # the held-out rows are not among the evaluation rows
+
+    rows = np.random.default_rng(1).standard_normal((150, 16)).astype("float32")
+    np.save(tmp_path / "rows.npy", rows)
+    on_data = open_session(workload, device="cpu", data=tmp_path / "rows.npy").workload
+    assert len(on_data.samples) == 120 and len(on_data.train_samples) == 30
+    assert np.array_equal(torch.stack([s[0] for s in on_data.train_samples]).numpy(), rows[120:])
+    held = [n for n in on_data.notes if "held out" in n]
+    assert len(held) == 1 and "of your 150 rows" in held[0], held
+    batches = workload_from_model("mlp", model, example[:8], data=[torch.from_numpy(rows)])  # batches, from Python
+    assert len(batches.samples) == 120 and len(batches.train_samples) == 30
+    small = workload_from_model("mlp", model, example[:99])
+    assert small.train_samples is None and len(small.samples) == 99
+    scored = workload_from_model("mlp", model, example[:8], data=[torch.from_numpy(rows)], metric=lambda out: 0.0)
+    assert scored.train_samples is None and len(scored.samples) == 150  # a metric scores every row of data, in order
+
+
 
 
 def test_user_files_end_to_end_from_a_fresh_folder(tmp_path, monkeypatch):

@@ -118,7 +118,7 @@ def positive_float(text: str) -> float:
 
 
 def ratio(text: str) -> float:
-    return _number(text, lambda v: 0.0 < v < math.inf, "a finite ratio > 0 (e.g. 1.02)")
+    return _number(text, lambda v: 0.0 <= v < math.inf, "a finite ratio ≥ 0 (e.g. 1.02)")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

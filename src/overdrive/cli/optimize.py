@@ -4,6 +4,7 @@ composition, plan, report; the table and what was written."""
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from overdrive.core.errors import ConfigError, arg
 
@@ -28,7 +29,7 @@ def add_parser(sub) -> None:
     opt.add_argument("--min-fidelity", type=fraction, default=0.99, help="floor on cosine / agreement with fp32 (default 0.99)")
     opt.add_argument("--min-gain", type=ratio, default=1.02,
                      help="throughput ratio a step needs over what it is added to, at the low end of its 99%% confidence "
-                          "interval (default 1.02)")
+                          "interval (default 1.02; 0 keeps every step within budget whatever its speed)")
     opt.add_argument("--lossless", action="store_true", help="keep lossless techniques only (as --max-accuracy-drop 0)")
     opt.add_argument("--prune-ratio", type=open_fraction,
                      help="fraction of channels / heads / FFN width the named pruning techniques remove (default: "
@@ -113,8 +114,13 @@ def main(args, argv: list[str]) -> int:
                   f"({headline(result.plan.measured) if result.plan.names else 'nothing beat the baseline'})",
                   highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}, {out / 'report.md'}")
-    plan = shlex.quote(str(out / "plan.json"))
-    console.print(f"next: overdrive bench {shlex.quote(args.workload)} --plan {plan} --batch-sizes 1,{session.batch_size}  ·  "
-                  f"overdrive serve {plan}  ·  overdrive run {plan} --input FILE --output OUT.parquet",
-                  highlight=False, soft_wrap=True)
+    console.print(next_steps(args.workload, out / "plan.json", session.batch_size), highlight=False, soft_wrap=True)
     return 0
+
+
+def next_steps(workload: str, plan_path: Path, batch_size: int) -> str:
+    """The commands to try the plan with: bench at batch 1 and the plan's size (once each), serve, run."""
+    plan = shlex.quote(str(plan_path))
+    sizes = ",".join(str(b) for b in dict.fromkeys((1, batch_size)))
+    return (f"next: overdrive bench {shlex.quote(workload)} --plan {plan} --batch-sizes {sizes}  ·  "
+            f"overdrive serve {plan}  ·  overdrive run {plan} --input FILE --output OUT.parquet")

@@ -372,7 +372,8 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
         min_fidelity: floor on the workload's fidelity figure against fp32 (cosine or top-1
             agreement), in [0, 1].
         min_gain: throughput ratio a step needs over what it is added to, at the low end of the
-            99% confidence interval of interleaved measurements, to be kept.
+            99% confidence interval of interleaved measurements, to be kept (0: every step within
+            the budget is kept, whatever its speed).
         lossless: keep lossless techniques only (as `max_accuracy_drop=0`).
         techniques: names to try (see `overdrive list`); None: every one that is not opt-in.
         batch_size: rows per call; None: the workload's.

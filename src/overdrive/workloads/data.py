@@ -22,6 +22,28 @@ DEFAULT_MAX_ROWS = 4096
 MIN_ROWS_TO_HOLD_OUT = 100  # a workload without training rows (a factory's) gets a fifth of the user's, held out
 
 
+def hold_out(rows: list, whose: str = "your") -> tuple[list, list | None, list[str]]:
+    """The user's rows split for a workload without training rows of its own: of `MIN_ROWS_TO_HOLD_OUT` or more,
+    the last fifth is kept apart as training rows (calibration, pruning's recovery, `train`) and never judged.
+
+    Args:
+        rows: the evaluation rows, in order (the user's data, or the rows of their example batch).
+        whose: how the note names them: "your" (data), "your example's".
+
+    Returns:
+        (evaluation rows, training rows or None, the note saying so, or none when fewer rows).
+    """
+    if len(rows) < MIN_ROWS_TO_HOLD_OUT:
+        return rows, None, []
+    held = len(rows) // 5
+    return rows[:-held], rows[-held:], [_held_out_note(held, len(rows), whose)]
+
+
+def _held_out_note(held: int, total: int, whose: str) -> str:
+    return (f"the last {held} of {whose} {total} rows are held out for calibration and recovery fine-tunes (training "
+            f"rows, never judged); the first {total - held} are the evaluation rows")
+
+
 def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: str | None = None,
               max_rows: int | None = None) -> Workload:
     """`workload` judged on the user's rows `data` instead of its own samples.
@@ -38,7 +60,8 @@ def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: st
         A copy of `workload` with `samples` the user's rows (`rows_source` "data"), no labels and
         no task metric, and a note naming what was left out. A workload without training rows of
         its own (a factory's) keeps the last fifth of 100 or more rows apart as `train_samples`
-        (calibration, pruning's recovery, `train`), never judged.
+        (calibration, pruning's recovery, `train`), never judged (`hold_out`); a fifth its example
+        kept apart goes with the example's rows, which the user's replace.
 
     Raises:
         DataError: the data cannot be read, holds no readable row, or does not suit the model
@@ -66,19 +89,20 @@ def with_data(workload: Workload, data: str | Path | Iterable, *, text_field: st
                      f"first: {refused[0]}); a compiled model given them could abort the process")
     if not rows:
         raise DataError(f"{arg('data')}: no row holds values the model can take (the first: {refused[0]})")
-    train = workload.train_samples
-    if train is None and len(rows) >= MIN_ROWS_TO_HOLD_OUT:  # calibration / recovery rows, never judged
-        held = len(rows) // 5
-        rows, train = rows[:-held], rows[-held:]
-        notes.append(f"the last {held} of your {len(rows) + held} rows are held out for calibration and recovery "
-                     f"fine-tunes (training rows, never judged); the first {len(rows)} are the evaluation rows")
+    train, kept_notes = workload.train_samples, list(workload.notes)
+    if workload.rows_source == "example" and train is not None:  # the example's held-out fifth goes with its rows
+        held_note = _held_out_note(len(train), len(workload.samples) + len(train), "your example's")
+        train, kept_notes = None, [n for n in kept_notes if n != held_note]
+    if train is None:  # a workload without training rows (a factory's): a fifth of the user's, never judged
+        rows, train, held_notes = hold_out(rows)
+        notes += held_notes
     dropped = [what for what, present in (("labels", workload.labels is not None), ("metric", workload.metric is not None))
                if present]
     if dropped:
         notes.append(f"the workload's {' and '.join(dropped)} belong to its own samples: your rows are judged by "
                      "agreement with the eager fp32 outputs")
     return dataclasses.replace(workload, samples=rows, labels=None, metric=None, rows_source="data", train_samples=train,
-                               notes=[*workload.notes, *notes],
+                               notes=[*kept_notes, *notes],
                                description=f"{workload.description} — on your data ({origin})")
 
 

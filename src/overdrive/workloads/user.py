@@ -4,7 +4,8 @@ A factory returns either a `Workload`, or a pair `(model, example_input)` where
 `example_input` is a tensor (or tuple of tensors) whose first dimension is the batch. For a
 pair, and for saved files, candidates are judged by agreement with the fp32 outputs on real
 rows: the rows of `data` when given, else the rows of the example itself (a .pt2 file carries
-the example it was exported with). Only when the example is a placeholder (every value the same,
+the example it was exported with); of 100 or more (and no `metric`), the last fifth is kept apart
+for calibration and recovery, never judged (`overdrive.workloads.data.hold_out`). Only when the example is a placeholder (every value the same,
 as the zeros made from a TorchScript file's `input_shape`) are `NUM_SAMPLES` seeded random rows
 of its shape used, and the table says that fidelity is then on random inputs, shape only.
 """
@@ -30,6 +31,7 @@ from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.core.graph_ops import is_graph_program, to_eval_ops, training_mode_modules, training_mode_ops
 from overdrive.core.input_limits import InputLimits, derive_input_limits
 from overdrive.core.workload import Workload, eval_mode, logits_fidelity, pad_stack
+from overdrive.workloads.data import hold_out
 from overdrive.workloads.signature import (
     SignatureModel,
     choose_outputs,
@@ -125,7 +127,10 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
                         dynamic_dims: dict | None = None) -> Workload:
     """Wrap a model and one example batch into a Workload judged on real rows: those of `data` when
     given, else the example's own rows; seeded random rows of the example's shape and dtype only
-    when the example is a placeholder (one value throughout), which the workload then says.
+    when the example is a placeholder (one value throughout), which the workload then says. Of 100
+    or more real rows, the last fifth are the training rows (calibration for int8, pruning's
+    recovery), never judged, as with `optimize --data` (`overdrive.workloads.data.hold_out`);
+    not with a `metric`, which scores every row of `data`.
 
     The model is measured in eval mode; the caller's module is not changed (copies are put in eval
     mode when built). A torch.export program exported in train mode has its dropout and batch-norm
@@ -204,6 +209,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
     max_size = positions if dims and isinstance(positions, int) and positions > 0 else None
     if metric is not None and data is None:
         raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
+    train = None
     if data is not None:
         samples, source = _rows_of(name, data, example, limits, dims), "data"
     elif not placeholder:
@@ -216,10 +222,14 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         if unknown:
             notes.append(f"integer input(s) {unknown} of the placeholder example hold one value and index no embedding "
                          "overdrive could see, so their random rows hold that value only; pass data for real rows")
+    if source != "random" and metric is None:  # real rows, 100+: a fifth for calibration, never judged, as `with_data`
+        samples, train, held_notes = hold_out(samples, "your" if source == "data" else "your example's")
+        notes += held_notes
     return Workload(
         name=name,
         model=model,
         samples=samples,
+        train_samples=train,
         collate=partial(pad_stack, dims, max_size=max_size) if dims else stack_rows,
         dynamic_dims=dims,
         fidelity=fidelity if output_names else logits_fidelity,

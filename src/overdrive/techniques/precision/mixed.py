@@ -118,6 +118,7 @@ class CompiledOnFirstCall(ForwardWrapper):
         super().__init__(inner)
         self.dynamic, self.freezing = dynamic, freezing
         self.__dict__["_compiled"] = None  # not a submodule: its parameters are inner's
+        self.__dict__["_shapes"] = set()  # input shapes called before (with freezing: each compiled its graph)
 
     def forward(self, *args):
         compiled = self.__dict__["_compiled"]
@@ -130,8 +131,17 @@ class CompiledOnFirstCall(ForwardWrapper):
             return compiled(*args)
         import torch._inductor.config as inductor_config
 
-        with inductor_config.patch(freezing=True):
-            return compiled(*args)
+        shapes = tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a) for a in args)
+        if shapes in self.__dict__["_shapes"]:
+            with inductor_config.patch(freezing=True):
+                return compiled(*args)
+        # A new shape compiles a graph (PT2E's path compiles one per batch size): Inductor's int8 lowerings warn
+        # about their own code there (`pt2e_static.NOISE`), which is no news to the user. Under the lock, so that
+        # the warning filters of two threads' first calls do not interleave.
+        with _COMPILE_LOCK, pt2e_static.quiet(), inductor_config.patch(freezing=True):
+            out = compiled(*args)
+        self.__dict__["_shapes"].add(shapes)
+        return out
 
 
 def rows_fingerprint(rows: list[Any]) -> str:
@@ -198,7 +208,7 @@ class MixedPrecision(Technique):
         reason = super().unsupported_reason(workload, device, config)
         if reason is None and not workload.train_samples and self.needs_rows(config):
             return (f"not applicable: {self.name} calibrates on the workload's training rows, and it has none "
-                    "(pass --data with 100+ rows)")
+                    "(pass --data, or an example, with 100+ rows: a fifth is kept apart for calibration)")
         return reason
 
     def for_guard(self, config: MixedPrecisionConfig, guard) -> MixedPrecisionConfig:
@@ -245,6 +255,8 @@ class MixedPrecision(Technique):
             layers = list(config.layers)
             report = {"technique": self.name, "scheme": self.scheme, "chosen": layers, "total": total}
         model = self.lower(model, layers, workload, device, config)
+        if pt2e_static.notes_of(model):  # what PT2E / torchao said while quantising, as report text
+            report["notes"] = pt2e_static.notes_of(model)
         if config.compile:
             model = CompiledOnFirstCall(model, dynamic=self.compile_dynamic(workload), freezing=self.freezing)
         model.overdrive_report = report
@@ -265,8 +277,9 @@ class MixedPrecision(Technique):
     def describe_report(self, report: dict[str, Any], fidelity_key: str) -> str:
         n, total = len(report["chosen"]), report["total"]
         head = f"{self.name}: {n} of {total} layers in {report['scheme']} ({self.form}), {total - n} in fp32"
+        said = "".join(f"\n    PT2E said while quantising: {note}" for note in report.get("notes", []))
         if "layers" not in report:
-            return head + " (the plan's layers; no search)"
+            return head + " (the plan's layers; no search)" + said
         head += (f"; searched on {report['calibration_rows']} training rows in {report['search_s']:.0f} s, "
                  f"{report['key']} {report['search_fidelity']:.4f} on them (target ≥ {report['target']:.4f})")
         rows = ["layer | shape | sensitivity (1 − fidelity alone) | saved ms/batch (eager) | precision"]
@@ -275,7 +288,7 @@ class MixedPrecision(Technique):
             saved = "–" if c["saved_ms"] is None else f"{c['saved_ms']:.2f}"
             why = f" ({c['note']})" if c["note"] else ""
             rows.append(f"{c['name']} | {c['shape']} | {drop} | {saved} | {c['precision']}{why}")
-        return head + "\n" + "\n".join("    " + r for r in rows)
+        return head + "\n" + "\n".join("    " + r for r in rows) + said
 
 
 @register
