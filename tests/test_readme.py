@@ -91,4 +91,5 @@ def test_python_example_runs_on_a_torchvision_model_and_on_minilm(tmp_path):
     assert (tmp_path / "out" / "resnet18" / "plan.json").exists() and (tmp_path / "out" / "resnet18" / "report.md").exists()
     bench = [line for line in lines if re.match(r"^(1|8) [0-9.]+ ms [0-9.]+ samples/s$", line)]
     assert [line.split()[0] for line in bench] == ["1", "8"]
-    assert lines[-1].startswith("[") and float(lines[-1].rsplit(" ", 1)[1]) > 0  # minilm's plan and its speedup
+    names, _, headline = lines[-1].partition("] ")  # minilm's plan and its speedup, or why it is uncertain
+    assert names.startswith("[") and re.match(r"^([0-9.]+× \[|at least [0-9.]+×|speedup uncertain|the baseline)", headline), lines[-1]

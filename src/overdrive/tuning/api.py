@@ -25,7 +25,7 @@ from overdrive.core.workload import Workload
 from overdrive.run.resume import weights_fingerprint
 from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
 from overdrive.tuning.plan import Plan, build, resolve_steps
-from overdrive.tuning.report import rows_markdown, write_report_md
+from overdrive.tuning.report import headline as describe_headline, rows_markdown, write_report_md
 from overdrive.tuning.sweep import Session, open_session, sweep
 from overdrive.tuning.guard import FidelityRule, Guard
 from overdrive.tuning.tuner import Row, Tuner
@@ -179,6 +179,18 @@ class OptimizeResult:
         return out
 
     @property
+    def speedup(self) -> float | None:
+        """The plan's speedup over the eager baseline as it may be quoted (`measure.Gain.quoted`): the point
+        figure, the low end of a wide interval, or None when the machine was too busy for a figure
+        (`headline` says which, with the interval `overdrive bench` of the plan lands in)."""
+        return self.plan.measured.get("speedup_vs_baseline")
+
+    @property
+    def headline(self) -> str:
+        """The plan's speedup in words: "2.31× [2.10, 2.52] the baseline's samples/s", or why it is uncertain."""
+        return describe_headline(self.plan.measured) if self.plan.steps else "the baseline: nothing beat it"
+
+    @property
     def model(self) -> nn.Module:
         """The plan's model, built once on the device it was measured on, ready to call. Length
         bucketing, a batching policy, is not part of it: `run` and `serve` apply it."""
@@ -231,6 +243,7 @@ class OptimizeResult:
             "num_samples": s.num_samples,
             "num_distinct_samples": s.num_distinct_samples,
             "sweep_warnings": self.sweep_warnings,
+            "headline": self.headline,
             "warnings": self.warnings,
             "notes": s.workload.notes,
             "rows_source": s.workload.rows_source,
