@@ -21,7 +21,8 @@ Invariants:
 - Every input index gets exactly one row: an output, or a line in the errors file (a record
   that cannot be read or decoded, or whose inputs are outside what the model takes: an id past
   an embedding's rows, a NaN; `overdrive.core.input_limits`, checked in the reader so such a
-  record never reaches the model); none is duplicated or lost. Outputs are keyed by input index
+  record never reaches the model), or that the model answered with NaN or an infinity (its `.npy`
+  row stays NaN); none is duplicated or lost. Outputs are keyed by input index
   and written in input order whatever the bucketing and the number of workers or replicas.
 - One process writes an output at a time: `OUTPUT.parts/` is claimed and flock-ed before the
   model is built (`overdrive.run.resume`), and a second run into it is refused.

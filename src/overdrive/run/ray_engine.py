@@ -4,8 +4,8 @@ datasets larger than one machine.
 `Predictor` is the callable class Ray Data's `map_batches` wants (one model per actor, built once
 in `__init__`): each block is cut into batches of the plan's batch size, text sorted by token
 count inside the block (length bucketing), records collated, checked and refused as `overdrive
-run` does (an `error` column says why; their `output` rows are NaN), the model called, and rows
-returned in the block's order:
+run` does (an `error` column says why; their `output` rows are NaN, as are those the model answered
+with a non-finite value), the model called, and rows returned in the block's order:
 
     import ray, overdrive.ray
     ds = ray.data.from_items([{"text": s} for s in sentences])
@@ -88,7 +88,7 @@ class Predictor:
         return values, list(self.names)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
-        from overdrive.run.threads import normalize_rows
+        from overdrive.run.threads import nonfinite_rows, normalize_rows
 
         values, used = self._values(batch)
         n = len(values)
@@ -105,6 +105,9 @@ class Predictor:
             if host.inputs is None:
                 continue
             rows = self.replica.outputs(host.inputs).numpy()
+            for r, why in nonfinite_rows(rows):  # a failed record, as `overdrive run` files it
+                errors[host.indices[r]] = why
+                rows[r] = np.nan
             rows = normalize_rows(rows) if self.normalize else rows
             if outputs is None:
                 outputs = np.full((n, *rows.shape[1:]), np.nan, dtype=np.float32)
