@@ -206,10 +206,11 @@ def crash_after(batches: int):
         _crash_after_batches = None
 
 
-def _execute(run: _Run, source, collate, batch_size, chunk_size, bucket, num_workers, cuda, lengths) -> None:
+def _execute(run: _Run, source, collate, batch_size, chunk_size, bucket, num_workers, cuda, lengths, *,
+             equal_lengths: bool = False) -> None:
     def batches() -> Iterator[list[int]]:
         for k in run.pending:
-            yield from chunk_batches(source, k, chunk_size, batch_size, bucket, lengths)
+            yield from chunk_batches(source, k, chunk_size, batch_size, bucket, lengths, equal_lengths=equal_lengths)
 
     loader = torch.utils.data.DataLoader(
         RecordDataset(source), batch_sampler=batches(), collate_fn=collate, num_workers=num_workers,

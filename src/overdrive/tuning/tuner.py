@@ -14,6 +14,8 @@ The guard (DESIGN.md's "what every kept technique must pass"):
 - Fidelity is judged on the workload's rows (the user's data or example; the table says when they
   are random rows of the right shape only); a lossy technique must also keep each row's answer
   independent of its batch-mates (`invariance.InvarianceProbe`).
+- A model whose own answer depends on padding is measured on batches of one length, as serve and run
+  give it; its dependence (or one on batch-mates, found by the probe) is recorded in the plan.
 - Speed: a candidate and what it is compared with run interleaved (`measure.compare`) until the
   99% confidence interval of the gain decides; a step is kept only when the interval's low end
   clears `Guard.min_gain`. The table shows the interval; noisy timing is named in `warnings`.
@@ -40,7 +42,8 @@ from overdrive.core.measure import (
     cycle_indices,
     judge_outputs,
 )
-from overdrive.core.workload import Workload
+from overdrive.core.row_dependence import checked_dependence
+from overdrive.core.workload import BATCH_MATES, BatchDependence, Workload
 from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
 from overdrive.techniques.registry import compute_dtype, compute_layers, config_to_dict, fallbacks
@@ -310,6 +313,7 @@ class Tuner:
         measure_peaks(self.device, [d for n in self.techniques if self._skip_reason(n) is None
                                     for d in [get_technique(n).dtype_of(self._step(n))] if d])
         self.progress("baseline (eager fp32)")
+        checked_dependence(self.workload)  # a text model whose answer depends on padding is measured on one length per batch
         base, self.reference, flops = self._baseline()
         self.baseline_task_metric = self.workload.task_metric(self.reference, self.indices) if self.workload.has_task_metric \
             else None
@@ -317,11 +321,16 @@ class Tuner:
         self.probe = InvarianceProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
                                      indices=self.indices)
         own = self.probe.model_dependence(rule=self.rule)
-        if own is not None:
-            self.warnings.append(
-                f"the eager fp32 model's own rows depend on their batch-mates ({self.rule.violation(own[1])} between rows "
-                f"alone and batched with other rows and {own[0]}): serve and run give a row different answers "
-                "depending on what it is batched with, whatever the plan")
+        if own is not None and self.workload.batch_dependence is None:  # the plan records it: serve and run run rows alone
+            self.workload.batch_dependence = BatchDependence(
+                kind=BATCH_MATES, detail=f"{self.rule.violation(own[1])} between rows alone and batched with other rows "
+                                         f"and {own[0]}")
+        dependence = self.workload.batch_dependence
+        if dependence is not None:
+            what, how = ("padding", "batch only rows of the same token length, as measured here") \
+                if dependence.kind != BATCH_MATES else ("batch-mates", "give each row a batch of its own")
+            self.warnings.append(f"the eager fp32 model's own rows depend on their {what} ({dependence.detail}): the plan "
+                                 f"records it, and serve and run {how}")
 
         # 1. Each technique alone against the baseline, interleaved: the attribution table. A technique
         # with modes worth searching (compile on CUDA) has a row per variant; its fastest kept one composes.
@@ -450,6 +459,7 @@ class Tuner:
                 "task_metric": plan_m.task_metric,
             },
             environment={"torch": torch.__version__, "device_name": devices.describe(self.device)},
+            batch_dependence=self.workload.batch_dependence.to_dict() if self.workload.batch_dependence else None,
         )
         return TuneResult(rows=rows, plan=plan, baseline=baseline, flops_per_sample=flops, rule=self.rule,
                           warnings=list(dict.fromkeys(self.warnings)), peaks=describe_peaks(self.device))
