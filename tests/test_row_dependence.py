@@ -1,6 +1,7 @@
 """Issue 30's silent wrong answers about rows: a text model whose answer depends on its padding
 (never given rows whose answers would change, in run, serve and optimize's measurements, and
-recorded in the plan), and a non-finite output row (a failed record, never a success)."""
+recorded in the plan), a non-finite output row (a failed record, never a success), and the guard's
+all-padding edge row for plans with dynamic dimensions."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 
 from overdrive.core.measure import make_batches
 from overdrive.run.job import RunConfig, run_offline
-from overdrive.techniques import BatchingPolicy
-from overdrive.tuning.guard import Guard
+from overdrive.techniques import BatchingPolicy, default_config
+from overdrive.tuning.guard import FidelityRule, Guard
 from overdrive.tuning.plan import Plan
 from overdrive.tuning.tuner import Tuner
 from overdrive.workloads.user import build_from_import_path, workload_from_model
@@ -177,3 +178,40 @@ def test_the_ray_predictor_files_a_nan_row_as_failed(tmp_path):
     result = overdrive.ray.Predictor(str(plan), device="cpu")({"input": _ids_with_an_all_padding_record()})
     assert [bool(e) for e in result["error"]] == [i == 5 for i in range(8)] and "non-finite" in result["error"][5]
     assert np.isnan(result["output"][5]).all() and np.isfinite(np.delete(result["output"], 5, axis=0)).all()
+
+
+# -- 3. the guard holds candidates to a row that is all padding ------------------------------------
+
+
+def test_the_edge_probe_finds_nan_for_a_row_that_is_all_padding():
+    from overdrive.tuning.invariance import EdgeProbe
+
+    model, example = row_models.pad_encoder()
+    workload = workload_from_model("pad", model, example)
+    assert workload.dynamic_dims  # ids vary in length: found by calling the model at two sizes
+    probe = EdgeProbe(workload, workload.model, device=CPU, batch_size=4, indices=list(range(8)))
+    rule = FidelityRule(key="min_cosine", floor=0.99)
+    assert probe.check(workload.model, rule=rule) is None
+    nan_model, _ = row_models.nan_on_all_padding()
+    reason = probe.check(nan_model, rule=rule)
+    assert reason and "non-finite" in reason and "all padding" in reason
+
+
+@pytest.mark.slow
+def test_compile_that_turns_an_all_padding_row_into_nan_is_not_kept(tmp_path):
+    """Issue 30: compiled, an nn.TransformerEncoder with a key padding mask answers an all-padding row
+    with NaN where eager answers 0. optimize no longer keeps it; and a plan that holds it anyway files
+    such a record as failed in run."""
+    import overdrive
+
+    model, example = row_models.pad_encoder()
+    result = overdrive.optimize(model, example, techniques=["compile"], min_gain=0, sweep_batch_sizes=[], device="cpu")
+    row = next(r for r in result.rows if r.label == "compile")
+    assert not row.kept and "non-finite" in row.reason and "all padding" in row.reason
+    plan = tmp_path / "plan.json"
+    Plan(workload="tests.fixtures.row_models:pad_encoder", device="cpu", batch_size=8,
+         steps=[default_config("compile")]).save(plan)
+    np.save(tmp_path / "ids.npy", _ids_with_an_all_padding_record())
+    summary = run_offline(RunConfig(workload=None, plan=plan, input=tmp_path / "ids.npy", output=tmp_path / "o.npy",
+                                    device="cpu"))
+    assert summary.failed == 1 and np.isnan(np.load(tmp_path / "o.npy")[5]).all()

@@ -13,7 +13,8 @@ The guard (DESIGN.md's "what every kept technique must pass"):
   for a degenerate reference) and the `Guard`'s budget; a zero budget keeps lossless techniques only.
 - Fidelity is judged on the workload's rows (the user's data or example; the table says when they
   are random rows of the right shape only); a lossy technique must also keep each row's answer
-  independent of its batch-mates (`invariance.InvarianceProbe`).
+  independent of its batch-mates (`invariance.InvarianceProbe`), and with rows of varying sizes every
+  technique must answer a row that is all padding as fp32 does, finite (`invariance.EdgeProbe`).
 - A model whose own answer depends on padding is measured on batches of one length, as serve and run
   give it; its dependence (or one on batch-mates, found by the probe) is recorded in the plan.
 - Speed: a candidate and what it is compared with run interleaved (`measure.compare`) until the
@@ -48,7 +49,7 @@ from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, meas
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
 from overdrive.techniques.registry import compute_dtype, compute_layers, config_to_dict, fallbacks
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
-from overdrive.tuning.invariance import InvarianceProbe, Verdict
+from overdrive.tuning.invariance import EdgeProbe, InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan, build
 
 # A gain whose 99% interval spans more than this ratio (high / low) is flagged as noisy timing.
@@ -152,6 +153,7 @@ class Tuner:
         self.techniques = [get_technique(n).name for n in names]  # KeyError names the unknown one
         self.rule: FidelityRule | None = None
         self.probe: InvarianceProbe | None = None
+        self.edge: EdgeProbe | None = None
         self.warnings: list[str] = []
 
     def _step(self, name: str) -> TechniqueConfig:
@@ -228,7 +230,8 @@ class Tuner:
             verdict = None
             if self.probe is not None and any(not technique_for(s).lossless for s in steps):
                 verdict = self.probe.check(runner.model, rule=self.rule)
-            breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps)
+            breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps) \
+                or (self.edge.check(runner.model, rule=self.rule) if self.edge is not None else None)
             gain = self._compare(reference, runner, decide=breaks is None)
             m = self._figures(judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference),
                               runner, steps, reports)
@@ -331,6 +334,13 @@ class Tuner:
                 if dependence.kind != BATCH_MATES else ("batch-mates", "give each row a batch of its own")
             self.warnings.append(f"the eager fp32 model's own rows depend on their {what} ({dependence.detail}): the plan "
                                  f"records it, and serve and run {how}")
+        if self.workload.dynamic_dims:  # rows of varying sizes: every candidate must also answer a row of padding only
+            try:
+                self.edge = EdgeProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
+                                      indices=self.indices)
+            except Exception as exc:  # noqa: BLE001 - the fp32 model refuses such a row: nothing to hold candidates to
+                self.warnings.append(f"a row that is all padding was not tried: the eager fp32 model fails on it "
+                                     f"({one_line(exc)})")
 
         # 1. Each technique alone against the baseline, interleaved: the attribution table. A technique
         # with modes worth searching (compile on CUDA) has a row per variant; its fastest kept one composes.
