@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from overdrive.core.measure import owned_host_float32, to_device
-from overdrive.core.workload import Workload
+from overdrive.core.errors import one_line
+from overdrive.core.workload import BATCH_MATES, BatchDependence, Workload
 
 OUTLIER_SCALE = 100.0
 MAX_ROWS = 8
@@ -171,6 +172,24 @@ class InvarianceProbe:
         return None
 
 
+    def record_dependence(self, *, rule) -> str | None:
+        """Record on the workload what `model_dependence` finds (as `BATCH_MATES`, unless the workload
+        already knows a dependence: a text model's on padding), so the plan keeps it and serve and run
+        batch by it; returns the warning that names it, or None."""
+        workload = self.workload
+        own = self.model_dependence(rule=rule)
+        if own is not None and workload.batch_dependence is None:
+            workload.batch_dependence = BatchDependence(kind=BATCH_MATES, detail=f"{rule.violation(own[1])} between rows "
+                                                                                 f"alone and batched with other rows and {own[0]}")
+        dependence = workload.batch_dependence
+        if dependence is None:
+            return None
+        what, how = ("batch-mates", "give each row a batch of its own") if dependence.kind == BATCH_MATES else \
+            ("padding", "batch only rows of the same token length, as measured here")
+        return (f"the eager fp32 model's own rows depend on their {what} ({dependence.detail}): the plan records it, and "
+                f"serve and run {how}")
+
+
 def _badness(figures: dict[str, float], rule) -> float:
     """How far `figures` are from passing `rule`'s main figure: larger is worse, NaN worst."""
     value = figures.get(rule.key, float("nan"))
@@ -225,6 +244,17 @@ class EdgeProbe:
         self.finite = torch.isfinite(flat).all(dim=1)
         scale = float(flat[self.finite].abs().max()) if self.finite.any() else 0.0
         self.nonzero = self.finite & (flat.abs().amax(dim=1) > 1e-6 * scale)
+
+    @classmethod
+    def of(cls, workload: Workload, reference_model: nn.Module, **kwargs) -> tuple[EdgeProbe | None, str | None]:
+        """(the probe, None) for a workload with dynamic dimensions; (None, why not) when the fp32 model
+        fails on such a row (nothing to hold candidates to); (None, None) without dynamic dimensions."""
+        if not workload.dynamic_dims:
+            return None, None
+        try:
+            return cls(workload, reference_model, **kwargs), None
+        except Exception as exc:  # noqa: BLE001 - the user's model refuses a row of padding only
+            return None, f"a row that is all padding was not tried: the eager fp32 model fails on it ({one_line(exc)})"
 
     def check(self, model: nn.Module, *, rule) -> str | None:
         """Why the candidate's answers on the edge batch break `rule` (a `guard.FidelityRule`), or None."""

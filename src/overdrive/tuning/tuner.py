@@ -44,7 +44,7 @@ from overdrive.core.measure import (
     judge_outputs,
 )
 from overdrive.core.row_dependence import checked_dependence
-from overdrive.core.workload import BATCH_MATES, BatchDependence, Workload
+from overdrive.core.workload import Workload
 from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
 from overdrive.techniques.registry import compute_dtype, compute_layers, config_to_dict, fallbacks
@@ -323,24 +323,10 @@ class Tuner:
         # The probe judges lossy candidates; the model's own batch dependence is worth knowing whatever is tried.
         self.probe = InvarianceProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
                                      indices=self.indices)
-        own = self.probe.model_dependence(rule=self.rule)
-        if own is not None and self.workload.batch_dependence is None:  # the plan records it: serve and run run rows alone
-            self.workload.batch_dependence = BatchDependence(
-                kind=BATCH_MATES, detail=f"{self.rule.violation(own[1])} between rows alone and batched with other rows "
-                                         f"and {own[0]}")
-        dependence = self.workload.batch_dependence
-        if dependence is not None:
-            what, how = ("padding", "batch only rows of the same token length, as measured here") \
-                if dependence.kind != BATCH_MATES else ("batch-mates", "give each row a batch of its own")
-            self.warnings.append(f"the eager fp32 model's own rows depend on their {what} ({dependence.detail}): the plan "
-                                 f"records it, and serve and run {how}")
-        if self.workload.dynamic_dims:  # rows of varying sizes: every candidate must also answer a row of padding only
-            try:
-                self.edge = EdgeProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
-                                      indices=self.indices)
-            except Exception as exc:  # noqa: BLE001 - the fp32 model refuses such a row: nothing to hold candidates to
-                self.warnings.append(f"a row that is all padding was not tried: the eager fp32 model fails on it "
-                                     f"({one_line(exc)})")
+        # The model's own dependence on batch-mates (the plan records it), and a row of padding only for every candidate.
+        self.edge, edge_warning = EdgeProbe.of(self.workload, base.model, device=self.device, batch_size=self.batch_size,
+                                               indices=self.indices)
+        self.warnings += [w for w in (self.probe.record_dependence(rule=self.rule), edge_warning) if w]
 
         # 1. Each technique alone against the baseline, interleaved: the attribution table. A technique
         # with modes worth searching (compile on CUDA) has a row per variant; its fastest kept one composes.
