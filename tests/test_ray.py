@@ -79,3 +79,21 @@ def test_engine_ray_needs_a_plan(tmp_path, capsys):
     assert cli.main(["run", "minilm", "--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "o.npy"),
                      "--engine", "ray"]) == 2
     assert "give --plan" in capsys.readouterr().err
+
+
+def test_a_record_the_model_answers_with_nan_is_filed_as_failed_on_ray(local_ray, tmp_path):
+    """As `overdrive run` files it (issue 30): a NaN row in the .npy, a line in the errors file, counted as failed."""
+    from overdrive.run.ray_engine import run_on_ray
+    from tests.fixtures.row_models import pad_encoder
+
+    _, example = pad_encoder()
+    ids = example.numpy().copy()
+    ids[5] = 0  # all padding: the model's pooling gives 0 / 0
+    np.save(tmp_path / "ids.npy", ids)
+    plan = tmp_path / "plan.json"
+    Plan(workload="tests.fixtures.row_models:nan_on_all_padding", device="cpu", batch_size=4, steps=[]).save(plan)
+    summary = run_on_ray(plan=plan, input=tmp_path / "ids.npy", output=tmp_path / "o.npy", concurrency=1)
+    errors = [json.loads(line) for line in (tmp_path / "o.npy.errors.jsonl").read_text().splitlines()]
+    assert summary["failed"] == 1 and [e["index"] for e in errors] == [5] and "non-finite" in errors[0]["reason"]
+    rows = np.load(tmp_path / "o.npy")
+    assert np.isnan(rows[5]).all() and np.isfinite(np.delete(rows, 5, axis=0)).all()

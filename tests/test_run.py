@@ -399,13 +399,15 @@ def test_text_field_with_images_is_refused(tmp_path, capsys):
     assert "--text-field applies to .jsonl and .csv input only" in capsys.readouterr().err
 
 
-def test_non_finite_outputs_are_valid_json(tmp_path):
+def test_a_non_finite_output_is_a_failed_record_and_the_json_stays_valid(tmp_path):
     x = np.ones((3, 3, 8, 8), dtype=np.float32)
     x[1] = 3e38  # finite input whose mean overflows to inf
     np.save(tmp_path / "x.npy", x)
     run(tmp_path / "x.npy", tmp_path / "o.jsonl", workload=rgb_means())
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
-    assert rows[1]["output"][0] is None and rows[1]["prediction"] is None and rows[0]["prediction"] == 0
+    assert [r["index"] for r in rows] == [0, 2] and rows[0]["prediction"] == 0
+    errors = [json.loads(line) for line in (tmp_path / "o.jsonl.errors.jsonl").read_text().splitlines()]
+    assert [e["index"] for e in errors] == [1] and "non-finite" in errors[0]["reason"]
 
 
 def test_a_write_failure_is_one_line_and_resumable(tmp_path, capsys, monkeypatch):

@@ -130,9 +130,11 @@ def test_warmup_runs_powers_of_two_and_the_cap_and_times_each():
     assert served.warmup(6, budget_s=0)[0] == []
     text = toy_text_workload()
     served = ServedModel("toy-text", text, [text.model], [torch.device("cpu")])
+    loaded = len(text.model.seen)
     assert served.warmup(12, budget_s=60)[0] == [1, 2, 4, 8, 12]
-    # [0]: the input-limits probe (its ids feed an embedding: core/input_limits.py), [1]: the start-up probe
-    assert text.model.seen[0][0] == len(text.samples) and [rows for rows, _ in text.model.seen[2::2]] == [1, 2, 4, 8, 12]
+    # [0]: the input-limits probe (its ids feed an embedding: core/input_limits.py), then the padding check
+    # (core/row_dependence.py) and the start-up probe
+    assert text.model.seen[0][0] == len(text.samples) and [rows for rows, _ in text.model.seen[loaded::2]] == [1, 2, 4, 8, 12]
 
 
 def test_a_batch_size_the_warm_up_skipped_is_counted_cold_once():

@@ -40,7 +40,7 @@ from torch import nn
 from overdrive.core.devices import synchronize
 from overdrive.core.interference import Contention, LoadMeter, wait_until_idle
 from overdrive.core.timer import Timer
-from overdrive.core.workload import Inputs, Workload
+from overdrive.core.workload import Inputs, Workload, equal_length_batches
 from overdrive.techniques.registry import BatchingPolicy
 
 # Rows per timed pass in `optimize` and `bench`: enough batches for a steady figure, short enough for
@@ -187,11 +187,15 @@ def make_batches(
 ) -> list[Batch]:
     """Cut `indices` into batches in the policy's order, collate and move them to `device`. For a
     model that takes only one batch size, a short last batch is filled up with copies of its first
-    row (as `serve` and `run` do); only its own rows are judged."""
+    row (as `serve` and `run` do); only its own rows are judged. A model whose answer depends on padding
+    gets batches of rows of one length only, as `serve` and `run` give it (`Workload.equal_lengths_only`)."""
     order = policy.order(workload, indices)
     batches = []
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
+    if workload.equal_lengths_only:
+        chunks = equal_length_batches(order, lambda p: workload.sample_length(workload.samples[indices[p]]), batch_size)
+    else:
+        chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    for chunk in chunks:
         rows = [workload.samples[indices[p]] for p in chunk]
         if workload.fixed_batch_size and len(rows) < workload.fixed_batch_size:
             rows += rows[:1] * (workload.fixed_batch_size - len(rows))

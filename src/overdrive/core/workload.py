@@ -20,6 +20,45 @@ ROWS_SOURCES = {
 }
 
 
+PADDING = "padding"  # BatchDependence kinds
+BATCH_MATES = "batch-mates"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchDependence:
+    """How a model's answer for a row depends on the rows batched with it, measured on its fp32 model
+    (`overdrive.core.row_dependence`).
+
+    Attributes:
+        kind: PADDING: a row padded to a longer batch-mate's length gets another answer, and rows of
+            one length may share a batch (none is padded); BATCH_MATES: a row's answer changes beside
+            other rows even where nothing is padded, so each row runs alone.
+        detail: what was measured, e.g. "cosine 0.879 between a row alone and the same row padded
+            next to a longer one".
+    """
+
+    kind: str
+    detail: str
+
+    def __post_init__(self):
+        if self.kind not in (PADDING, BATCH_MATES):
+            raise ValueError(f"BatchDependence.kind {self.kind!r}: expected {PADDING!r} or {BATCH_MATES!r}")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "detail": self.detail}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, str]) -> BatchDependence:
+        return cls(kind=data["kind"], detail=data["detail"])
+
+    def describe(self) -> str:
+        """What run, serve and optimize say about it: the dependence, and how rows are batched for it."""
+        if self.kind == PADDING:
+            return (f"the model's answer for a row depends on its padding ({self.detail}): rows are batched only with "
+                    "rows of the same token length, so none is padded")
+        return f"the model's answer for a row depends on its batch-mates ({self.detail}): each row runs alone"
+
+
 @dataclass(kw_only=True)
 class Workload:
     """A model with the data that measures it.
@@ -53,6 +92,9 @@ class Workload:
             the workload is built). Empty: every row has the example's shape.
         fixed_batch_size: the only batch size the model accepts (e.g. a torch.export program
             exported without a dynamic batch dimension); None when any batch size works.
+        batch_dependence: how the model's answer for a row depends on the rows batched with it, when
+            it does (measured: `overdrive.core.row_dependence`); None when it was found not to, or not
+            checked yet (`row_dependence.checked_dependence`).
         real_weights: False for random weights: speed figures only, no accuracy claims.
         rows_source: where `samples` come from, which says what fidelity on them means (see
             `ROWS_SOURCES`): "samples" (the workload's own real samples), "data" (rows the user
@@ -83,6 +125,7 @@ class Workload:
     output_names: list[str] | None = None
     dynamic_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
     fixed_batch_size: int | None = None
+    batch_dependence: BatchDependence | None = None
     real_weights: bool = True
     rows_source: str = "samples"
     notes: list[str] = field(default_factory=list)
@@ -116,6 +159,11 @@ class Workload:
         return self.sample_length is not None
 
     @property
+    def equal_lengths_only(self) -> bool:
+        """Whether batches may hold only rows of one length (a text model whose answer depends on padding)."""
+        return self.is_text and self.batch_dependence is not None and self.batch_dependence.kind == PADDING
+
+    @property
     def has_conv(self) -> bool:
         return any(isinstance(m, nn.modules.conv._ConvNd) for m in self.model.modules())
 
@@ -140,6 +188,20 @@ class Workload:
         labels = self.labels if indices is None else self.labels[list(indices)]
         correct = (output.argmax(dim=-1).cpu() == labels).float().mean().item()
         return {"accuracy_pct": 100.0 * correct}
+
+
+def equal_length_batches(order: Sequence[int], length: Callable[[int], int], batch_size: int) -> list[list[int]]:
+    """`order` cut into batches of at most `batch_size` whose rows all have one `length(row)`, so that
+    collating a batch pads none of them: longest first, ties in `order`'s order."""
+    batches: list[list[int]] = []
+    last = None
+    for row, n in sorted(((row, length(row)) for row in order), key=lambda pair: -pair[1]):
+        if batches and n == last and len(batches[-1]) < batch_size:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+        last = n
+    return batches
 
 
 def row_size_problem(dims: dict[int, tuple[int, ...]], row: tuple[torch.Tensor, ...],

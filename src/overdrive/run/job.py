@@ -21,10 +21,14 @@ Invariants:
 - Every input index gets exactly one row: an output, or a line in the errors file (a record
   that cannot be read or decoded, or whose inputs are outside what the model takes: an id past
   an embedding's rows, a NaN; `overdrive.core.input_limits`, checked in the reader so such a
-  record never reaches the model); none is duplicated or lost. Outputs are keyed by input index
+  record never reaches the model), or that the model answered with NaN or an infinity (its `.npy`
+  row stays NaN); none is duplicated or lost. Outputs are keyed by input index
   and written in input order whatever the bucketing and the number of workers or replicas.
 - One process writes an output at a time: `OUTPUT.parts/` is claimed and flock-ed before the
   model is built (`overdrive.run.resume`), and a second run into it is refused.
+- A row's answer does not depend on its batch-mates: a text model whose answer depends on padding
+  gets batches of records of one token count only, and a model whose rows depend on their
+  batch-mates runs one record per batch (`Workload.batch_dependence`, a plan's record or measured).
 - On CPU the same code path runs without streams or pinned memory (copies are no-ops).
 
 Timing: on CUDA, copies and compute are timed with CUDA events on their streams; the device
@@ -49,7 +53,8 @@ from overdrive.core.devices import replica_devices, resolve_device, serial_main_
 from overdrive.core.errors import ConfigError, DataError, OverdriveError, RunAborted, arg, one_line
 from overdrive.core.input_limits import workload_input_limits
 from overdrive.core.measure import compiled_graphs
-from overdrive.core.workload import Workload
+from overdrive.core.row_dependence import checked_dependence
+from overdrive.core.workload import BATCH_MATES, Workload
 from overdrive.run.inputs import RecordSource, open_source
 from overdrive.run.tensor_sources import input_names
 from overdrive.run.outputs import OutputChunk, write_output
@@ -215,6 +220,8 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
         replicas = [Replica(m, d, workload.fixed_batch_size, max(1, cores // on_cpu) if d.type == "cpu" else None)
                     for m, d in zip(models, devices)]
         limits = replicas[0].in_own_thread(workload_input_limits, workload)  # one call of the fp32 model, off the main thread
+        # whether a row's answer depends on its batch-mates: the plan's record, or measured (text); rows are batched by it
+        replicas[0].in_own_thread(checked_dependence, workload, plan.batch_dependence if plan else None)
         padded = functools.partial(pad_records, workload.dynamic_dims, max_size=workload.extra.get("max_dynamic_size")) \
             if workload.dynamic_dims else None
         names = [f"input {n!r}" for n in input_names(workload)] if source.kind == "tensor" else None
@@ -292,7 +299,8 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
     graphs_before = compiled_graphs()
     if pending:
         _execute(run, source, collate, batch_size, chunk_size, config.bucket, num_workers, devices[0].type == "cuda",
-                 text_lengths(workload) if source.kind == "text" else None)
+                 text_lengths(workload) if source.kind == "text" else None,
+                 equal_lengths=workload.equal_lengths_only and source.kind == "text")
     wall = time.perf_counter() - start
     start = time.perf_counter()
     try:
@@ -306,6 +314,8 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
     warnings = _slower_than_the_plan(plan, run.processed, run.clock.phases["compute"], batch_size, compiled)
     if workload.extra.get("weights_differ_from_plan"):
         warnings.insert(0, workload.extra["weights_differ_from_plan"])
+    if workload.batch_dependence is not None:
+        warnings.insert(0, workload.batch_dependence.describe())
     return RunSummary(
         output=str(config.output), errors_path=str(errors_file(config.output)) if failed else None,
         records=len(source), done_before=done_before, processed=run.processed, failed=failed, wall_s=wall,
@@ -342,6 +352,14 @@ def probe_answer(replica: Replica, values: list, collate: Collate) -> dict[str, 
 
 
 def _choose_batch_size(config, workload, plan, replica, values, collate, records, say, auto) -> tuple[int, str]:
+    dependence = workload.batch_dependence
+    if dependence is not None and dependence.kind == BATCH_MATES:  # only a batch of one row gives a row its own answer
+        asked = isinstance(config.batch_size, int) and config.batch_size > 1
+        if asked or (workload.fixed_batch_size or 1) > 1:
+            what = arg("batch_size", config.batch_size) if asked else f"the model's fixed batch size {workload.fixed_batch_size}"
+            raise ConfigError(f"{what} would change the answers: the model's answer for a row depends on its batch-mates "
+                              f"({dependence.detail}), so rows must run one at a time ({arg('batch_size', 1)})")
+        return 1, "one row per batch (the model's rows depend on their batch-mates)"
     if config.batch_size == "auto":
         if workload.fixed_batch_size:
             return workload.fixed_batch_size, "the model's fixed batch size"

@@ -3,9 +3,10 @@ datasets larger than one machine.
 
 `Predictor` is the callable class Ray Data's `map_batches` wants (one model per actor, built once
 in `__init__`): each block is cut into batches of the plan's batch size, text sorted by token
-count inside the block (length bucketing), records collated, checked and refused as `overdrive
-run` does (an `error` column says why; their `output` rows are NaN), the model called, and rows
-returned in the block's order:
+count inside the block (length bucketing; of one token count only for a model whose answer depends
+on padding), records collated, checked and refused as `overdrive run` does (an `error` column says
+why; their `output` rows are NaN, as are those the model answered with a non-finite value), the
+model called, and rows returned in the block's order:
 
     import ray, overdrive.ray
     ds = ray.data.from_items([{"text": s} for s in sentences])
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from overdrive.core.errors import ConfigError, DataError, arg
+from overdrive.core.workload import BATCH_MATES
 
 BLOCK_ROWS = 1024  # records per Ray block handed to one actor call
 
@@ -52,6 +54,7 @@ class Predictor:
 
     def __init__(self, plan: str | Path, *, device: str = "auto", threads: int | None = None):
         from overdrive.core.input_limits import workload_input_limits
+        from overdrive.core.row_dependence import checked_dependence
         from overdrive.run.replica import Collate, Replica, pad_records, text_lengths
         from overdrive.run.tensor_sources import input_names
         from overdrive.tuning.plan import build, load_plan
@@ -61,7 +64,9 @@ class Predictor:
         loaded, resolved, _ = load_plan(plan, device=device)
         workload = loaded.create_workload()
         model, _ = build(workload, loaded.steps, resolved)
-        self.batch_size = loaded.batch_size
+        dependence = checked_dependence(workload)  # the plan's record (Plan.create_workload), or measured for text
+        self.batch_size = 1 if dependence is not None and dependence.kind == BATCH_MATES else loaded.batch_size
+        self.equal_lengths = workload.equal_lengths_only
         self.text = workload.is_text
         self.names = None if self.text else input_names(workload)
         self.replica = Replica(model, resolved, workload.fixed_batch_size, threads)
@@ -88,23 +93,30 @@ class Predictor:
         return values, list(self.names)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
-        from overdrive.run.threads import normalize_rows
+        from overdrive.core.workload import equal_length_batches
+        from overdrive.run.threads import nonfinite_rows, normalize_rows
 
         values, used = self._values(batch)
         n = len(values)
         order = list(range(n))
-        if self.lengths is not None:  # length bucketing inside the block: longest first, ties by position
-            counts = self.lengths(values)
+        counts = self.lengths(values) if self.lengths is not None else None
+        if counts is not None:  # length bucketing inside the block: longest first, ties by position
             order.sort(key=lambda i: (-counts[i], i))
+        if counts is not None and self.equal_lengths:  # none padded: the model's answer depends on it
+            chunks = equal_length_batches(order, counts.__getitem__, self.batch_size)
+        else:
+            chunks = [order[start:start + self.batch_size] for start in range(0, n, self.batch_size)]
         outputs, errors = None, [""] * n
-        for start in range(0, n, self.batch_size):
-            chunk = order[start:start + self.batch_size]
+        for chunk in chunks:
             host = self.collate([(i, values[i], False, 0.0) for i in chunk])
             for i, why in host.errors:
                 errors[i] = why
             if host.inputs is None:
                 continue
             rows = self.replica.outputs(host.inputs).numpy()
+            for r, why in nonfinite_rows(rows):  # a failed record, as `overdrive run` files it
+                errors[host.indices[r]] = why
+                rows[r] = np.nan
             rows = normalize_rows(rows) if self.normalize else rows
             if outputs is None:
                 outputs = np.full((n, *rows.shape[1:]), np.nan, dtype=np.float32)

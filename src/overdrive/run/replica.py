@@ -25,7 +25,7 @@ from overdrive.core.errors import one_line
 from overdrive.core.input_limits import InputLimits
 from overdrive.core.measure import owned_host_float32
 from overdrive.core.timer import Timer
-from overdrive.core.workload import Workload, pad_stack
+from overdrive.core.workload import Workload, equal_length_batches, pad_stack
 from overdrive.run.inputs import RecordError, RecordSource
 
 AUTO_GAIN = 1.05  # batch_size "auto" doubles while items/s rises by at least 5%
@@ -131,16 +131,19 @@ class Collate:
 
 
 def chunk_batches(source: RecordSource, chunk: int, chunk_size: int, batch_size: int, bucket: bool,
-                  lengths: Callable[[list[str]], list[int]] | None = None) -> list[list[int]]:
+                  lengths: Callable[[list[str]], list[int]] | None = None, *,
+                  equal_lengths: bool = False) -> list[list[int]]:
     """The batches of chunk `chunk`: lists of input indices. Text is sorted by length (longest
     first, ties by index) when `bucket`, so each batch pads to similar lengths; otherwise input order.
+    With `equal_lengths` (a model whose answer depends on padding), text batches hold records of one
+    token count only, whatever `bucket` says, so none is padded (`equal_length_batches`).
 
     Args:
         lengths: texts -> token counts (`text_lengths`); None: the source's cheap hint (characters).
     """
     start, stop = chunk * chunk_size, min(len(source), (chunk + 1) * chunk_size)
     order = list(range(start, stop))
-    if bucket and source.kind == "text":
+    if (bucket or equal_lengths) and source.kind == "text":
         if lengths is None:
             hints = source.length_hints(order)
         else:
@@ -151,6 +154,9 @@ def chunk_batches(source: RecordSource, chunk: int, chunk_size: int, batch_size:
                 except RecordError:
                     texts.append("")  # it fails again in the reader, which files it
             hints = lengths(texts)
+        if equal_lengths:
+            count = dict(zip(order, hints))
+            return equal_length_batches(order, count.__getitem__, batch_size)
         order = [i for _, i in sorted(zip(hints, order), key=lambda p: (-p[0], p[1]))]
     return [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
 

@@ -142,16 +142,21 @@ class _Run:
         size = min(len(self.source), first + self.chunk_size) - first
         buf = buffers.setdefault(k, {"outputs": np.full((size, *self.row_shape), np.nan, dtype=np.float32),
                                      "errors": [], "left": size})
+        errors = batch.errors
         if result.output is not None:
             rows = result.output.numpy()
+            nonfinite = nonfinite_rows(rows)
+            if nonfinite:  # failed records: a NaN row in .npy, a line in the errors file, counted in "failed"
+                rows[[r for r, _ in nonfinite]] = np.nan
+                errors = sorted(errors + [(batch.indices[r], why) for r, why in nonfinite])
             if self.normalize:
                 rows = normalize_rows(rows)
             buf["outputs"][np.asarray(batch.indices) - first] = rows
-        buf["errors"].extend(batch.errors)
-        if batch.errors and (self.first_error is None or batch.errors[0][0] < self.first_error[0]):
-            self.first_error = batch.errors[0]
+        buf["errors"].extend(errors)
+        if errors and (self.first_error is None or errors[0][0] < self.first_error[0]):
+            self.first_error = errors[0]
         buf["left"] -= len(batch.indices) + len(batch.errors)
-        self.failed += len(batch.errors)
+        self.failed += len(errors)
         self.processed += len(batch.indices) + len(batch.errors)
         if buf["left"] == 0:
             self.parts.write_chunk(k, buf.pop("outputs"), sorted(buf["errors"]))
@@ -201,10 +206,11 @@ def crash_after(batches: int):
         _crash_after_batches = None
 
 
-def _execute(run: _Run, source, collate, batch_size, chunk_size, bucket, num_workers, cuda, lengths) -> None:
+def _execute(run: _Run, source, collate, batch_size, chunk_size, bucket, num_workers, cuda, lengths, *,
+             equal_lengths: bool = False) -> None:
     def batches() -> Iterator[list[int]]:
         for k in run.pending:
-            yield from chunk_batches(source, k, chunk_size, batch_size, bucket, lengths)
+            yield from chunk_batches(source, k, chunk_size, batch_size, bucket, lengths, equal_lengths=equal_lengths)
 
     loader = torch.utils.data.DataLoader(
         RecordDataset(source), batch_sampler=batches(), collate_fn=collate, num_workers=num_workers,
@@ -235,6 +241,14 @@ def _execute(run: _Run, source, collate, batch_size, chunk_size, bucket, num_wor
 
 def _records(n: int) -> str:
     return f"{n} record" + ("" if n == 1 else "s")
+
+
+def nonfinite_rows(rows: np.ndarray) -> list[tuple[int, str]]:
+    """The rows of a model's output [B, ...] that hold NaN or an infinity, each with the reason its
+    record failed (no finite answer is there to write; `serve` answers such a request with a 500)."""
+    counts = (~np.isfinite(rows.reshape(len(rows), -1))).sum(axis=1)
+    return [(int(r), f"the model gave {int(counts[r])} non-finite output value(s) (NaN/inf) for this record")
+            for r in np.flatnonzero(counts)]
 
 
 def normalize_rows(rows: np.ndarray) -> np.ndarray:

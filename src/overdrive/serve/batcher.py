@@ -12,7 +12,8 @@ Invariant (what every caller may rely on):
   and arrival rate); with `fixed` it waits the whole delay unless it fills.
 - Batches are formed around the oldest waiting request (so none starves). With a `length`
   function (variable-length inputs), only requests of its length bucket join it (lengths
-  within a factor of two), so no row is padded to more than twice its length (of the policies
+  within a factor of two; one length where `bucket` says so: a model whose answer depends on
+  padding), so no row is padded to more than twice its length (of the policies
   measured on MiniLM, one bucket per batch served the most requests: benchmarks/RESULTS.md,
   serve_cpu 2026-12-01 morning).
 - Each request gets back exactly its own rows' outputs, in its own row order (the model's
@@ -154,6 +155,8 @@ class DynamicBatcher:
         instances: model threads; batch i runs on whichever instance is free.
         length: row length of a payload (the longest row), for length bucketing; None for
             fixed-shape inputs (one bucket).
+        bucket: a length's bucket (`length_bucket`: lengths within a factor of two share one; the
+            length itself for a model whose answer depends on padding, so batches hold one length).
         metrics: observer of batch sizes, queue times, depth and rejections.
         policy: "fixed" (wait up to `max_queue_delay_s` for a full batch, as Triton does) or
             "adaptive" (wait only while it is expected to pay, `max_queue_delay_s` the cap).
@@ -163,7 +166,8 @@ class DynamicBatcher:
     """
 
     def __init__(self, model: BatchModel, *, max_batch_size: int, max_queue_delay_s: float, max_queue_size: int,
-                 instances: int = 1, length=None, metrics: BatcherMetrics | None = None, policy: str = FIXED):
+                 instances: int = 1, length=None, metrics: BatcherMetrics | None = None, policy: str = FIXED,
+                 bucket: Callable[[int], int] | None = None):
         if max_batch_size < 1 or instances < 1 or max_queue_size < 1:
             raise ValueError("max_batch_size, instances and max_queue_size must be ≥ 1")
         if not 0 <= max_queue_delay_s < math.inf:
@@ -179,6 +183,7 @@ class DynamicBatcher:
         self.max_queue_size = max_queue_size
         self.instances = instances
         self.length = length
+        self.bucket = bucket or length_bucket
         self.metrics = metrics or _NoMetrics()
         self.queued_rows = 0
         self.in_flight = 0  # admitted requests not yet answered
@@ -232,7 +237,7 @@ class DynamicBatcher:
     def observe(self, rows: int, seconds: float, length: int | None = None) -> None:
         """A measured batch of `rows` rows (of row length `length`, for text) that took `seconds`:
         seeds the adaptive policy's cost curve (the server passes its warm-up timings)."""
-        self.curve.observe(length_bucket(length) if self.length is not None and length else 0, rows, seconds)
+        self.curve.observe(self.bucket(length) if self.length is not None and length else 0, rows, seconds)
 
     # -- the request side ---------------------------------------------------------------------
 
@@ -298,7 +303,7 @@ class DynamicBatcher:
                            results=[None] * len(chunks), remaining=len(chunks))
         for i, (start, stop) in enumerate(chunks):
             part = payload if len(chunks) == 1 else self.model.slice(payload, start, stop)
-            bucket = length_bucket(self.length(part)) if self.length is not None else 0
+            bucket = self.bucket(self.length(part)) if self.length is not None else 0
             entry = _Entry(request=request, chunk=i, payload=part, rows=stop - start, bucket=bucket, arrived=now,
                            seq=next(self._seq))
             request.entries.append(entry)

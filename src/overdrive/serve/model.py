@@ -9,6 +9,12 @@ the workload's dtype, -1 where sizes vary from row to row (`Workload.dynamic_dim
 per batch). Output: `output`, FP32 [N, *output row shape]; a model with several outputs
 (`Workload.output_names`) answers each by its name, FP32 [N, its numbers per row].
 
+A model whose answer for a row depends on the rows batched with it (`Workload.batch_dependence`: a
+plan's record, or measured for a text model) is never given rows whose answers would change: text
+rows of different token counts in one batch run as separate calls of one length each (no row is
+padded; the batcher also buckets by exact length then), and a model whose rows depend on their
+batch-mates runs each row alone. The server says so when it loads the model.
+
 Validation (HTTP 400, before a request joins a batch): names, datatypes and shapes, then the
 values against `overdrive.core.input_limits`: an integer input that the model looks up in an
 embedding must hold ids within its rows (text: the tokenized ids, when the tokenizer can give
@@ -27,7 +33,8 @@ from torch import nn
 
 from overdrive.core.input_limits import InputLimits, workload_input_limits
 from overdrive.core.measure import compiled_graphs, owned_host_float32, to_device
-from overdrive.core.workload import Workload, pad_stack, row_size_problem
+from overdrive.core.row_dependence import checked_dependence
+from overdrive.core.workload import BATCH_MATES, Workload, pad_stack, row_size_problem
 from overdrive.run.replica import text_lengths
 from overdrive.serve.protocol import DATATYPES, InferRequest, Tensor, datatype_of
 
@@ -114,6 +121,9 @@ class ServedModel:
         # model: a bad value gets a 400 here instead of reaching compiled code, which can abort the process.
         self.limits = workload_input_limits(workload)
         self._check_text_ids = workload.is_text and bool(self.limits.ranges) and not _tokenizer_fits(workload, self.limits)
+        self.dependence = checked_dependence(workload)  # a plan's record, or measured now for text
+        if self.dependence is not None:
+            log.warning("%s: %s", name, self.dependence.describe())
         probe = self.execute([self._example()], 0)[0]  # also warms every instance up below
         for i in range(1, len(models)):
             self.execute([self._example()], i)
@@ -304,22 +314,57 @@ class ServedModel:
         sizes = [self.rows(p) for p in payloads]
         if isinstance(payloads[0], TextPayload):
             texts = [t for p in payloads for t in p.texts]
-            pad = (self.fixed_batch_size or len(texts)) - len(texts)
-            inputs = self.workload.collate(texts + texts[:1] * pad)
+            groups = self._groups([n for p in payloads for n in p.lengths])
+
+            def inputs_of(group: list[int]) -> tuple:
+                return self._text_inputs([texts[i] for i in group])
         else:
             inputs = self.concat_payloads(payloads)
-            pad = (self.fixed_batch_size or inputs[0].shape[0]) - inputs[0].shape[0]
-            if pad > 0:
-                inputs = tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in inputs)
+            groups = self._groups([0] * inputs[0].shape[0])
+
+            def inputs_of(group: list[int]) -> tuple:
+                return inputs if len(groups) == 1 else tuple(t[group] for t in inputs)
+        if len(groups) == 1:
+            output = self._call(model, device, inputs_of(groups[0]), sum(sizes))
+        else:  # rows that may not share a call: one call per group, the rows put back in order
+            parts = [self._call(model, device, inputs_of(group), len(group)) for group in groups]
+            output = np.empty((sum(sizes), *parts[0].shape[1:]), dtype=np.float32)
+            for group, part in zip(groups, parts):
+                output[group] = part
+        return np.split(output, np.cumsum(sizes)[:-1])
+
+    def _groups(self, lengths: list[int]) -> list[list[int]]:
+        """The rows of a batch (by their token counts) that may share a model call: all of them, or those of
+        one length each for a model whose answer depends on padding, or each alone where it depends on
+        its batch-mates."""
+        if self.dependence is not None and self.dependence.kind == BATCH_MATES:
+            return [[i] for i in range(len(lengths))]
+        if self.workload.equal_lengths_only:
+            groups: dict[int, list[int]] = {}
+            for i, n in enumerate(lengths):
+                groups.setdefault(n, []).append(i)
+            return list(groups.values())
+        return [list(range(len(lengths)))]
+
+    def _text_inputs(self, texts: list[str]) -> tuple:
+        """Texts collated (tokenized, padded to the longest with masks), filled up with copies of the
+        first for a model that takes one batch size only."""
+        return self.workload.collate(texts + texts[:1] * ((self.fixed_batch_size or len(texts)) - len(texts)))
+
+    def _call(self, model: nn.Module, device: torch.device, inputs: tuple, rows: int) -> np.ndarray:
+        """One model call on `inputs` holding `rows` rows (a model that takes one batch size gets them filled up
+        with copies of the first): the float32 output of those rows [rows, ...], owned."""
+        pad = (self.fixed_batch_size or inputs[0].shape[0]) - inputs[0].shape[0]
+        if pad > 0:
+            inputs = tuple(torch.cat([t, t[:1].expand(pad, *t.shape[1:])]) for t in inputs)
         output = model(*to_device(inputs, device))
         self._check_recompiles(inputs)
-        rows = inputs[0].shape[0]
-        if self._graphs_seen is not None and rows not in self._warm_sizes:  # warm from now on
-            self._warm_sizes.add(rows)
+        size = inputs[0].shape[0]
+        if self._graphs_seen is not None and size not in self._warm_sizes:  # warm from now on
+            self._warm_sizes.add(size)
             if self.on_cold_batch is not None:
                 self.on_cold_batch()
-        if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != sum(sizes) + max(pad, 0):
+        if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != size:
             shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-            raise ValueError(f"the model returned {shape} for a batch of {sum(sizes)} rows; expected [rows, ...]")
-        output = owned_host_float32(output[: sum(sizes)]).numpy()  # responses are encoded after the next call
-        return np.split(output, np.cumsum(sizes)[:-1])
+            raise ValueError(f"the model returned {shape} for a batch of {rows} rows; expected [rows, ...]")
+        return owned_host_float32(output[:rows]).numpy()  # responses are encoded after the next call

@@ -139,6 +139,8 @@ def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, 
                              + (f"; warming up (ready within {warmup_s:g} s)\n" if warmup_s else "\n"))
             if slot.served.workload.extra.get("weights_differ_from_plan"):
                 sys.stderr.write(f"overdrive serve: warning: {slot.served.workload.extra['weights_differ_from_plan']}\n")
+            if slot.served.dependence is not None:  # how its batches are formed so that no row's answer changes
+                sys.stderr.write(f"overdrive serve: {name}: {slot.served.dependence.describe()}\n")
         sys.stderr.flush()
 
     return run_server(server, host=host, port=port, access_log=access_log, on_started=started)

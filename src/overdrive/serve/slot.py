@@ -95,7 +95,8 @@ class ModelSlot:
         self.batcher = DynamicBatcher(
             served, max_batch_size=c.max_batch_size, max_queue_delay_s=c.max_queue_delay_ms / 1e3,
             max_queue_size=c.max_queue_size, instances=c.instances, policy=c.batching,
-            length=served.length if served.workload.is_text else None, metrics=self.metrics)
+            length=served.length if served.workload.is_text else None, metrics=self.metrics,
+            bucket=(lambda length: length) if served.workload.equal_lengths_only else None)  # then none is padded
         self.batcher.start()
         self.state, self.reason = LOADING, "warming up"
         self._warmup = asyncio.get_running_loop().create_task(self._warm_up())

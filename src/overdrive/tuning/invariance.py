@@ -13,6 +13,11 @@ model in the same context:
   token inputs, the longest real sample).
 
 The outlier row itself is not judged: an outlier may lose precision; its batch-mates must not.
+
+Rows of varying sizes (`Workload.dynamic_dims`) have an edge the evaluation rows rarely hold: a row
+that is all padding. `EdgeProbe` batches one with the longest real rows, and every candidate, lossless
+or not, must answer it with finite values where the eager fp32 model does, and keep the batch within
+the budget.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch
 from torch import nn
 
 from overdrive.core.measure import owned_host_float32, to_device
-from overdrive.core.workload import Workload
+from overdrive.core.errors import one_line
+from overdrive.core.workload import BATCH_MATES, BatchDependence, Workload
 
 OUTLIER_SCALE = 100.0
 MAX_ROWS = 8
@@ -166,9 +172,103 @@ class InvarianceProbe:
         return None
 
 
+    def record_dependence(self, *, rule) -> str | None:
+        """Record on the workload what `model_dependence` finds (as `BATCH_MATES`, unless the workload
+        already knows a dependence: a text model's on padding), so the plan keeps it and serve and run
+        batch by it; returns the warning that names it, or None."""
+        workload = self.workload
+        own = self.model_dependence(rule=rule)
+        if own is not None and workload.batch_dependence is None:
+            workload.batch_dependence = BatchDependence(kind=BATCH_MATES, detail=f"{rule.violation(own[1])} between rows "
+                                                                                 f"alone and batched with other rows and {own[0]}")
+        dependence = workload.batch_dependence
+        if dependence is None:
+            return None
+        what, how = ("batch-mates", "give each row a batch of its own") if dependence.kind == BATCH_MATES else \
+            ("padding", "batch only rows of the same token length, as measured here")
+        return (f"the eager fp32 model's own rows depend on their {what} ({dependence.detail}): the plan records it, and "
+                f"serve and run {how}")
+
+
 def _badness(figures: dict[str, float], rule) -> float:
     """How far `figures` are from passing `rule`'s main figure: larger is worse, NaN worst."""
     value = figures.get(rule.key, float("nan"))
     if value != value:
         return float("inf")
     return value if rule.degenerate else -value
+
+
+# -- the edge of padding ---------------------------------------------------------------------------
+
+
+def all_padding_sample(workload: Workload, index: int):
+    """Sample `index` with every input that varies in size (`Workload.dynamic_dims`) cut to size 1 there
+    and zeroed: a row that is all padding (zero is what `pad_stack` pads with, checked to leave the answers
+    unchanged), which a key padding mask turns into attention over no key at all."""
+    columns = []
+    for i, column in enumerate(_columns(workload.samples[index])):
+        dims = workload.dynamic_dims.get(i, ())
+        if dims and isinstance(column, torch.Tensor):
+            column = column.new_zeros([1 if d + 1 in dims else n for d, n in enumerate(column.shape)])
+        columns.append(column)
+    return _rebuilt(workload.samples[index], columns)
+
+
+class EdgeProbe:
+    """A row that is all padding (`all_padding_sample`) batched with the longest real rows, run by the eager
+    fp32 model once; every candidate runs the same batch. A plan with dynamic dimensions meets such rows in
+    `run` and `serve` (a compiled `nn.TransformerEncoder` with a key padding mask answers one with NaN where
+    eager answers 0, issue 30), and the evaluation rows rarely hold one.
+
+    Args:
+        workload: with `dynamic_dims`.
+        reference_model: the eager fp32 model, on `device`.
+        device, batch_size, indices: as `InvarianceProbe`'s.
+    """
+
+    description = "a row that is all padding, batched with the longest rows"
+
+    def __init__(self, workload: Workload, reference_model: nn.Module, *, device: torch.device, batch_size: int,
+                 indices: list[int]):
+        distinct = list(dict.fromkeys(indices))
+        size = workload.fixed_batch_size or max(2, batch_size)
+        longest = sorted(distinct, key=lambda i: -sum(c.numel() for c in _columns(workload.samples[i])
+                                                      if isinstance(c, torch.Tensor)))
+        mates = [workload.samples[longest[j % len(longest)]] for j in range(size - 1)]
+        self.workload = workload
+        self.inputs = to_device(workload.collate([all_padding_sample(workload, longest[0]), *mates]), device)
+        with torch.no_grad():
+            self.reference = owned_host_float32(reference_model(*self.inputs))
+        flat = self.reference.reshape(len(self.reference), -1)
+        # judged: rows the fp32 model answers with finite values; cosine only where its answer is not ~0
+        self.finite = torch.isfinite(flat).all(dim=1)
+        scale = float(flat[self.finite].abs().max()) if self.finite.any() else 0.0
+        self.nonzero = self.finite & (flat.abs().amax(dim=1) > 1e-6 * scale)
+
+    @classmethod
+    def of(cls, workload: Workload, reference_model: nn.Module, **kwargs) -> tuple[EdgeProbe | None, str | None]:
+        """(the probe, None) for a workload with dynamic dimensions; (None, why not) when the fp32 model
+        fails on such a row (nothing to hold candidates to); (None, None) without dynamic dimensions."""
+        if not workload.dynamic_dims:
+            return None, None
+        try:
+            return cls(workload, reference_model, **kwargs), None
+        except Exception as exc:  # noqa: BLE001 - the user's model refuses a row of padding only
+            return None, f"a row that is all padding was not tried: the eager fp32 model fails on it ({one_line(exc)})"
+
+    def check(self, model: nn.Module, *, rule) -> str | None:
+        """Why the candidate's answers on the edge batch break `rule` (a `guard.FidelityRule`), or None."""
+        with torch.no_grad():
+            out = owned_host_float32(model(*self.inputs))
+        flat = out.reshape(len(out), -1)
+        bad = int((~torch.isfinite(flat[self.finite])).sum())
+        if bad:
+            return f"{bad} non-finite output values for {self.description}, where fp32 gives finite ones"
+        judged = self.nonzero if not rule.degenerate else self.finite
+        if not judged.any():
+            return None
+        ref = self.reference[judged]
+        figures = {} if rule.degenerate else dict(self.workload.fidelity(out[judged], ref))
+        figures["max_abs_error"] = float((out[judged] - ref).abs().max())
+        broken = rule.violation(figures)
+        return f"{broken} for {self.description}" if broken else None

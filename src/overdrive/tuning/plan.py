@@ -93,6 +93,8 @@ class Plan:
         dynamic_dims: {input name (or index): dims} whose size varies from row to row, or None.
         model_sha256: the fingerprint of the fp32 weights it was measured with
             (`overdrive.run.resume.weights_fingerprint`), to tell when a rebuild differs.
+        batch_dependence: how the fp32 model's answer for a row depends on the rows batched with it
+            (`core.workload.BatchDependence.to_dict`), as optimize found it; `run` and `serve` batch by it.
     """
 
     workload: str
@@ -105,6 +107,7 @@ class Plan:
     weights: str | None = None
     dynamic_dims: dict[str, list[int]] | None = None
     model_sha256: str | None = None
+    batch_dependence: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -119,6 +122,7 @@ class Plan:
             **({"weights": self.weights} if self.weights else {}),
             **({"dynamic_dims": self.dynamic_dims} if self.dynamic_dims else {}),
             **({"model_sha256": self.model_sha256} if self.model_sha256 else {}),
+            **({"batch_dependence": self.batch_dependence} if self.batch_dependence else {}),
         }
 
     @classmethod
@@ -143,6 +147,7 @@ class Plan:
             weights=data.get("weights"),
             dynamic_dims=data.get("dynamic_dims"),
             model_sha256=data.get("model_sha256"),
+            batch_dependence=data.get("batch_dependence"),
         )
 
     def save(self, path: Path) -> None:
@@ -204,13 +209,14 @@ class Plan:
 
     def create_workload(self) -> Workload:
         """The workload the plan was made for, rebuilt from its spec, with the weights it was made
-        with (`--weights`); a TorchScript file, which stores no input shape, gets the row shape and
-        dtype the plan was measured with.
+        with (`--weights`) and the batch dependence optimize found; a TorchScript file, which stores no
+        input shape, gets the row shape and dtype the plan was measured with.
 
         Raises:
             WorkloadError: as `overdrive.workloads.create_workload`.
             ConfigError: the plan's weights are gone or no longer fit.
         """
+        from overdrive.core.row_dependence import checked_dependence
         from overdrive.run.resume import weights_fingerprint
         from overdrive.workloads import create_workload
         from overdrive.workloads.user import archive_kind
@@ -223,6 +229,8 @@ class Plan:
         else:
             workload = create_workload(self.workload, dynamic_dims=self.dynamic_dims)
         workload = load_weights(workload, self.weights) if self.weights else workload
+        if self.batch_dependence:  # what optimize found: run and serve batch by it without measuring again
+            checked_dependence(workload, self.batch_dependence)
         if self.model_sha256 and weights_fingerprint(workload.model) != self.model_sha256:
             message = ("the model's weights differ from those optimize measured for this plan (a factory that initialises "
                        "without a seed, or a changed model file or --weights?): its speedup and fidelity were measured on "

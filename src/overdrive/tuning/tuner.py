@@ -13,7 +13,10 @@ The guard (DESIGN.md's "what every kept technique must pass"):
   for a degenerate reference) and the `Guard`'s budget; a zero budget keeps lossless techniques only.
 - Fidelity is judged on the workload's rows (the user's data or example; the table says when they
   are random rows of the right shape only); a lossy technique must also keep each row's answer
-  independent of its batch-mates (`invariance.InvarianceProbe`).
+  independent of its batch-mates (`invariance.InvarianceProbe`), and with rows of varying sizes every
+  technique must answer a row that is all padding as fp32 does, finite (`invariance.EdgeProbe`).
+- A model whose own answer depends on padding is measured on batches of one length, as serve and run
+  give it; its dependence (or one on batch-mates, found by the probe) is recorded in the plan.
 - Speed: a candidate and what it is compared with run interleaved (`measure.compare`) until the
   99% confidence interval of the gain decides; a step is kept only when the interval's low end
   clears `Guard.min_gain`. The table shows the interval; noisy timing is named in `warnings`.
@@ -42,12 +45,13 @@ from overdrive.core.measure import (
     cycle_indices,
     judge_outputs,
 )
+from overdrive.core.row_dependence import checked_dependence
 from overdrive.core.workload import Workload
 from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
 from overdrive.techniques.registry import compute_dtype, compute_layers, config_to_dict, fallbacks
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
-from overdrive.tuning.invariance import InvarianceProbe, Verdict
+from overdrive.tuning.invariance import EdgeProbe, InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan, build
 
 NOISY_PASSES = 1.25  # p90 / p50 of the baseline's clean pass times: a machine busy in ways the OS did not show
@@ -149,6 +153,7 @@ class Tuner:
         self.techniques = [get_technique(n).name for n in names]  # KeyError names the unknown one
         self.rule: FidelityRule | None = None
         self.probe: InvarianceProbe | None = None
+        self.edge: EdgeProbe | None = None
         self.warnings: list[str] = []
 
     def _step(self, name: str) -> TechniqueConfig:
@@ -225,7 +230,8 @@ class Tuner:
             verdict = None
             if self.probe is not None and any(not technique_for(s).lossless for s in steps):
                 verdict = self.probe.check(runner.model, rule=self.rule)
-            breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps)
+            breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps) \
+                or (self.edge.check(runner.model, rule=self.rule) if self.edge is not None else None)
             gain = self._compare(reference, runner, decide=breaks is None)
             m = self._figures(judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference),
                               runner, steps, reports)
@@ -310,18 +316,17 @@ class Tuner:
         measure_peaks(self.device, [d for n in self.techniques if self._skip_reason(n) is None
                                     for d in [get_technique(n).dtype_of(self._step(n))] if d])
         self.progress("baseline (eager fp32)")
+        checked_dependence(self.workload)  # a text model whose answer depends on padding is measured on one length per batch
         base, self.reference, flops = self._baseline()
         self.baseline_task_metric = self.workload.task_metric(self.reference, self.indices) if self.workload.has_task_metric \
             else None
         # The probe judges lossy candidates; the model's own batch dependence is worth knowing whatever is tried.
         self.probe = InvarianceProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
                                      indices=self.indices)
-        own = self.probe.model_dependence(rule=self.rule)
-        if own is not None:
-            self.warnings.append(
-                f"the eager fp32 model's own rows depend on their batch-mates ({self.rule.violation(own[1])} between rows "
-                f"alone and batched with other rows and {own[0]}): serve and run give a row different answers "
-                "depending on what it is batched with, whatever the plan")
+        # The model's own dependence on batch-mates (the plan records it), and a row of padding only for every candidate.
+        self.edge, edge_warning = EdgeProbe.of(self.workload, base.model, device=self.device, batch_size=self.batch_size,
+                                               indices=self.indices)
+        self.warnings += [w for w in (self.probe.record_dependence(rule=self.rule), edge_warning) if w]
 
         # 1. Each technique alone against the baseline, interleaved: the attribution table. A technique
         # with modes worth searching (compile on CUDA) has a row per variant; its fastest kept one composes.
@@ -459,6 +464,7 @@ class Tuner:
                 "task_metric": plan_m.task_metric,
             },
             environment={"torch": torch.__version__, "device_name": devices.describe(self.device)},
+            batch_dependence=self.workload.batch_dependence.to_dict() if self.workload.batch_dependence else None,
         )
         return TuneResult(rows=rows, plan=plan, baseline=baseline, flops_per_sample=flops, rule=self.rule,
                           warnings=list(dict.fromkeys(self.warnings)), peaks=describe_peaks(self.device))

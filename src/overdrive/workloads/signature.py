@@ -19,7 +19,8 @@ A factory may also return a tokenizer (`(model, tokenizer)` or `(model, example,
 `transformers.PreTrainedTokenizerBase`, or a callable `list[str] -> dict of tensors`. The model
 then becomes a text workload like `minilm`: evaluated on real English sentences (CPython's
 reference documentation, or the user's `data`), length-bucketed, compiled with dynamic shapes,
-and `run` / `serve` take text.
+and `run` / `serve` take text. Whether the model's answer for a sentence depends on its padding is
+measured when it is built (`overdrive.core.row_dependence`: a model that never receives the mask does).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from overdrive.core.errors import WorkloadError, one_line
+from overdrive.core.row_dependence import checked_dependence
 from overdrive.core.workload import Workload, logits_fidelity
 
 MAX_TEXT_LENGTH = 512  # tokens, when neither the tokenizer nor the model's config says
@@ -389,7 +391,7 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
             lengths[text] = int(collate([text])[0].shape[-1])
         return lengths[text]
 
-    return Workload(
+    workload = Workload(
         name=name,
         model=SignatureModel(model, names, paths).eval(),
         samples=sentences,
@@ -406,3 +408,5 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
         extra={"tokenizer": tokenizer if hf else None, "max_seq_length": max_length, "classifier": paths == ["logits"],
                "output_widths": widths},
     )
+    checked_dependence(workload)  # a model that pools over its pads answers a sentence by its batch-mates' lengths
+    return workload
