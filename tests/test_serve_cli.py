@@ -134,7 +134,12 @@ def test_warmup_runs_powers_of_two_and_the_cap_and_times_each():
     assert served.warmup(12, budget_s=60)[0] == [1, 2, 4, 8, 12]
     # [0]: the input-limits probe (its ids feed an embedding: core/input_limits.py), then the padding check
     # (core/row_dependence.py) and the start-up probe
-    assert text.model.seen[0][0] == len(text.samples) and [rows for rows, _ in text.model.seen[loaded::2]] == [1, 2, 4, 8, 12]
+    assert text.model.seen[0][0] == len(text.samples)
+    # Each size ≥ 2 also runs its rows unpadded and padded (a compiled model's two paths), then the timed run.
+    warm = text.model.seen[loaded:]
+    assert [rows for rows, _ in warm] == [1, 1, 2, 2, 2, 4, 4, 4, 8, 8, 8, 12, 12, 12]
+    lengths = [length for _, length in warm]
+    assert lengths[2] == lengths[4] != lengths[3]  # one sentence repeated, then different sentences padded to the longest
 
 
 def test_a_batch_size_the_warm_up_skipped_is_counted_cold_once():

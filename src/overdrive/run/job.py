@@ -63,6 +63,7 @@ from overdrive.run.replica import (
     pad_records,
     Replica,
     batch_from,
+    warm_up_batches,
     measure_auto_batch_size,
     probe_inputs,
     text_lengths,
@@ -264,9 +265,10 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
             chunk_size = math.ceil(config.chunk_size / batch_size) * batch_size
             stored = manifest | {"batch_size": batch_size, "chunk_size": chunk_size}
             atomic_write(parts.dir / "manifest.json", json.dumps(stored, indent=1).encode())
-        if batch_size > 1:  # the shape the records will come in: a compiled model builds its graph for it now,
+        if batch_size > 1:  # the shapes the records will come in: a compiled model builds its graphs for them now,
             for r in replicas:  # in the set-up, not in the first batch (torch.compile specialises a batch of 1)
-                r.in_own_thread(r.warm_up, batch_from(values, batch_size, collate))
+                for inputs in warm_up_batches(values, batch_size, collate):
+                    r.in_own_thread(r.warm_up, inputs)
         collate.chunk_size = chunk_size
     except BaseException as exc:
         if not parts.done():  # nothing ran yet: leave no half-made run behind to resume

@@ -335,6 +335,17 @@ def batch_from(values: list, size: int, collate: Collate) -> tuple[torch.Tensor,
     return collate._collate(picked)
 
 
+def warm_up_batches(values: list, size: int, collate: Collate) -> list[tuple[torch.Tensor, ...]]:
+    """The batches of `size` records a run's warm-up calls the model with, so that a compiled model builds
+    every graph the records will need before they run, not in the middle of them: `size` records of
+    different lengths (padded: `batch_from`), and `size` copies of one record (nothing padded). A model
+    may take another path for a batch without padding (remove-padding skips its packing when every mask
+    is full): compiled, each path is a graph of its own, and an unwarmed one cost MiniLM's mixed-int8 plan
+    a 20–60 s Inductor compile in the middle of a 2,048-sentence run (benchmarks/RESULTS.md, run_cpu)."""
+    mid = values[len(values) // 2]
+    return [batch_from(values, size, collate), collate._collate([mid] * size)]
+
+
 def measure_auto_batch_size(replica: Replica, values: list, collate: Collate, *, limit: int,
                             min_time_s: float = 0.3, patience: int = 2) -> tuple[int, list[dict[str, float]]]:
     """The largest batch size, doubling from 1, whose items/s beat the best smaller size's by

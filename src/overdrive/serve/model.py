@@ -133,11 +133,22 @@ class ServedModel:
         else:
             self.outputs = [TensorSpec(OUTPUT, "FP32", [-1, *probe.shape[1:]])]
 
-    def _example(self):
-        sample = self.workload.samples[0]
+    def _example(self, index: int = 0):
+        sample = self.workload.samples[index % len(self.workload.samples)]
         if self.workload.is_text:
             return TextPayload([sample], self._token_counts([sample]))
         return tuple(c.unsqueeze(0) for c in _columns(sample))
+
+    def _warm_payloads(self, size: int) -> list:
+        """The payloads the warm-up runs at batch size `size`: one row repeated (nothing padded) and, for rows
+        whose length varies, `size` different rows padded to the longest: a compiled model may take another
+        path for each (remove-padding skips its packing when no row is padded), a graph of its own to build
+        now rather than while requests wait (`run.replica.warm_up_batches`)."""
+        payloads = [self.concat_payloads([self._example()] * size)]
+        varies = self.workload.is_text or self.workload.dynamic_dims
+        if size > 1 and varies and not self.workload.equal_lengths_only:
+            payloads.append(self.concat_payloads([self._example(i) for i in range(size)]))
+        return payloads
 
     def start_instance(self, instance: int) -> None:
         """Thread set-up, called once in instance `instance`'s own thread: its intra-op threads."""
@@ -167,9 +178,10 @@ class ServedModel:
         for size in sizes:
             if time.perf_counter() - start > budget_s:
                 break
-            payload = self.concat_payloads([example] * size)
+            payload, *others = self._warm_payloads(size)
             for i in range(len(self.models)) if instance is None else [instance]:
-                self.execute([payload], i)  # the first run at a shape pays its set-up
+                for warm in (payload, *others):
+                    self.execute([warm], i)  # the first run at a shape pays its set-up
                 t0 = time.perf_counter()
                 self.execute([payload], i)
                 timings.append((size, time.perf_counter() - t0, length))
