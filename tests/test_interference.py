@@ -51,6 +51,13 @@ def test_a_pass_load_with_run_queue_wait_ran_preempted():
     assert blind.waited_share is None
     assert blind.preempted(best_cpu_share=2.0) and not blind.preempted(best_cpu_share=1.1)
     assert not blind.preempted()  # nothing to compare with: not flagged
+    # More busy threads than CPUs (a runtime's pool beside PyTorch's team): the waits are the model's own cost,
+    # unless other processes used the CPUs meanwhile.
+    own = PassLoad(wall_s=1.0, cpu_s=2.0, waited_s=0.8, busy_threads=3, cpus=2, others_s=0.05)
+    assert own.self_contended and not own.preempted()
+    crowded = PassLoad(wall_s=1.0, cpu_s=1.2, waited_s=0.8, busy_threads=3, cpus=2, others_s=0.9)
+    assert crowded.preempted()
+    assert PassLoad(wall_s=1.0, cpu_s=2.0, waited_s=0.8, busy_threads=2, cpus=2, others_s=0.0).preempted()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux schedstats")

@@ -4,96 +4,93 @@ A pass timed on a shared CPU can run preempted: another process holds a core, th
 threads wait on the run queue, and with OpenMP's barriers one waiting thread stalls the others
 (an eager mobilenet_v3_small pass took 4× longer beside one busy process on 2 cores, while a
 runtime with its own thread pool slowed far less, so the "speedup" grew 4×). Timing alone
-cannot tell that pass from a slow one; the kernel can. Around each timed pass `LoadMeter`
-reads:
+cannot tell that pass from a slow one; the kernel can. Around each timed stretch `LoadMeter`
+reads, for every thread of this process, its CPU time and its run-queue wait
+(`/proc/self/task/*/schedstat`: nanoseconds on a CPU, and runnable but waiting for one; Linux
+schedstats, `sched_info`), the CPU time the hypervisor stole (`/proc/stat`, "steal") and the CPU
+time the whole machine used (`/proc/stat`).
 
-- the run-queue wait of every thread of this process (`/proc/self/task/*/schedstat`, second
-  field: nanoseconds a runnable thread waited for a CPU; Linux schedstats, `sched_info`);
-- the process's CPU time (`time.process_time`, user + system over all threads);
-- the CPU time the hypervisor stole from this virtual machine (`/proc/stat`, "steal");
-- CPU pressure (`/proc/pressure/cpu`, "some" total: time some task waited for a CPU).
-
-`PassLoad.waited_share` is the run-queue wait (plus stolen time) over the pass's wall time, in
-thread-seconds per second: 0 on an idle machine, ~0.8 for that mobilenet pass beside one busy
-process. A pass above `PREEMPTED_SHARE` ran preempted: `measure.compare` repeats its round
-instead of averaging it in. Where schedstats are missing (not Linux, a kernel without them), the
-pass's CPU time over its wall time, against the best the same runner reached, stands in.
+A stretch ran preempted by other work when its threads waited for a CPU beyond `PREEMPTED_SHARE`
+of its wall time while no more of them were busy than there are CPUs to run them. With more busy
+threads than CPUs (a runtime's pool beside PyTorch's OpenMP team: an ONNX Runtime model's output
+copied by a parallel torch op while ONNX Runtime's worker still spins), the waits are the model's
+own and part of what it costs, in `run` and `serve` too; such a stretch counts as preempted only
+when other processes used more than `OTHERS_SHARE` of a CPU beside it. `measure.compare` times a
+preempted round again instead of averaging it in. Where schedstats are missing (not Linux, a
+kernel without them), the stretch's CPU time over its wall time, against the best the same
+runner reached, stands in.
 """
 
 from __future__ import annotations
 
 import glob
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# A pass in which this process's threads waited on the run queue (or had time stolen) for more than
-# this share of its wall time, in thread-seconds per second, ran preempted. An idle machine reads
-# 0.00-0.01 (kernel threads, the odd daemon); one busy process beside a 2-thread model, 0.5-1.0.
+# A stretch whose threads waited on the run queue (or had time stolen) for more than this share of its wall
+# time, in thread-seconds per second, ran preempted. An idle machine reads 0.00-0.01 (kernel threads, the
+# odd daemon); one busy process beside a 2-thread model, 0.5-1.0.
 PREEMPTED_SHARE = 0.05
-# Without schedstats: a pass whose CPU time per wall second fell below this share of the runner's best.
+# With more busy threads than CPUs: other processes using more than this many CPUs' worth beside the stretch
+# (/proc/stat counts in scheduler ticks, so a short stretch reads it coarsely: the bar is high).
+OTHERS_SHARE = 0.5
+# A thread that ran this share of a stretch's wall time was busy in it.
+BUSY_THREAD_SHARE = 0.1
+# Without schedstats: a stretch whose CPU time per wall second fell below this share of the runner's best.
 CPU_SHARE_DROP = 0.8
 
 _TASKS = "/proc/self/task/*/schedstat"
 _STAT = Path("/proc/stat")
-_PRESSURE = Path("/proc/pressure/cpu")
 
 
-def _run_queue_wait_s() -> float | None:
-    """Seconds the threads of this process have waited on a run queue, summed; None without schedstats."""
-    total, found = 0, False
+def _threads() -> dict[str, tuple[int, int]] | None:
+    """{thread id: (ns on a CPU, ns waiting on a run queue)} for this process; None without schedstats."""
+    out = {}
     for path in glob.glob(_TASKS):
         try:
             fields = Path(path).read_text().split()
         except OSError:  # a thread that ended between the listing and the read
             continue
         if len(fields) >= 2:
-            total += int(fields[1])
-            found = True
-    return total / 1e9 if found else None
+            out[path] = (int(fields[0]), int(fields[1]))
+    return out or None
 
 
-def _steal_s() -> float | None:
-    """CPU seconds stolen by the hypervisor, summed over CPUs (/proc/stat); None where unknown."""
+def _machine() -> tuple[float, float] | None:
+    """(CPU seconds the machine spent busy, CPU seconds stolen by the hypervisor), summed over CPUs
+    (/proc/stat's first line); None where unknown."""
     try:
-        fields = _STAT.read_text().split("\n", 1)[0].split()
-        ticks = int(fields[8])
-    except (OSError, IndexError, ValueError):
+        fields = [int(x) for x in _STAT.read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
         return None
-    import os
-
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _pressure_s() -> float | None:
-    """Seconds in which some task waited for a CPU (PSI "some" total); None where unknown."""
-    try:
-        for line in _PRESSURE.read_text().splitlines():
-            if line.startswith("some"):
-                return int(line.rsplit("total=", 1)[1]) / 1e6
-    except (OSError, IndexError, ValueError):
+    if len(fields) < 8:
         return None
-    return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
 
 
 @dataclass(frozen=True)
 class Snapshot:
     wall_s: float
     cpu_s: float
-    waited_s: float | None
-    stolen_s: float | None
-    pressure_s: float | None
+    threads: dict[str, tuple[int, int]] | None
+    machine: tuple[float, float] | None
 
 
 def snapshot() -> Snapshot:
     """The clocks `PassLoad` is the difference of (reading them costs ~0.1 ms)."""
-    return Snapshot(wall_s=time.perf_counter(), cpu_s=time.process_time(), waited_s=_run_queue_wait_s(),
-                    stolen_s=_steal_s(), pressure_s=_pressure_s())
+    return Snapshot(wall_s=time.perf_counter(), cpu_s=time.process_time(), threads=_threads(), machine=_machine())
 
 
-def _delta(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else max(0.0, b - a)
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @dataclass(kw_only=True)
@@ -104,21 +101,34 @@ class PassLoad:
         wall_s: its wall time, seconds.
         cpu_s: this process's CPU time over it (all threads), seconds.
         waited_s: its threads' run-queue wait, thread-seconds; None without schedstats.
+        busy_threads: its threads that ran ≥ `BUSY_THREAD_SHARE` of the stretch; None without schedstats.
+        cpus: the CPUs this process may run on.
         stolen_s: CPU time stolen by the hypervisor (all CPUs), seconds; None where unknown.
-        pressure_s: time some task on the machine waited for a CPU, seconds; None where unknown.
+        others_s: CPU time other processes (and the kernel) used meanwhile, all CPUs, seconds; None where unknown.
     """
 
     wall_s: float
     cpu_s: float
     waited_s: float | None = None
+    busy_threads: int | None = None
+    cpus: int = 1
     stolen_s: float | None = None
-    pressure_s: float | None = None
+    others_s: float | None = None
 
     @classmethod
     def between(cls, start: Snapshot, end: Snapshot) -> PassLoad:
-        return cls(wall_s=max(end.wall_s - start.wall_s, 1e-9), cpu_s=max(0.0, end.cpu_s - start.cpu_s),
-                   waited_s=_delta(start.waited_s, end.waited_s), stolen_s=_delta(start.stolen_s, end.stolen_s),
-                   pressure_s=_delta(start.pressure_s, end.pressure_s))
+        wall, cpu = max(end.wall_s - start.wall_s, 1e-9), max(0.0, end.cpu_s - start.cpu_s)
+        waited = busy = stolen = others = None
+        if start.threads is not None and end.threads is not None:
+            deltas = [(run - start.threads.get(tid, (0, 0))[0], wait - start.threads.get(tid, (0, 0))[1])
+                      for tid, (run, wait) in end.threads.items()]
+            waited = max(0, sum(w for _, w in deltas)) / 1e9
+            busy = sum(r / 1e9 >= BUSY_THREAD_SHARE * wall for r, _ in deltas)
+        if start.machine is not None and end.machine is not None:
+            stolen = max(0.0, end.machine[1] - start.machine[1])
+            others = max(0.0, end.machine[0] - start.machine[0] - cpu)
+        return cls(wall_s=wall, cpu_s=cpu, waited_s=waited, busy_threads=busy, cpus=_cpus(), stolen_s=stolen,
+                   others_s=others)
 
     @property
     def cpu_share(self) -> float:
@@ -132,14 +142,22 @@ class PassLoad:
             return None
         return (self.waited_s + (self.stolen_s or 0.0)) / self.wall_s
 
+    @property
+    def self_contended(self) -> bool:
+        """More of this process's threads were busy than there are CPUs: its waits are its own."""
+        return self.busy_threads is not None and self.busy_threads > self.cpus
+
     def preempted(self, best_cpu_share: float | None = None) -> bool:
         """Whether other work took CPU time this stretch needed: its threads waited on the run queue
-        (or were stolen from) beyond `PREEMPTED_SHARE`; without schedstats, its CPU share fell below
-        `CPU_SHARE_DROP` × `best_cpu_share` (the best the same runner reached)."""
+        (or were stolen from) beyond `PREEMPTED_SHARE` with no more busy threads than CPUs; with more,
+        other processes used over `OTHERS_SHARE` of a CPU beside it; without schedstats, its CPU share
+        fell below `CPU_SHARE_DROP` × `best_cpu_share` (the best the same runner reached)."""
         share = self.waited_share
-        if share is not None:
-            return share > PREEMPTED_SHARE
-        return best_cpu_share is not None and self.cpu_share < CPU_SHARE_DROP * best_cpu_share
+        if share is None:
+            return best_cpu_share is not None and self.cpu_share < CPU_SHARE_DROP * best_cpu_share
+        if self.self_contended:
+            return self.others_s is not None and self.others_s / self.wall_s > OTHERS_SHARE
+        return share > PREEMPTED_SHARE
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -177,12 +195,15 @@ class Contention:
         preempted: of which ran preempted (`PassLoad.preempted`) and were set aside.
         waited_share: median run-queue wait (+ steal) per wall second over all stretches,
             thread-seconds per second; None without schedstats.
+        self_contended: stretches with more busy threads of this process than CPUs (their waits are
+            the model's own: counted, not set aside).
         source: "schedstat" (run-queue wait) or "cpu_time" (CPU share against the best, no schedstats).
     """
 
     stretches: int = 0
     preempted: int = 0
     waited_share: float | None = None
+    self_contended: int = 0
     source: str = "schedstat"
 
     @classmethod
@@ -191,7 +212,7 @@ class Contention:
         shares = sorted(s for s in (load.waited_share for load in loads) if s is not None)
         median = shares[len(shares) // 2] if shares else None
         return cls(stretches=len(loads), preempted=sum(flags), waited_share=median,
-                   source="schedstat" if shares else "cpu_time")
+                   self_contended=sum(load.self_contended for load in loads), source="schedstat" if shares else "cpu_time")
 
     @property
     def busy(self) -> bool:
@@ -207,15 +228,18 @@ class Contention:
         return asdict(self)
 
 
-def wait_until_idle(*, max_s: float = 0.05, window_s: float = 0.002, busy_share: float = 0.25) -> float:
+def wait_until_idle(*, max_s: float = 0.2, window_s: float = 0.01, busy_share: float = 0.25) -> float:
     """Sleep until this process's own threads stop using the CPU, at most `max_s` seconds.
 
     After a parallel region, an OpenMP team spins before it sleeps (libgomp's spin count), and so do a
     runtime's worker threads after a call (ONNX Runtime's `allow_spinning`). In an interleaved comparison
     the other side's pass starts at once: its threads then share the cores with threads spinning for
-    nothing, and both sides run slower than either does alone (an eager mobilenet_v3_small pass right
-    after an ONNX Runtime pass waited for a CPU ~80% of its time on 2 cores). The process is idle when,
-    over a `window_s` sleep, it used under `busy_share` of one CPU.
+    nothing, and both sides run slower than either does alone (an ONNX Runtime worker spun ~40 ms after
+    each call; an eager mobilenet_v3_small pass started at once ran 2× slower, its threads waiting for
+    a CPU ~80% of the time, on 2 cores). The process is idle when, over a `window_s` sleep, it used
+    under `busy_share` of one CPU. The window spans a few scheduler ticks: the CPU time of a thread
+    running on another core is brought up to date only at a tick (4 ms at HZ=250), so a shorter window
+    can read a spinning thread as idle.
 
     Returns:
         The seconds waited.
