@@ -15,6 +15,7 @@ import contextlib
 import io
 import logging
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,8 +102,8 @@ def example_inputs(workload: Workload, rows: int = 4) -> tuple[torch.Tensor, ...
     of different lengths for a text workload (training rows when there are some)."""
     pool = list(workload.train_samples or workload.samples)
     n = workload.fixed_batch_size or max(2, min(rows, len(pool)))
-    if workload.sample_length is not None:
-        pool = sorted(pool[:256], key=workload.sample_length)[-n:]  # the longest: a sequence axis of size 1 would specialise
+    if workload.bucket_length is not None:
+        pool = sorted(pool[:256], key=workload.bucket_length)[-n:]  # the longest: a sequence axis of size 1 would specialise
     chosen = [pool[i % len(pool)] for i in range(n)]
     return tuple(workload.collate(chosen))
 
@@ -154,7 +155,7 @@ def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, input
     errors = []
     for kind in ("dynamo", "torchscript"):
         try:
-            _export(kind, model, inputs, path, names, outputs, axes, opset)
+            _export(kind, model, inputs, path, names, outputs, axes, opset, max_sizes(workload))
             exporter = kind
             break
         except Exception as exc:  # noqa: BLE001 - try the other exporter, then report both
@@ -169,18 +170,72 @@ def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, input
     return result
 
 
-def _export(kind: str, model: nn.Module, inputs, path: Path, names, outputs, axes, opset) -> None:
+def _export(kind: str, model: nn.Module, inputs, path: Path, names, outputs, axes, opset,
+            max_sizes: dict[str, int] | None = None) -> None:
     with quiet_export(), torch.no_grad():
         if kind == "dynamo":
-            dims: dict[str, torch.export.Dim] = {}
-            shapes = tuple({a: dims.setdefault(n, torch.export.Dim(n)) for a, n in axes[name].items()} or None
-                           for name in names)
-            onnx_program = torch.onnx.export(model, inputs, input_names=names, output_names=outputs, dynamic_shapes=shapes,
-                                             dynamo=True, opset_version=opset, verbose=False)
-            onnx_program.save(str(path), external_data=_too_large(model))
+            try:
+                program = _dynamo_export(model, inputs, names, outputs, axes, opset, named=True, max_sizes=max_sizes)
+            except Exception as exc:  # noqa: BLE001 - a named, bounded axis the model specialises or narrows
+                if not _constraint_violation(exc):
+                    raise
+                program = _dynamo_export(model, inputs, names, outputs, axes, opset, named=False)
+            program.save(str(path), external_data=_too_large(model))
         else:
             traced(lambda: torch.onnx.export(model, inputs, str(path), input_names=names, output_names=outputs,
                                              dynamic_axes=axes, dynamo=False, opset_version=opset or 17))
+
+
+def _dynamo_export(model: nn.Module, inputs, names, outputs, axes, opset, *, named: bool,
+                   max_sizes: dict[str, int] | None = None):
+    """torch.onnx's dynamo exporter with one `Dim` per axis name (inputs that vary together share it),
+    bounded by `max_sizes` (a position table's rows); `named=False`: `Dim.DYNAMIC` on every dynamic
+    axis, torch.export finding each range itself."""
+    dims: dict[str, torch.export.Dim] = {}
+
+    def dim(axis_name: str):
+        if not named:
+            return torch.export.Dim.DYNAMIC
+        if axis_name not in dims:
+            bound = (max_sizes or {}).get(axis_name)
+            dims[axis_name] = torch.export.Dim(axis_name, max=bound) if bound else torch.export.Dim(axis_name)
+        return dims[axis_name]
+
+    specs = [{a: dim(n) for a, n in axes[name].items()} or None for name in names]
+    return torch.onnx.export(model, inputs, input_names=names, output_names=outputs,
+                             dynamic_shapes=bind_shapes(model, specs), dynamo=True, opset_version=opset, verbose=False)
+
+
+def _constraint_violation(exc: BaseException) -> bool:
+    """True when torch.export refused the given dynamic axes (a range the model narrows, an axis it specialises)."""
+    seen = []
+    while exc is not None and exc not in seen:
+        if type(exc).__name__ == "ConstraintViolationError" or "Constraints violated" in str(exc):
+            return True
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def bind_shapes(model: nn.Module, specs: list) -> tuple | dict:
+    """torch.export `dynamic_shapes` for `model(*inputs)`: one spec per input, laid out as the model's
+    forward binds its positional arguments (a `forward(*inputs)` takes them as one argument, whose
+    spec is then the tuple of specs); the specs as they are when the signature cannot be read."""
+    import inspect
+
+    try:
+        return dict(inspect.signature(model.forward).bind(*specs).arguments)
+    except (TypeError, ValueError):
+        return tuple(specs)
+
+
+def max_sizes(workload: Workload) -> dict[str, int]:
+    """The largest size of each named dynamic axis other than the batch, where the model bounds it (a
+    Hugging Face model's position table: `max_position_embeddings`)."""
+    bound = workload.extra.get("max_dynamic_size") or (workload.extra.get("max_seq_length") if workload.is_text else None)
+    if not isinstance(bound, int) or bound < 2:
+        return {}
+    return {"sequence": bound, **{f"dim{d}": bound for ds in workload.dynamic_dims.values() for d in ds}}
 
 
 def traced(fn):
@@ -221,19 +276,48 @@ def quiet_export():
             logger.setLevel(level)
 
 
-def reason(exc: BaseException) -> str:
-    """One line saying why an exporter failed: the cause, where the message only points at a stack
-    trace ("Refer to the full stack trace above") that overdrive does not print."""
-    while "stack trace" in str(exc) and exc.__cause__ is not None:
+# Lines exporters add that point elsewhere (a stack trace overdrive does not print, a log setting, a web page).
+_POINTERS = ("the error above occurred", "refer to the full stack trace", "for more information", "if you would like to view",
+             "set torch_logs", "you can replace your", "see https://", "exportdb")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from (`__cause__`, else `__context__`), outermost first."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def _before_pointer(line: str) -> str:
+    """`line` up to the first phrase that points elsewhere."""
+    lower = line.lower()
+    cut = min([lower.index(p) for p in _POINTERS if p in lower], default=len(line))
+    return line[:cut].strip()
+
+
+def reason(exc: BaseException, *, max_chars: int = 400) -> str:
+    """One line saying why an exporter failed. torch.onnx wraps the cause in a message that points at
+    a stack trace overdrive does not print ("Refer to the full stack trace above"): the cause it was
+    raised from is quoted instead; and torch.export's own lines that point elsewhere ("The error above
+    occurred when calling torch.export.export", a web page, a log setting) are dropped, the rest joined."""
+    while "stack trace above" in str(exc) and exc.__cause__ is not None:
         exc = exc.__cause__
-    return one_line(exc)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # terminal colours
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    kept = [cut for cut in (_before_pointer(line) for line in lines) if cut] or lines[-1:]
+    said = f"{type(exc).__name__}: {' '.join(kept)}".rstrip(": ")
+    return said if len(said) <= max_chars else said[:max_chars].rsplit(" ", 1)[0] + " …"
 
 
-def export_shapes(workload: Workload, inputs: tuple[torch.Tensor, ...]) -> tuple:
+def export_shapes(workload: Workload, inputs: tuple[torch.Tensor, ...], model: nn.Module | None = None) -> tuple | dict:
     """torch.export `dynamic_shapes` for `inputs`: Dim.AUTO on each dynamic axis (torch.export finds
-    each axis's range, e.g. a sequence up to max_position_embeddings), None for static inputs."""
+    each axis's range, e.g. a sequence up to max_position_embeddings), None for static inputs; laid
+    out as `model`'s forward binds them (`bind_shapes`) when it is given."""
     axes = axes_for(workload, inputs)
-    return tuple({a: torch.export.Dim.AUTO for a in axes[name]} or None for name in input_names(workload, len(inputs)))
+    specs = [{a: torch.export.Dim.AUTO for a in axes[name]} or None for name in input_names(workload, len(inputs))]
+    return bind_shapes(model, specs) if model is not None else tuple(specs)
 
 
 def _too_large(model: nn.Module) -> bool:
