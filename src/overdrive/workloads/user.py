@@ -33,6 +33,9 @@ from overdrive.core.workload import Workload, eval_mode, logits_fidelity, pad_st
 from overdrive.workloads.signature import (
     SignatureModel,
     choose_outputs,
+    cut_padding,
+    model_call_kwargs,
+    row_size,
     describe_dims,
     detect_dynamic_dims,
     normalize_dims,
@@ -43,6 +46,7 @@ from overdrive.workloads.signature import (
     split_example,
     text_workload,
 )
+from overdrive.workloads.structured import OutputLayout
 
 NUM_SAMPLES = 64
 
@@ -195,7 +199,8 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             notes += output_notes
             widths = [pick_output(out, p)[0].numel() for p in output_names]
             fidelity = outputs_fidelity(widths) if len(output_names) > 1 else logits_fidelity
-            model = SignatureModel(model, input_names, output_names)
+            model = SignatureModel(model, input_names, output_names, layout=OutputLayout.of(out, output_names),
+                                   call_kwargs=model_call_kwargs(model, output_names))
         fixed = None if _accepts_other_batch_sizes(model, example) else batch
         placeholder = data is None and _is_placeholder(example)
         limits = derive_input_limits(model, example) if data is not None or placeholder else None
@@ -216,12 +221,21 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         if unknown:
             notes.append(f"integer input(s) {unknown} of the placeholder example hold one value and index no embedding "
                          "overdrive could see, so their random rows hold that value only; pass data for real rows")
+    row_length = None
+    if dims:
+        samples, cut = cut_padding(samples, dims, input_names)
+        if cut:
+            notes.append(f"{cut} of {len(samples)} rows were cut to the length their attention_mask gives (right padding) "
+                         "and are padded per batch, as rows of other lengths are")
+        first = min(dims)
+        row_length = partial(row_size, first, dims[first][0])
     return Workload(
         name=name,
         model=model,
         samples=samples,
         collate=partial(pad_stack, dims, max_size=max_size) if dims else stack_rows,
         dynamic_dims=dims,
+        row_length=row_length,
         fidelity=fidelity if output_names else logits_fidelity,
         input_names=input_names,
         output_names=output_names,
