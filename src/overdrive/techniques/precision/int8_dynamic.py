@@ -47,8 +47,8 @@ class Int8Dynamic(Technique):
 
     def apply(self, model, config, *, workload, device):
         linears = {name for name, m in model.named_modules() if type(m) is nn.Linear}
-        called = called_linears(model, workload, device)
-        if not called:
+        called = called_linears(model, workload, device) if linears else set()
+        if linears and not called:
             raise RuntimeError(f"none of the model's {len(linears)} nn.Linear layers is called as a module (the model reads "
                                "their weights itself, e.g. F.linear(x, layer.weight)), so none can be swapped for int8")
         with warnings.catch_warnings():
