@@ -203,3 +203,15 @@ def test_int8_dynamic_on_swin_keeps_the_linears_it_cannot_swap():
     assert nn.functional.cosine_similarity(got, expected).min() > 0.9
     assert "stay fp32 because the model reads their weights itself" in reports[0]["int8 Linear layers"]
     assert any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in built.modules())
+
+
+def test_data_batches_may_be_dicts_as_a_tokenizer_returns_them():
+    from overdrive.core.errors import WorkloadError
+
+    model, example = hf_zoo.create("bert")
+    short = {k: v[:, :8].clone() for k, v in hf_zoo.text_example(first_id=7).items()}  # another batch, another length
+    workload = workload_from_model("bert", model, example, data=[example, short])
+    assert len(workload.samples) == 8 and workload.rows_source == "data"
+    assert [workload.bucket_length(s) for s in workload.samples] == [12, 12, 7, 4, 8, 8, 7, 4]
+    with pytest.raises(WorkloadError, match="has keys \\['input_ids'\\]; expected \\['input_ids', 'attention_mask'\\]"):
+        workload_from_model("bert", model, example, data=[{"input_ids": example["input_ids"]}])

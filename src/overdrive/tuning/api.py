@@ -382,7 +382,8 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             (`overdrive.workloads.signature`).
         device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N" or a torch.device.
         data: your evaluation rows, on which candidates are judged: for a module, batches shaped
-            like `example_inputs`; for any model, a file (`.npy` [N, *row], a folder of images,
+            like `example_inputs` (dicts with its keys for a dict example, as a tokenizer returns them);
+            for any model, a file (`.npy` [N, *row], a folder of images,
             `.txt` / `.jsonl` / `.csv` text for text models; see `overdrive.workloads.data`).
             Without it a module is judged on its example's rows, a built-in on its own samples.
         metric: for a module with `data`: `metric(outputs) -> float`, a task score of the outputs

@@ -20,7 +20,7 @@ import sys
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -141,8 +141,9 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             returns a tensor, tuple, dict, dataclass or ModelOutput holding floating [B, ...]
             tensors with the example's batch size B.
         example: a tensor, a tuple of tensors or a dict of keyword tensors, each [B, ...].
-        data: evaluation batches, each shaped like `example` (a tensor, or a tuple of tensors
-            with the same first dimension); their rows, in order, are the samples.
+        data: evaluation batches, each shaped like `example` (a tensor, a tuple of tensors with the
+            same first dimension, or for a dict example a dict with its keys, as a tokenizer returns
+            it); their rows, in order, are the samples.
         metric: a task score of the model's outputs on all rows of `data`, float32 [N, ...] in
             data order -> float, higher is better (e.g. accuracy in percent, closing over your
             labels); `max_accuracy_drop` budgets it in its own units.
@@ -210,7 +211,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
     if metric is not None and data is None:
         raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
     if data is not None:
-        samples, source = _rows_of(name, data, example, limits, dims), "data"
+        samples, source = _rows_of(name, data, example, limits, dims, input_names), "data"
     elif not placeholder:
         samples, source = [tuple(t[r].detach().cpu() for t in example) for r in range(batch)], "example"
     else:
@@ -259,8 +260,8 @@ def stack_rows(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]
 
 
 def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
-             limits: InputLimits | None = None, dims: dict[int, tuple[int, ...]] | None = None
-             ) -> list[tuple[torch.Tensor, ...]]:
+             limits: InputLimits | None = None, dims: dict[int, tuple[int, ...]] | None = None,
+             names: list[str] | None = None) -> list[tuple[torch.Tensor, ...]]:
     """The rows of evaluation batches `data` as samples (tuples of row tensors, detached, on the CPU).
 
     Raises:
@@ -269,6 +270,11 @@ def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
     """
     rows: list[tuple[torch.Tensor, ...]] = []
     for i, batch in enumerate(data):
+        if isinstance(batch, Mapping):  # a dict batch (a tokenizer's BatchEncoding): the example's keys, in its order
+            if not names or any(n not in batch for n in names):
+                raise WorkloadError(f"{name}: batch {i} of {arg('data')} has keys {sorted(map(str, batch))}; expected "
+                                    + (f"{names}, the example's" if names else "tensors by position, as the example"))
+            batch = tuple(batch[n] for n in names)
         batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
         if len(batch) != len(example) or not all(isinstance(t, torch.Tensor) for t in batch):
             raise WorkloadError(f"{name}: batch {i} of {arg('data')} is not {len(example)} tensor(s) like the example")
