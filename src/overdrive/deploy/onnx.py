@@ -208,13 +208,7 @@ def _dynamo_export(model: nn.Module, inputs, names, outputs, axes, opset, *, nam
 
 def _constraint_violation(exc: BaseException) -> bool:
     """True when torch.export refused the given dynamic axes (a range the model narrows, an axis it specialises)."""
-    seen = []
-    while exc is not None and exc not in seen:
-        if type(exc).__name__ == "ConstraintViolationError" or "Constraints violated" in str(exc):
-            return True
-        seen.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(type(e).__name__ == "ConstraintViolationError" or "Constraints violated" in str(e) for e in _chain(exc))
 
 
 def bind_shapes(model: nn.Module, specs: list) -> tuple | dict:
@@ -302,7 +296,7 @@ def reason(exc: BaseException, *, max_chars: int = 400) -> str:
     a stack trace overdrive does not print ("Refer to the full stack trace above"): the cause it was
     raised from is quoted instead; and torch.export's own lines that point elsewhere ("The error above
     occurred when calling torch.export.export", a web page, a log setting) are dropped, the rest joined."""
-    while "stack trace above" in str(exc) and exc.__cause__ is not None:
+    while "stack trace" in str(exc) and exc.__cause__ is not None:
         exc = exc.__cause__
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # terminal colours
     lines = [line.strip() for line in text.splitlines() if line.strip()]
