@@ -223,3 +223,4 @@ def test_data_batches_may_be_dicts_as_a_tokenizer_returns_them():
     assert [workload.bucket_length(s) for s in workload.samples] == [12, 12, 7, 4, 8, 8, 7, 4]
     with pytest.raises(WorkloadError, match="has keys \\['input_ids'\\]; expected \\['input_ids', 'attention_mask'\\]"):
         workload_from_model("bert", model, example, data=[{"input_ids": example["input_ids"]}])
+

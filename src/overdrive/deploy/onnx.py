@@ -155,7 +155,7 @@ def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, input
     errors = []
     for kind in ("dynamo", "torchscript"):
         try:
-            _export(kind, model, inputs, path, names, outputs, axes, opset, max_sizes(workload))
+            _export(kind, model, inputs, path, names, outputs, axes, opset)
             exporter = kind
             break
         except Exception as exc:  # noqa: BLE001 - try the other exporter, then report both
@@ -170,45 +170,18 @@ def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, input
     return result
 
 
-def _export(kind: str, model: nn.Module, inputs, path: Path, names, outputs, axes, opset,
-            max_sizes: dict[str, int] | None = None) -> None:
+def _export(kind: str, model: nn.Module, inputs, path: Path, names, outputs, axes, opset) -> None:
     with quiet_export(), torch.no_grad():
         if kind == "dynamo":
-            try:
-                program = _dynamo_export(model, inputs, names, outputs, axes, opset, named=True, max_sizes=max_sizes)
-            except Exception as exc:  # noqa: BLE001 - a named, bounded axis the model specialises or narrows
-                if not _constraint_violation(exc):
-                    raise
-                program = _dynamo_export(model, inputs, names, outputs, axes, opset, named=False)
+            dims: dict[str, torch.export.Dim] = {}  # one per axis name: inputs that vary together share it
+            specs = [{a: dims.setdefault(n, torch.export.Dim(n)) for a, n in axes[name].items()} or None for name in names]
+            program = torch.onnx.export(model, inputs, input_names=names, output_names=outputs,
+                                        dynamic_shapes=bind_shapes(model, specs), dynamo=True, opset_version=opset,
+                                        verbose=False)
             program.save(str(path), external_data=_too_large(model))
         else:
             traced(lambda: torch.onnx.export(model, inputs, str(path), input_names=names, output_names=outputs,
                                              dynamic_axes=axes, dynamo=False, opset_version=opset or 17))
-
-
-def _dynamo_export(model: nn.Module, inputs, names, outputs, axes, opset, *, named: bool,
-                   max_sizes: dict[str, int] | None = None):
-    """torch.onnx's dynamo exporter with one `Dim` per axis name (inputs that vary together share it),
-    bounded by `max_sizes` (a position table's rows); `named=False`: `Dim.DYNAMIC` on every dynamic
-    axis, torch.export finding each range itself."""
-    dims: dict[str, torch.export.Dim] = {}
-
-    def dim(axis_name: str):
-        if not named:
-            return torch.export.Dim.DYNAMIC
-        if axis_name not in dims:
-            bound = (max_sizes or {}).get(axis_name)
-            dims[axis_name] = torch.export.Dim(axis_name, max=bound) if bound else torch.export.Dim(axis_name)
-        return dims[axis_name]
-
-    specs = [{a: dim(n) for a, n in axes[name].items()} or None for name in names]
-    return torch.onnx.export(model, inputs, input_names=names, output_names=outputs,
-                             dynamic_shapes=bind_shapes(model, specs), dynamo=True, opset_version=opset, verbose=False)
-
-
-def _constraint_violation(exc: BaseException) -> bool:
-    """True when torch.export refused the given dynamic axes (a range the model narrows, an axis it specialises)."""
-    return any(type(e).__name__ == "ConstraintViolationError" or "Constraints violated" in str(e) for e in _chain(exc))
 
 
 def bind_shapes(model: nn.Module, specs: list) -> tuple | dict:
@@ -221,15 +194,6 @@ def bind_shapes(model: nn.Module, specs: list) -> tuple | dict:
         return dict(inspect.signature(model.forward).bind(*specs).arguments)
     except (TypeError, ValueError):
         return tuple(specs)
-
-
-def max_sizes(workload: Workload) -> dict[str, int]:
-    """The largest size of each named dynamic axis other than the batch, where the model bounds it (a
-    Hugging Face model's position table: `max_position_embeddings`)."""
-    bound = workload.extra.get("max_dynamic_size") or (workload.extra.get("max_seq_length") if workload.is_text else None)
-    if not isinstance(bound, int) or bound < 2:
-        return {}
-    return {"sequence": bound, **{f"dim{d}": bound for ds in workload.dynamic_dims.values() for d in ds}}
 
 
 def traced(fn):
@@ -273,15 +237,6 @@ def quiet_export():
 # Lines exporters add that point elsewhere (a stack trace overdrive does not print, a log setting, a web page).
 _POINTERS = ("the error above occurred", "refer to the full stack trace", "for more information", "if you would like to view",
              "set torch_logs", "you can replace your", "see https://", "exportdb")
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """`exc` and the exceptions it was raised from (`__cause__`, else `__context__`), outermost first."""
-    chain: list[BaseException] = []
-    while exc is not None and exc not in chain:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return chain
 
 
 def _before_pointer(line: str) -> str:
