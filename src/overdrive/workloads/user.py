@@ -200,8 +200,12 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             notes += output_notes
             widths = [pick_output(out, p)[0].numel() for p in output_names]
             fidelity = outputs_fidelity(widths) if len(output_names) > 1 else logits_fidelity
+            call_kwargs = model_call_kwargs(model, output_names)
+            if call_kwargs:
+                notes.append("the model is called with use_cache=False: no judged output is its KV cache (past_key_values), "
+                             "so it is not built, here or in the plan's model")
             model = SignatureModel(model, input_names, output_names, layout=OutputLayout.of(out, output_names),
-                                   call_kwargs=model_call_kwargs(model, output_names))
+                                   call_kwargs=call_kwargs)
         fixed = None if _accepts_other_batch_sizes(model, example) else batch
         placeholder = data is None and _is_placeholder(example)
         limits = derive_input_limits(model, example) if data is not None or placeholder else None
