@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from overdrive.core.errors import WorkloadError, one_line
+from overdrive.core.errors import WorkloadError
 from overdrive.core.workload import Workload
 
 # The export is refused when max |ONNX Runtime − PyTorch| > EXPORT_ATOL + EXPORT_RTOL × max |PyTorch|
