@@ -82,6 +82,9 @@ class Workload:
         train_labels: int64 [M] labels of `train_samples` (classification); None means the
             objective is distillation toward the unmodified model's outputs.
         sample_length: token count of a sample, for length bucketing (text workloads only).
+        row_length: for tensor rows with `dynamic_dims`: a row's size along its first varying
+            dimension (the real token count of a right-padded row cut at its attention mask), for
+            length bucketing; None otherwise.
         input_names: the keyword of each of the model's positional inputs (a Hugging Face model's
             `input_ids`, `attention_mask`), as the user's model takes them; None: unnamed.
         output_names: the paths of the user's model outputs the model returns (`logits`, or several
@@ -121,6 +124,7 @@ class Workload:
     train_samples: Sequence[Any] | None = None
     train_labels: torch.Tensor | None = None
     sample_length: Callable[[Any], int] | None = None
+    row_length: Callable[[Any], int] | None = None
     input_names: list[str] | None = None
     output_names: list[str] | None = None
     dynamic_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -162,6 +166,12 @@ class Workload:
     def equal_lengths_only(self) -> bool:
         """Whether batches may hold only rows of one length (a text model whose answer depends on padding)."""
         return self.is_text and self.batch_dependence is not None and self.batch_dependence.kind == PADDING
+
+    @property
+    def bucket_length(self) -> Callable[[Any], int] | None:
+        """How long a sample is, for length bucketing: its token count (text) or its size along the
+        varying dimension (tensor rows with `dynamic_dims`); None when every row has one shape."""
+        return self.sample_length or self.row_length
 
     @property
     def has_conv(self) -> bool:

@@ -229,7 +229,7 @@ def _pt2(workload: Workload, steps, path: Path) -> Exported:
     inputs = example_inputs(workload)
     try:
         with torch.no_grad(), quiet_export():
-            program = torch.export.export(model, inputs, dynamic_shapes=export_shapes(workload, inputs), strict=False)
+            program = torch.export.export(model, inputs, dynamic_shapes=export_shapes(workload, inputs, model), strict=False)
     except Exception as exc:  # noqa: BLE001 - the user's model; say why
         raise ExportError(f"{workload.name}: torch.export failed: {reason(exc)}") from None
     path.parent.mkdir(parents=True, exist_ok=True)

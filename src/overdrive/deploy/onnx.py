@@ -15,6 +15,7 @@ import contextlib
 import io
 import logging
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from overdrive.core.errors import WorkloadError, one_line
+from overdrive.core.errors import WorkloadError
 from overdrive.core.workload import Workload
 
 # The export is refused when max |ONNX Runtime − PyTorch| > EXPORT_ATOL + EXPORT_RTOL × max |PyTorch|
@@ -101,8 +102,8 @@ def example_inputs(workload: Workload, rows: int = 4) -> tuple[torch.Tensor, ...
     of different lengths for a text workload (training rows when there are some)."""
     pool = list(workload.train_samples or workload.samples)
     n = workload.fixed_batch_size or max(2, min(rows, len(pool)))
-    if workload.sample_length is not None:
-        pool = sorted(pool[:256], key=workload.sample_length)[-n:]  # the longest: a sequence axis of size 1 would specialise
+    if workload.bucket_length is not None:
+        pool = sorted(pool[:256], key=workload.bucket_length)[-n:]  # the longest: a sequence axis of size 1 would specialise
     chosen = [pool[i % len(pool)] for i in range(n)]
     return tuple(workload.collate(chosen))
 
@@ -172,15 +173,27 @@ def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, input
 def _export(kind: str, model: nn.Module, inputs, path: Path, names, outputs, axes, opset) -> None:
     with quiet_export(), torch.no_grad():
         if kind == "dynamo":
-            dims: dict[str, torch.export.Dim] = {}
-            shapes = tuple({a: dims.setdefault(n, torch.export.Dim(n)) for a, n in axes[name].items()} or None
-                           for name in names)
-            onnx_program = torch.onnx.export(model, inputs, input_names=names, output_names=outputs, dynamic_shapes=shapes,
-                                             dynamo=True, opset_version=opset, verbose=False)
-            onnx_program.save(str(path), external_data=_too_large(model))
+            dims: dict[str, torch.export.Dim] = {}  # one per axis name: inputs that vary together share it
+            specs = [{a: dims.setdefault(n, torch.export.Dim(n)) for a, n in axes[name].items()} or None for name in names]
+            program = torch.onnx.export(model, inputs, input_names=names, output_names=outputs,
+                                        dynamic_shapes=bind_shapes(model, specs), dynamo=True, opset_version=opset,
+                                        verbose=False)
+            program.save(str(path), external_data=_too_large(model))
         else:
             traced(lambda: torch.onnx.export(model, inputs, str(path), input_names=names, output_names=outputs,
                                              dynamic_axes=axes, dynamo=False, opset_version=opset or 17))
+
+
+def bind_shapes(model: nn.Module, specs: list) -> tuple | dict:
+    """torch.export `dynamic_shapes` for `model(*inputs)`: one spec per input, laid out as the model's
+    forward binds its positional arguments (a `forward(*inputs)` takes them as one argument, whose
+    spec is then the tuple of specs); the specs as they are when the signature cannot be read."""
+    import inspect
+
+    try:
+        return dict(inspect.signature(model.forward).bind(*specs).arguments)
+    except (TypeError, ValueError):
+        return tuple(specs)
 
 
 def traced(fn):
@@ -221,19 +234,39 @@ def quiet_export():
             logger.setLevel(level)
 
 
-def reason(exc: BaseException) -> str:
-    """One line saying why an exporter failed: the cause, where the message only points at a stack
-    trace ("Refer to the full stack trace above") that overdrive does not print."""
+# Lines exporters add that point elsewhere (a stack trace overdrive does not print, a log setting, a web page).
+_POINTERS = ("the error above occurred", "refer to the full stack trace", "for more information", "if you would like to view",
+             "set torch_logs", "you can replace your", "see https://", "exportdb")
+
+
+def _before_pointer(line: str) -> str:
+    """`line` up to the first phrase that points elsewhere."""
+    lower = line.lower()
+    cut = min([lower.index(p) for p in _POINTERS if p in lower], default=len(line))
+    return line[:cut].strip()
+
+
+def reason(exc: BaseException, *, max_chars: int = 400) -> str:
+    """One line saying why an exporter failed. torch.onnx wraps the cause in a message that points at
+    a stack trace overdrive does not print ("Refer to the full stack trace above"): the cause it was
+    raised from is quoted instead; and torch.export's own lines that point elsewhere ("The error above
+    occurred when calling torch.export.export", a web page, a log setting) are dropped, the rest joined."""
     while "stack trace" in str(exc) and exc.__cause__ is not None:
         exc = exc.__cause__
-    return one_line(exc)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # terminal colours
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    kept = [cut for cut in (_before_pointer(line) for line in lines) if cut] or lines[-1:]
+    said = f"{type(exc).__name__}: {' '.join(kept)}".rstrip(": ")
+    return said if len(said) <= max_chars else said[:max_chars].rsplit(" ", 1)[0] + " …"
 
 
-def export_shapes(workload: Workload, inputs: tuple[torch.Tensor, ...]) -> tuple:
+def export_shapes(workload: Workload, inputs: tuple[torch.Tensor, ...], model: nn.Module | None = None) -> tuple | dict:
     """torch.export `dynamic_shapes` for `inputs`: Dim.AUTO on each dynamic axis (torch.export finds
-    each axis's range, e.g. a sequence up to max_position_embeddings), None for static inputs."""
+    each axis's range, e.g. a sequence up to max_position_embeddings), None for static inputs; laid
+    out as `model`'s forward binds them (`bind_shapes`) when it is given."""
     axes = axes_for(workload, inputs)
-    return tuple({a: torch.export.Dim.AUTO for a in axes[name]} or None for name in input_names(workload, len(inputs)))
+    specs = [{a: torch.export.Dim.AUTO for a in axes[name]} or None for name in input_names(workload, len(inputs))]
+    return bind_shapes(model, specs) if model is not None else tuple(specs)
 
 
 def _too_large(model: nn.Module) -> bool:

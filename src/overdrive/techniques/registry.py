@@ -40,7 +40,7 @@ class BatchingPolicy:
     """How evaluation samples are grouped into batches.
 
     Attributes:
-        sort_by_length: order samples by `workload.sample_length` before cutting batches,
+        sort_by_length: order samples by `workload.bucket_length` before cutting batches,
             so each batch pads to a similar length (length bucketing). Outputs are restored to
             the input order by the caller.
     """
@@ -50,8 +50,9 @@ class BatchingPolicy:
     def order(self, workload: Workload, indices: list[int]) -> list[int]:
         """Positions 0..len(indices)-1 in the order they are cut into batches (indices may repeat)."""
         positions = list(range(len(indices)))
-        if self.sort_by_length and workload.sample_length is not None:
-            positions.sort(key=lambda p: workload.sample_length(workload.samples[indices[p]]))
+        length = workload.bucket_length
+        if self.sort_by_length and length is not None:
+            positions.sort(key=lambda p: length(workload.samples[indices[p]]))
         return positions
 
 

@@ -103,13 +103,21 @@ def data_left(model, data):
     return data if not isinstance(model, nn.Module) or isinstance(data, (str, Path)) else None
 
 
-def input_signature(workload: Workload) -> list[dict[str, Any]] | None:
-    """The per-row shape and dtype of each model input, for tensor workloads (None for text)."""
+def input_signature(workload: Workload, max_rows: int = 4096) -> list[dict[str, Any]] | None:
+    """Per model input: its keyword (when the model takes keywords), row shape and dtype, for tensor
+    workloads (None for text). Along a varying dimension the shape is the longest row's (of the
+    first `max_rows`)."""
     sample = workload.samples[0]
     columns = (sample,) if isinstance(sample, torch.Tensor) else sample
     if workload.is_text or not all(isinstance(c, torch.Tensor) for c in columns):
         return None
-    return [{"shape": list(c.shape), "dtype": str(c.dtype).removeprefix("torch.")} for c in columns]
+    shapes = [list(c.shape) for c in columns]
+    for row in list(workload.samples[1:max_rows]) if workload.dynamic_dims else []:
+        for shape, c in zip(shapes, (row,) if isinstance(row, torch.Tensor) else row):
+            shape[:] = [max(a, b) for a, b in zip(shape, c.shape)]
+    names = workload.input_names or [None] * len(columns)
+    return [{**({"name": n} if n else {}), "shape": shape, "dtype": str(c.dtype).removeprefix("torch.")}
+            for n, shape, c in zip(names, shapes, columns)]
 
 
 def plan_dims(workload: Workload) -> dict[str, list[int]] | None:
@@ -119,6 +127,14 @@ def plan_dims(workload: Workload) -> dict[str, list[int]] | None:
         return None
     names = workload.input_names
     return {(names[i] if names else str(i)): list(ds) for i, ds in sorted(workload.dynamic_dims.items())}
+
+
+def record_workload(plan: Plan, workload: Workload) -> None:
+    """Write into `plan` what `load(plan, model)` needs to rebuild the same workload from the model
+    alone: the inputs' names, row shapes and dtypes, the judged outputs, the varying dimensions."""
+    plan.inputs = input_signature(workload)
+    plan.outputs = list(workload.output_names) if workload.output_names else None
+    plan.dynamic_dims = plan_dims(workload)
 
 
 @dataclass(kw_only=True)
@@ -192,10 +208,17 @@ class OptimizeResult:
 
     @property
     def model(self) -> nn.Module:
-        """The plan's model, built once on the device it was measured on, ready to call. Length
+        """The plan's model, built once on the device it was measured on, ready to call as your model
+        is: the same arguments (`model(**inputs)` for a dict example), and for a model with structured
+        outputs the same structure (its `ModelOutput` class, dict or tuple) holding the outputs the
+        plan judged, each in its own shape; outputs it does not carry (token-level outputs that
+        follow the input length, a KV cache) are None (`overdrive.workloads.structured`). Length
         bucketing, a batching policy, is not part of it: `run` and `serve` apply it."""
         if self._model is None:
-            self._model = build(self.session.workload, self.plan.steps, self.session.device)[0]
+            from overdrive.workloads.structured import user_facing
+
+            built = build(self.session.workload, self.plan.steps, self.session.device)[0]
+            self._model = user_facing(built, self.session.workload.model)
         return self._model
 
     def _repr_markdown_(self) -> str:  # a notebook shows the table
@@ -333,9 +356,8 @@ class OptimizeJob:
 
         tuner.progress = step
         tune = tuner.run()
-        tune.plan.inputs = input_signature(s.workload)
+        record_workload(tune.plan, s.workload)
         tune.plan.weights = s.workload.extra.get("weights")
-        tune.plan.dynamic_dims = plan_dims(s.workload)
         tune.plan.model_sha256 = weights_fingerprint(s.workload.model)
         warnings: list[str] = []
         result = OptimizeResult(rows=tune.rows, plan=tune.plan, baseline=tune.baseline, sweep={}, sweep_warnings=warnings,
@@ -375,7 +397,8 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             (`overdrive.workloads.signature`).
         device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N" or a torch.device.
         data: your evaluation rows, on which candidates are judged: for a module, batches shaped
-            like `example_inputs`; for any model, a file (`.npy` [N, *row], a folder of images,
+            like `example_inputs` (dicts with its keys for a dict example, as a tokenizer returns them);
+            for any model, a file (`.npy` [N, *row], a folder of images,
             `.txt` / `.jsonl` / `.csv` text for text models; see `overdrive.workloads.data`).
             Without it a module is judged on its example's rows, a built-in on its own samples.
         metric: for a module with `data`: `metric(outputs) -> float`, a task score of the outputs

@@ -87,8 +87,11 @@ class Plan:
         steps: technique configs in application order.
         measured: headline figures of the chosen configuration (samples_per_s, speedup, ...).
         environment: torch version and device name it was measured with.
-        inputs: per model input, the row shape and dtype it was measured with ({"shape": [...],
-            "dtype": "float32"}), for tensor workloads; None for text.
+        inputs: per model input, its keyword (for a dict example), the row shape and dtype it was
+            measured with ({"name": "input_ids", "shape": [...], "dtype": "int64"}; the largest row
+            along a varying dimension), for tensor workloads; None for text.
+        outputs: the paths of the user's model outputs the plan judges and returns ("logits",
+            "pooler_output"; `overdrive.workloads.signature`), None for a model returning one tensor.
         weights: the checkpoint loaded into the model (`--weights`), or None.
         dynamic_dims: {input name (or index): dims} whose size varies from row to row, or None.
         model_sha256: the fingerprint of the fp32 weights it was measured with
@@ -104,6 +107,7 @@ class Plan:
     measured: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     inputs: list[dict[str, Any]] | None = None
+    outputs: list[str] | None = None
     weights: str | None = None
     dynamic_dims: dict[str, list[int]] | None = None
     model_sha256: str | None = None
@@ -119,6 +123,7 @@ class Plan:
             "measured": self.measured,
             "environment": self.environment,
             **({"inputs": self.inputs} if self.inputs else {}),
+            **({"outputs": self.outputs} if self.outputs else {}),
             **({"weights": self.weights} if self.weights else {}),
             **({"dynamic_dims": self.dynamic_dims} if self.dynamic_dims else {}),
             **({"model_sha256": self.model_sha256} if self.model_sha256 else {}),
@@ -144,6 +149,7 @@ class Plan:
             measured=data.get("measured", {}),
             environment=data.get("environment", {}),
             inputs=data.get("inputs"),
+            outputs=data.get("outputs"),
             weights=data.get("weights"),
             dynamic_dims=data.get("dynamic_dims"),
             model_sha256=data.get("model_sha256"),

@@ -16,6 +16,7 @@ from overdrive.core.workload import Workload
 from overdrive.tuning.api import PYTHON_MODEL_PREFIX, data_left, as_workload
 from overdrive.tuning.plan import Plan, build, load_plan
 from overdrive.tuning.sweep import compare_plan, open_session
+from overdrive.workloads.structured import user_facing
 
 
 def load(plan: str | Path, model: nn.Module | Workload | None = None, *, example_inputs=None,
@@ -27,11 +28,14 @@ def load(plan: str | Path, model: nn.Module | Workload | None = None, *, example
         model: the model (or Workload) the plan was made for; it is copied, not changed. None:
             the plan's own workload (a built-in name, factory or file).
         example_inputs: inputs [B, ...] for techniques that trace the model (channel pruning);
-            None: seeded rows of the shapes the plan recorded.
+            None: rows of the names, shapes and dtypes the plan recorded (seeded normal floats,
+            integer zeros, masks of ones).
         device: "auto" (the device type the plan was tuned on), "cpu", "cuda" or "cuda:N".
 
     Returns:
-        The optimized module in eval mode, on the device.
+        The optimized module in eval mode, on the device, called as your model is: the same
+        arguments (`fast(**inputs)` for a model given a dict example), and for structured outputs
+        the same structure holding the outputs the plan judged (as `OptimizeResult.model`).
 
     Raises:
         PlanError: the file is not a plan, names missing checkpoints, or was tuned on another device type.
@@ -45,12 +49,16 @@ def load(plan: str | Path, model: nn.Module | Workload | None = None, *, example
         workload = open_session(loaded.create_workload(), device=resolved, batch_size=loaded.batch_size).workload
     elif isinstance(model, Workload):
         workload = model
-    else:
-        workload = as_workload(model, example_inputs if example_inputs is not None else _example_from(loaded))
-    return build(workload, loaded.steps, resolved)[0]
+    else:  # the workload optimize measured: the same input names, judged outputs and varying dimensions
+        workload = as_workload(model, example_inputs if example_inputs is not None else _example_from(loaded),
+                               output=loaded.outputs, dynamic_dims=loaded.dynamic_dims or {})
+    return user_facing(build(workload, loaded.steps, resolved)[0], workload.model)
 
 
-def _example_from(plan: Plan) -> tuple[torch.Tensor, ...]:
+def _example_from(plan: Plan) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+    """A batch of the plan's batch size with the recorded input names, row shapes and dtypes: seeded
+    normal floats, integer zeros (token ids), ones for masks (a mask of zeros is all padding); a dict
+    when the plan recorded names."""
     if not plan.inputs:
         raise ConfigError(f"the plan records no input shapes; pass {arg('example_inputs')}")
     generator = torch.Generator().manual_seed(0)
@@ -58,9 +66,13 @@ def _example_from(plan: Plan) -> tuple[torch.Tensor, ...]:
     for spec in plan.inputs:
         dtype = getattr(torch, spec["dtype"])
         shape = (plan.batch_size, *spec["shape"])
-        example.append(torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point
-                       else torch.zeros(shape, dtype=dtype))
-    return tuple(example)
+        if dtype.is_floating_point:
+            example.append(torch.randn(shape, generator=generator).to(dtype))
+        else:
+            mask = "mask" in str(spec.get("name", "")) or dtype == torch.bool
+            example.append(torch.ones(shape, dtype=dtype) if mask else torch.zeros(shape, dtype=dtype))
+    names = [spec.get("name") for spec in plan.inputs]
+    return dict(zip(names, example)) if all(names) else tuple(example)
 
 
 def _weights_dtype(model: nn.Module) -> str:

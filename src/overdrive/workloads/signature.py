@@ -74,22 +74,28 @@ def pick_output(out: Any, path: str) -> torch.Tensor:
 class SignatureModel(nn.Module):
     """The user's model as overdrive calls it: inputs by position, one floating tensor out.
 
-    forward(*inputs) -> model(**{name: input}) (or model(*inputs) without names); the selected
-    output, or several flattened per row and concatenated: [B, Σ numel per row]. Keyword calls
-    `forward(input_ids=..., attention_mask=...)` work too, so `result.model` takes what the
-    original took.
+    forward(*inputs) -> model(**{name: input}, **call_kwargs) (or model(*inputs) without names); the
+    selected output, or several flattened per row and concatenated: [B, Σ numel per row]. Keyword
+    calls `forward(input_ids=..., attention_mask=...)` work too. What users get back
+    (`result.model`, `overdrive.load`) is the plan's model behind `structured.UserFacingModel`, which
+    returns the user's own output structure from `layout`.
 
     Args:
         model: the user's module (kept as the submodule `model`; techniques rewrite inside it).
         input_names: the keyword of each positional input, in order; None: positional.
         output_paths: the outputs returned, as `output_tensors` names them ("" for a lone tensor).
+        layout: the user's output structure (`structured.OutputLayout`), when known.
+        call_kwargs: keywords passed on every call (`model_call_kwargs`: no KV cache nothing reads).
     """
 
-    def __init__(self, model: nn.Module, input_names: Sequence[str] | None, output_paths: Sequence[str]):
+    def __init__(self, model: nn.Module, input_names: Sequence[str] | None, output_paths: Sequence[str],
+                 layout: Any = None, call_kwargs: Mapping[str, Any] | None = None):
         super().__init__()
         self.model = model
         self.input_names = tuple(input_names) if input_names else None
         self.output_paths = tuple(output_paths)
+        self.layout = layout
+        self.call_kwargs = dict(call_kwargs or {})
 
     def forward(self, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor:
         if named:
@@ -99,9 +105,23 @@ class SignatureModel(nn.Module):
             if unknown:  # an input overdrive does not pass on would be dropped without a word
                 raise TypeError(f"unexpected inputs {sorted(unknown)}; this model takes {list(self.input_names)}")
             inputs = (*inputs, *(named[n] for n in self.input_names[len(inputs):] if n in named))
-        out = self.model(**dict(zip(self.input_names, inputs))) if self.input_names else self.model(*inputs)
+        if self.input_names:
+            out = self.model(**dict(zip(self.input_names, inputs)), **self.call_kwargs)
+        else:
+            out = self.model(*inputs)
         parts = [pick_output(out, p) for p in self.output_paths]
         return parts[0] if len(parts) == 1 else torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
+
+
+def model_call_kwargs(model: nn.Module, output_paths: Sequence[str]) -> dict[str, Any]:
+    """Keywords overdrive adds to every call of a keyword-input model: `use_cache=False` for a
+    Hugging Face model whose forward takes it (GPT-2) when no judged output is its KV cache: the
+    cache is not returned, and building it costs time and keeps OpenVINO from converting the model."""
+    try:
+        takes = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if takes and not any(p.startswith("past_key_values") for p in output_paths) else {}
 
 
 def outputs_fidelity(widths: Sequence[int],
@@ -290,6 +310,51 @@ def detect_dynamic_dims(model: nn.Module, names: Sequence[str] | None, example: 
     return found, varying, notes
 
 
+MASK_NAME = "attention_mask"  # the input whose zeros mark padding (Hugging Face's keyword)
+
+
+def cut_padding(rows: list[tuple[torch.Tensor, ...]], dims: dict[int, tuple[int, ...]],
+                names: Sequence[str] | None) -> tuple[list[tuple[torch.Tensor, ...]], int]:
+    """Rows right-padded along their varying dimension, cut to their real length: the count of ones
+    in their `attention_mask` row (ones, then zeros). `pad_stack` pads each batch back to its
+    longest row, so length bucketing can group rows of similar length. Rows that are not
+    right-padded (a mask with a zero inside, all zeros, left padding) are kept whole.
+
+    Args:
+        rows: samples, tuples of row tensors (no batch dimension).
+        dims: the workload's dynamic dimensions (of the batched tensors).
+
+    Returns:
+        (the rows, how many were cut).
+    """
+    if not names or MASK_NAME not in names or dims.get(list(names).index(MASK_NAME)) != (1,):
+        return rows, 0
+    m = list(names).index(MASK_NAME)
+    out, cut = [], 0
+    for row in rows:
+        mask = row[m]
+        size = mask.shape[0] if mask.dim() == 1 else 0
+        n = int((mask != 0).sum()) if size else 0
+        if not 0 < n < size or not bool((mask[:n] != 0).all()):
+            out.append(row)
+            continue
+        out.append(tuple(_narrow(t, dims.get(i, ()), size, n) for i, t in enumerate(row)))
+        cut += 1
+    return out, cut
+
+
+def _narrow(row: torch.Tensor, dims: tuple[int, ...], size: int, n: int) -> torch.Tensor:
+    for d in dims:  # d counts the batch dimension; the row has none
+        if row.dim() >= d and row.shape[d - 1] == size:
+            row = row.narrow(d - 1, 0, n).clone()  # its own storage: not a view that keeps the full row alive
+    return row
+
+
+def row_size(index: int, dim: int, row: tuple[torch.Tensor, ...]) -> int:
+    """The size of `row[index]` along `dim` of the batched tensor (a row's length, `Workload.row_length`)."""
+    return int(row[index].shape[dim - 1])
+
+
 def describe_dims(dims: dict[int, tuple[int, ...]], names: Sequence[str] | None) -> str:
     return ", ".join(f"{names[i] if names else f'input {i}'} dim {', '.join(map(str, ds))}" for i, ds in sorted(dims.items()))
 
@@ -348,6 +413,7 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
         WorkloadError: the tokenizer fails on a sentence, or the model on its output.
     """
     from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
+    from overdrive.workloads.structured import OutputLayout
 
     try:
         from transformers import PreTrainedTokenizerBase
@@ -393,7 +459,8 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
 
     workload = Workload(
         name=name,
-        model=SignatureModel(model, names, paths).eval(),
+        model=SignatureModel(model, names, paths, layout=OutputLayout.of(outputs[0], paths),
+                             call_kwargs=model_call_kwargs(model, paths)).eval(),
         samples=sentences,
         collate=collate,
         fidelity=logits_fidelity if len(paths) == 1 else outputs_fidelity(widths),

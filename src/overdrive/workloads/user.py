@@ -21,7 +21,7 @@ import sys
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -35,6 +35,9 @@ from overdrive.workloads.data import hold_out
 from overdrive.workloads.signature import (
     SignatureModel,
     choose_outputs,
+    cut_padding,
+    model_call_kwargs,
+    row_size,
     describe_dims,
     detect_dynamic_dims,
     normalize_dims,
@@ -45,6 +48,7 @@ from overdrive.workloads.signature import (
     split_example,
     text_workload,
 )
+from overdrive.workloads.structured import OutputLayout
 
 NUM_SAMPLES = 64
 
@@ -142,8 +146,9 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             returns a tensor, tuple, dict, dataclass or ModelOutput holding floating [B, ...]
             tensors with the example's batch size B.
         example: a tensor, a tuple of tensors or a dict of keyword tensors, each [B, ...].
-        data: evaluation batches, each shaped like `example` (a tensor, or a tuple of tensors
-            with the same first dimension); their rows, in order, are the samples.
+        data: evaluation batches, each shaped like `example` (a tensor, a tuple of tensors with the
+            same first dimension, or for a dict example a dict with its keys, as a tokenizer returns
+            it); their rows, in order, are the samples.
         metric: a task score of the model's outputs on all rows of `data`, float32 [N, ...] in
             data order -> float, higher is better (e.g. accuracy in percent, closing over your
             labels); `max_accuracy_drop` budgets it in its own units.
@@ -200,7 +205,12 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
             notes += output_notes
             widths = [pick_output(out, p)[0].numel() for p in output_names]
             fidelity = outputs_fidelity(widths) if len(output_names) > 1 else logits_fidelity
-            model = SignatureModel(model, input_names, output_names)
+            call_kwargs = model_call_kwargs(model, output_names)
+            if call_kwargs:
+                notes.append("the model is called with use_cache=False: no judged output is its KV cache (past_key_values), "
+                             "so it is not built, here or in the plan's model")
+            model = SignatureModel(model, input_names, output_names, layout=OutputLayout.of(out, output_names),
+                                   call_kwargs=call_kwargs)
         fixed = None if _accepts_other_batch_sizes(model, example) else batch
         placeholder = data is None and _is_placeholder(example)
         limits = derive_input_limits(model, example) if data is not None or placeholder else None
@@ -211,7 +221,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         raise ConfigError(f"{arg('metric')} scores the outputs on {arg('data')}; give the evaluation batches too")
     train = None
     if data is not None:
-        samples, source = _rows_of(name, data, example, limits, dims), "data"
+        samples, source = _rows_of(name, data, example, limits, dims, input_names), "data"
     elif not placeholder:
         samples, source = [tuple(t[r].detach().cpu() for t in example) for r in range(batch)], "example"
     else:
@@ -222,6 +232,14 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         if unknown:
             notes.append(f"integer input(s) {unknown} of the placeholder example hold one value and index no embedding "
                          "overdrive could see, so their random rows hold that value only; pass data for real rows")
+    row_length = None
+    if dims:
+        samples, cut = cut_padding(samples, dims, input_names)
+        if cut:
+            notes.append(f"{cut} of {len(samples)} rows were cut to the length their attention_mask gives (right padding) "
+                         "and are padded per batch, as rows of other lengths are")
+        first = min(dims)
+        row_length = partial(row_size, first, dims[first][0])
     if source != "random" and metric is None:  # real rows, 100+: a fifth for calibration, never judged, as `with_data`
         samples, train, held_notes = hold_out(samples, "your" if source == "data" else "your example's")
         notes += held_notes
@@ -232,6 +250,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         train_samples=train,
         collate=partial(pad_stack, dims, max_size=max_size) if dims else stack_rows,
         dynamic_dims=dims,
+        row_length=row_length,
         fidelity=fidelity if output_names else logits_fidelity,
         input_names=input_names,
         output_names=output_names,
@@ -255,8 +274,8 @@ def stack_rows(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]
 
 
 def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
-             limits: InputLimits | None = None, dims: dict[int, tuple[int, ...]] | None = None
-             ) -> list[tuple[torch.Tensor, ...]]:
+             limits: InputLimits | None = None, dims: dict[int, tuple[int, ...]] | None = None,
+             names: list[str] | None = None) -> list[tuple[torch.Tensor, ...]]:
     """The rows of evaluation batches `data` as samples (tuples of row tensors, detached, on the CPU).
 
     Raises:
@@ -265,6 +284,11 @@ def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
     """
     rows: list[tuple[torch.Tensor, ...]] = []
     for i, batch in enumerate(data):
+        if isinstance(batch, Mapping):  # a dict batch (a tokenizer's BatchEncoding): the example's keys, in its order
+            if not names or any(n not in batch for n in names):
+                raise WorkloadError(f"{name}: batch {i} of {arg('data')} has keys {sorted(map(str, batch))}; expected "
+                                    + (f"{names}, the example's" if names else "tensors by position, as the example"))
+            batch = tuple(batch[n] for n in names)
         batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
         if len(batch) != len(example) or not all(isinstance(t, torch.Tensor) for t in batch):
             raise WorkloadError(f"{name}: batch {i} of {arg('data')} is not {len(example)} tensor(s) like the example")

@@ -19,8 +19,10 @@ class LengthBucketingConfig(TechniqueConfig):
 
 @register
 class LengthBucketing(Technique):
-    """Sort text samples by token length before cutting batches, so each batch pads only to
-    the longest of similar-length neighbours; outputs are returned in input order."""
+    """Sort samples by length before cutting batches, so each batch pads only to the longest of
+    similar-length neighbours; outputs are returned in input order. Text is sorted by token count;
+    tensor rows with a varying dimension (a dict example's `input_ids`) by their size there, which
+    is the real token count of rows cut at their attention mask (`signature.cut_padding`)."""
 
     config_cls = LengthBucketingConfig
     exportable = True  # survives export to ONNX / OpenVINO
@@ -29,7 +31,7 @@ class LengthBucketing(Technique):
     description = "sort text by length, pad per batch (batching)"
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
-        if not workload.is_text:
+        if workload.bucket_length is None:
             return "not applicable: inputs have a fixed shape (no padding to save)"
         return None
 

@@ -133,8 +133,11 @@ class RemovePadding(Technique):
     description = "run a BERT encoder's Linear/LayerNorm/GELU on real tokens only (FasterTransformer's remove padding)"
 
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
-        if not workload.is_text:
+        if not workload.is_text and not workload.dynamic_dims:
             return "not applicable: inputs have a fixed shape (no padding to remove)"
+        if not workload.is_text and "attention_mask" not in (workload.input_names or []):
+            return ("not applicable: the model is given no attention_mask, so every position is a token (no padding "
+                    "to remove)")
         if not _qualifies(workload.model) and not bert_encoders(workload.model):
             if holds_graph(workload.model):
                 return missing_layers_reason(workload.model, layers="Hugging Face BERT encoder", ops=ATTENTION_OPS,

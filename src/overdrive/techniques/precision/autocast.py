@@ -22,9 +22,9 @@ class AutocastModule(ForwardWrapper):
         self.device_type = device_type
         self.dtype = dtype
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         with torch.autocast(device_type=self.device_type, dtype=self.dtype):
-            out = self.inner(*args)
+            out = self.inner(*args, **kwargs)
         return out.float()
 
 

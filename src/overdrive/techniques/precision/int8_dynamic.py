@@ -46,13 +46,42 @@ class Int8Dynamic(Technique):
         return None
 
     def apply(self, model, config, *, workload, device):
+        linears = {name for name, m in model.named_modules() if type(m) is nn.Linear}
+        called = called_linears(model, workload, device) if linears else set()
+        if linears and not called:
+            raise RuntimeError(f"none of the model's {len(linears)} nn.Linear layers is called as a module (the model reads "
+                               "their weights itself, e.g. F.linear(x, layer.weight)), so none can be swapped for int8")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # torch.ao.quantization is deprecated in favour of torchao
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
-            from torch.ao.quantization import quantize_dynamic
+            from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
 
-            quantized = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+            # only Linears that are called: a quantized Linear's weight is a method, and a model that reads
+            # `layer.weight` itself (torchvision's Swin attention: F.linear(x, self.qkv.weight)) would fail on it
+            quantized = quantize_dynamic(model, {name: default_dynamic_qconfig for name in called}, dtype=torch.qint8)
         if not any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in quantized.modules()):
             raise RuntimeError("no nn.Linear layer was quantized (quantize_dynamic swaps exact nn.Linear modules only)")
+        kept = sorted(linears - called)
+        if kept:
+            quantized.overdrive_report = {
+                "technique": self.name,
+                "int8 Linear layers": f"{len(called)} of {len(linears)}; {len(kept)} stay fp32 because the model reads their "
+                                      f"weights itself instead of calling them (e.g. {', '.join(kept[:2])})"}
         return quantized
+
+
+def called_linears(model: nn.Module, workload: Workload, device: torch.device) -> set[str]:
+    """The names of the exact nn.Linear modules of `model` that its forward calls, on a small real batch."""
+    from overdrive.deploy.onnx import example_inputs
+
+    called: set[str] = set()
+    hooks = [m.register_forward_hook(lambda module, args, out, name=name: called.add(name))
+             for name, m in model.named_modules() if type(m) is nn.Linear]
+    try:
+        with torch.no_grad():
+            model(*(t.to(device) for t in example_inputs(workload, rows=2)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return called

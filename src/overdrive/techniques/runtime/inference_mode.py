@@ -13,9 +13,9 @@ from overdrive.techniques.registry import ForwardWrapper, Stage, Technique, Tech
 class InferenceModeModule(ForwardWrapper):
     """Runs `inner` under `torch.inference_mode()` (no autograd version counters or views tracking)."""
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         with torch.inference_mode():
-            return self.inner(*args)
+            return self.inner(*args, **kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,7 +79,7 @@ def convert(model: torch.nn.Module, workload: Workload):
     example = example_inputs(workload)
     with torch.no_grad(), quiet_export():
         try:
-            program = torch.export.export(model, example, dynamic_shapes=export_shapes(workload, example), strict=False)
+            program = torch.export.export(model, example, dynamic_shapes=export_shapes(workload, example, model), strict=False)
             return ov.convert_model(program)
         except Exception as exc:  # noqa: BLE001 - try the TorchScript frontend, then report both
             first = reason(exc)
