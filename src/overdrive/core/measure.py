@@ -40,7 +40,7 @@ from torch import nn
 from overdrive.core.devices import synchronize
 from overdrive.core.interference import Contention, LoadMeter, wait_until_idle
 from overdrive.core.timer import Timer
-from overdrive.core.workload import Inputs, Workload, equal_length_batches
+from overdrive.core.workload import Inputs, Workload, equal_length_batches, warm_up_rows
 from overdrive.techniques.registry import BatchingPolicy
 
 # Rows per timed pass in `optimize` and `bench`: enough batches for a steady figure, short enough for
@@ -251,6 +251,7 @@ class Runner:
         self.pass_preempted: list[bool] = []  # per pass: it ran preempted by other work (`core.interference`)
         self.meter = LoadMeter()  # the load of each timed stretch
         self.settle_passes = 0  # uncounted passes `settle` ran
+        self.late_graphs = 0  # graphs torch.compile built in the first pass, after the jobs' warm-up
         self.warmup_s = 0.0
         self.peak: tuple[int | None, str] = (None, "")
         self.peak_reserved: int | None = None
@@ -263,16 +264,35 @@ class Runner:
 
     @torch.no_grad()
     def warm_up(self) -> torch.Tensor:
-        """The first pass (compiles, autotunes, lazy initialisation): its wall time is `warmup_s`,
-        the peak memory is read over it, and its outputs (returned) are the ones judged."""
+        """The warm-up `run` and `serve` give a model before their records (`core.workload.warm_up_rows`, at
+        batch 1 and this batch size), then the first pass over every row (compiles, autotunes, lazy
+        initialisation): its wall time is `warmup_s`, the peak memory is read over it, its outputs (returned)
+        are the ones judged, and the graphs torch.compile built in it, past the jobs' warm-up, are
+        `late_graphs`: a job would stop mid-way to compile each."""
+        graphs = self._job_warm_up()
         baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         reset_peak_memory(self.device)
         self.warmup_s, _, outputs = self._pass(timed=False)
+        self.late_graphs = compiled_graphs() - graphs
         peak, kind = peak_memory(self.device)
         self.peak = ((peak - baseline) if peak is not None and self.device.type == "cuda" else peak, kind)
         if self.device.type == "cuda":
             self.peak_reserved = torch.cuda.max_memory_reserved(self.device)
         return outputs
+
+    def _job_warm_up(self) -> int:
+        """The calls `run` makes before its records (`warm_up_rows` at batch 1 and this batch size, over the
+        rows sorted by length); returns `compiled_graphs()` after them."""
+        w = self.workload
+        rows = [w.samples[i] for i in dict.fromkeys(self.indices)]
+        if w.bucket_length is not None:
+            rows.sort(key=w.bucket_length)
+        sizes = [w.fixed_batch_size] if w.fixed_batch_size else sorted({1, self.batch_size})
+        for size in sizes:
+            for group in warm_up_rows(rows, size, equal_lengths_only=w.equal_lengths_only):
+                self.model(*to_device(w.collate(group), self.device))
+        synchronize(self.device)
+        return compiled_graphs()
 
     @torch.no_grad()
     def timed_pass(self) -> float:

@@ -200,6 +200,19 @@ class Workload:
         return {"accuracy_pct": 100.0 * correct}
 
 
+def warm_up_rows(rows: Sequence[Any], size: int, *, equal_lengths_only: bool = False) -> list[list[Any]]:
+    """The batches of `size` rows a job warms a model up with before its records run (`run`, `serve`, and
+    `optimize` measuring what they will see): `size` rows around the middle of `rows` (sorted by length
+    for text: lengths that differ, padded to the longest), and the middle row `size` times (nothing
+    padded). A compiled model may take another path for each (remove-padding skips its packing when no
+    row is padded), each a graph of its own to build before the records run, not in the middle of them.
+    A model that must not see padding (`equal_lengths_only`) gets the second only."""
+    mid = max(0, len(rows) // 2 - size // 2)
+    mixed = [rows[(mid + j) % len(rows)] for j in range(size)]
+    same = [rows[len(rows) // 2]] * size
+    return [same] if equal_lengths_only or size == 1 else [mixed, same]
+
+
 def equal_length_batches(order: Sequence[int], length: Callable[[int], int], batch_size: int) -> list[list[int]]:
     """`order` cut into batches of at most `batch_size` whose rows all have one `length(row)`, so that
     collating a batch pads none of them: longest first, ties in `order`'s order."""

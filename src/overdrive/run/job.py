@@ -267,7 +267,7 @@ def _run_claimed(config: RunConfig, workload: Workload | None, out_fmt: str, mod
             atomic_write(parts.dir / "manifest.json", json.dumps(stored, indent=1).encode())
         if batch_size > 1:  # the shapes the records will come in: a compiled model builds its graphs for them now,
             for r in replicas:  # in the set-up, not in the first batch (torch.compile specialises a batch of 1)
-                for inputs in warm_up_batches(values, batch_size, collate):
+                for inputs in warm_up_batches(values, batch_size, collate, equal_lengths_only=workload.equal_lengths_only):
                     r.in_own_thread(r.warm_up, inputs)
         collate.chunk_size = chunk_size
     except BaseException as exc:

@@ -25,7 +25,7 @@ from overdrive.core.errors import one_line
 from overdrive.core.input_limits import InputLimits
 from overdrive.core.measure import owned_host_float32
 from overdrive.core.timer import Timer
-from overdrive.core.workload import Workload, equal_length_batches, pad_stack
+from overdrive.core.workload import Workload, equal_length_batches, pad_stack, warm_up_rows
 from overdrive.run.inputs import RecordError, RecordSource
 
 AUTO_GAIN = 1.05  # batch_size "auto" doubles while items/s rises by at least 5%
@@ -335,15 +335,13 @@ def batch_from(values: list, size: int, collate: Collate) -> tuple[torch.Tensor,
     return collate._collate(picked)
 
 
-def warm_up_batches(values: list, size: int, collate: Collate) -> list[tuple[torch.Tensor, ...]]:
-    """The batches of `size` records a run's warm-up calls the model with, so that a compiled model builds
-    every graph the records will need before they run, not in the middle of them: `size` records of
-    different lengths (padded: `batch_from`), and `size` copies of one record (nothing padded). A model
-    may take another path for a batch without padding (remove-padding skips its packing when every mask
-    is full): compiled, each path is a graph of its own, and an unwarmed one cost MiniLM's mixed-int8 plan
-    a 20–60 s Inductor compile in the middle of a 2,048-sentence run (benchmarks/RESULTS.md, run_cpu)."""
-    mid = values[len(values) // 2]
-    return [batch_from(values, size, collate), collate._collate([mid] * size)]
+def warm_up_batches(values: list, size: int, collate: Collate, *, equal_lengths_only: bool = False
+                    ) -> list[tuple[torch.Tensor, ...]]:
+    """The batches of `size` records a run's warm-up calls the model with (`core.workload.warm_up_rows`: records
+    of different lengths, padded, and one record repeated), so that a compiled model builds every graph the
+    records need before they run: an unwarmed path cost MiniLM's mixed-int8 plan a 20-60 s Inductor compile
+    in the middle of a 2,048-sentence run (benchmarks/RESULTS.md, run_cpu)."""
+    return [collate._collate(rows) for rows in warm_up_rows(values, size, equal_lengths_only=equal_lengths_only)]
 
 
 def measure_auto_batch_size(replica: Replica, values: list, collate: Collate, *, limit: int,

@@ -57,6 +57,15 @@ from overdrive.tuning.plan import Plan, build
 NOISY_PASSES = 1.25  # p90 / p50 of the baseline's clean pass times: a machine busy in ways the OS did not show
 
 
+def late_graphs(runner: Runner) -> str | None:
+    """Why a candidate would lose in `run` and `serve` what it wins here: torch.compile built graphs for
+    evaluation rows past the warm-up those jobs give (`Runner.warm_up`), so a job stops mid-way to compile."""
+    if not runner.late_graphs:
+        return None
+    return (f"compiled {runner.late_graphs} graph(s) for evaluation rows after the warm-up run and serve give it (batch 1 "
+            f"and {runner.batch_size}, padded and not): a job would stop to compile each, slower than eager there")
+
+
 @dataclass(kw_only=True)
 class Row:
     """One line of the table: a candidate, whether it was kept, why not, and its figures."""
@@ -231,7 +240,7 @@ class Tuner:
             if self.probe is not None and any(not technique_for(s).lossless for s in steps):
                 verdict = self.probe.check(runner.model, rule=self.rule)
             breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps) \
-                or (self.edge.check(runner.model, rule=self.rule) if self.edge is not None else None)
+                or (self.edge.check(runner.model, rule=self.rule) if self.edge is not None else None) or late_graphs(runner)
             gain = self._compare(reference, runner, decide=breaks is None)
             m = self._figures(judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference),
                               runner, steps, reports)
