@@ -140,3 +140,39 @@ def test_timer_waits_for_the_gpu_not_the_launch():
     torch.cuda.synchronize()
     _, seconds = timer(torch.cuda._sleep, 100_000_000)
     assert seconds > 0.01 and seconds > 5 * launch_s, (seconds, launch_s)
+
+
+class _MaskedMean(torch.nn.Module):
+    """Token ids [B, S] and their mask -> [B, 4], with a branch on whether any row is padded (remove-padding's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 4)
+
+    def forward(self, ids, mask):
+        x = self.embed(ids)
+        if bool(mask.all()):  # nothing padded: a path of its own, a graph of its own once compiled
+            return x.mean(dim=1)
+        return (x * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+
+
+def test_the_warm_up_is_the_jobs_and_graphs_compiled_after_it_are_counted(text_workload):
+    """A compiled model that builds graphs for rows past run's and serve's warm-up (batch 1 and the batch size,
+    padded and not) would stop a job mid-way to compile: the Runner counts them (`late_graphs`)."""
+    from overdrive.core.measure import Runner
+
+    torch._dynamo.reset()
+    indices = list(range(24))
+    dynamic = torch.compile(_MaskedMean().eval(), backend="eager", dynamic=True)
+    runner = Runner(dynamic, text_workload, device=CPU, batch_size=8, indices=indices)
+    runner.warm_up()
+    assert runner.late_graphs == 0  # both branches and the batch sizes were warmed before the first pass
+    torch._dynamo.reset()
+    static = torch.compile(_MaskedMean().eval(), backend="eager", dynamic=False)  # a graph per length
+    runner = Runner(static, text_workload, device=CPU, batch_size=8, indices=indices)
+    runner.warm_up()
+    assert runner.late_graphs >= 2
+    from overdrive.tuning.tuner import late_graphs
+
+    assert "a job would stop to compile each" in late_graphs(runner)
+    torch._dynamo.reset()
