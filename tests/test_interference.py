@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from overdrive.core.interference import Contention, LoadMeter, PassLoad, wait_until_idle
-from overdrive.core.measure import Gain, compare, gain_from_ratios
+from overdrive.core.measure import BETWEEN_PROCESSES_SD, Gain, compare, gain_from_ratios
 
 BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1:]})\nwhile True: pass"
 
@@ -152,9 +152,10 @@ def test_the_headline_interval_is_where_a_re_measurement_lands():
     gain.predict_rounds = 4
     prediction = gain.interval
     assert prediction[0] < ci[0] < gain.ratio < ci[1] < prediction[1]  # wider: the new measurement scatters too
-    t7 = 3.499
+    t7, z = 3.499, 2.576
     sd = gain.log_sd
-    assert math.log(prediction[1] / gain.ratio) == pytest.approx(t7 * sd * math.sqrt(1 / 8 + 1 / 4))
+    within = t7 * sd * math.sqrt(1 / 8 + 1 / 4)  # the rounds' scatter, theirs and the new measurement's
+    assert math.log(prediction[1] / gain.ratio) == pytest.approx(math.hypot(within, z * BETWEEN_PROCESSES_SD))
     assert Gain(**{**gain.__dict__}).to_dict()["interval"] == list(prediction)
 
 

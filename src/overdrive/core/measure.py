@@ -28,6 +28,7 @@ resident-set high-water mark (VmHWM), reset through /proc/self/clear_refs where 
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 import time
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from overdrive.core.devices import synchronize
+from overdrive.core.devices import settle_host_allocator, synchronize
 from overdrive.core.interference import Contention, LoadMeter, wait_until_idle
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Inputs, Workload, equal_length_batches, warm_up_rows
@@ -238,6 +239,7 @@ class Runner:
                  indices: list[int], policy: BatchingPolicy = BatchingPolicy(), timing_rows: int | None = None):
         if batch_size < 1 or not indices:
             raise ValueError(f"need batch_size ≥ 1 and at least one sample (got {batch_size}, {len(indices)})")
+        settle_host_allocator()
         self.model, self.workload, self.device = model, workload, device
         self.batch_size, self.indices = batch_size, indices
         self.batches = make_batches(workload, indices=indices, batch_size=batch_size, policy=policy, device=device)
@@ -301,23 +303,33 @@ class Runner:
 
     @torch.no_grad()
     def timed_passes(self, n: int) -> tuple[float, bool]:
-        """`n` timed passes in one stretch, after this process's idle threads have gone to sleep
-        (`interference.wait_until_idle`), with the stretch's load read around it. Their call times are kept.
+        """`n` timed passes in one stretch (`_stretch`). Their call times are kept.
 
         Returns:
             (mean seconds per pass, whether the stretch ran preempted by other work).
         """
-        wait_until_idle()
-        start = self.meter.start()
-        total = 0.0
-        for _ in range(n):
-            seconds, latencies, _ = self._pass(timed=True)
+        passes, preempted = self._stretch(n)
+        for seconds, latencies in passes:
             self.pass_s.append(seconds)
             self.latencies_s += latencies
-            total += seconds
-        preempted = self.meter.stop(start)
         self.pass_preempted += [preempted] * n
-        return total / n, preempted
+        return sum(seconds for seconds, _ in passes) / n, preempted
+
+    def _stretch(self, n: int) -> tuple[list[tuple[float, list[float]]], bool]:
+        """`n` timed passes, after this process's idle threads have gone to sleep (`interference.wait_until_idle`),
+        with Python's cyclic garbage collector paused (as `timeit` does: a collection's cost depends on every
+        object the process holds, so a long-lived process would time its heap, not the model), and the
+        stretch's load read around it. Returns ([(seconds, call seconds)] per pass, whether it ran preempted)."""
+        wait_until_idle()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            start = self.meter.start()
+            passes = [self._pass(timed=True)[:2] for _ in range(n)]
+            return passes, self.meter.stop(start)
+        finally:
+            if collecting:
+                gc.enable()
 
     @torch.no_grad()
     def settle(self, *, min_unit_s: float = 0.0, tolerance: float = 0.1, max_units: int = 8,
@@ -332,14 +344,13 @@ class Runner:
             (seconds of the last clean pass, or of the last pass when none was clean; passes per stretch).
         """
         started, clean, last = time.perf_counter(), [], math.inf
-        seconds, _, _ = self._pass(timed=True)
+        seconds = min(self._pass(timed=True)[0] for _ in range(3 if min_unit_s else 1))
         repeats = max(1, min(1000, math.ceil(min_unit_s / max(seconds, 1e-9))))
         for _ in range(max_units):
-            wait_until_idle()
-            start = self.meter.start()
-            last = sum(self._pass(timed=True)[0] for _ in range(repeats)) / repeats
+            passes, preempted = self._stretch(repeats)
+            last = sum(seconds for seconds, _ in passes) / repeats
             self.settle_passes += repeats
-            if not self.meter.stop(start):
+            if not preempted:
                 clean.append(last)
                 if len(clean) >= 2 and max(clean[-2:]) <= (1 + tolerance) * min(clean[-2:]):
                     break
@@ -347,7 +358,8 @@ class Runner:
                 break  # a busy machine: settling cannot be seen through it (the comparison sets such rounds aside)
             if time.perf_counter() - started > max_s:
                 break
-        return (clean[-1] if clean else last), repeats
+        settled = clean[-1] if clean else last
+        return settled, max(1, min(1000, math.ceil(min_unit_s / max(settled, 1e-9))))  # stretches of the settled pass
 
     def _pass(self, *, timed: bool) -> tuple[float, list[float], torch.Tensor | None]:
         """One pass: (seconds, each call's seconds, outputs float32 [N, ...] when not `timed`)."""
@@ -519,6 +531,10 @@ _Z995 = 2.576  # beyond 30 degrees of freedom
 
 # A gain whose 99% interval spans more than this ratio (high / low) is too wide to quote as a point.
 NOISY_INTERVAL = 1.4
+# What differs between two processes timing the same plan beyond their rounds' own scatter (log-ratio standard
+# deviation): with the allocator settled and the collector paused, `overdrive bench` of one plan in fresh processes
+# on a 2-core VM scattered 0.07-0.10 all told (benchmarks/RESULTS.md, reproducible_cpu), of which the rounds explain most.
+BETWEEN_PROCESSES_SD = 0.05
 # The fewest interleaved rounds a second look at a figure times (`overdrive bench`, the report's sweep): the
 # headline's prediction interval is for a new measurement of this many rounds (`Gain.predict_rounds`).
 RECHECK_ROUNDS = 4
@@ -538,7 +554,8 @@ class Gain:
     The confidence interval says where the true mean ratio is, which is what a decision needs. A
     figure quoted to a user is checked by measuring again (`overdrive bench`), whose own few rounds
     scatter too: with `predict_rounds` set, `interval` is the 99% prediction interval of a new
-    measurement of that many rounds, mean ± t·sd·√(1/n + 1/k), the range a second look lands in.
+    measurement of that many rounds in another process, the range a second look lands in:
+    mean ± √((t·sd)²·(1/n + 1/k) + (z·`BETWEEN_PROCESSES_SD`)²).
 
     Attributes:
         ratio: candidate throughput ÷ reference throughput (>1: faster).
@@ -569,7 +586,8 @@ class Gain:
         the 99% prediction interval of a measurement of that many rounds."""
         if self.predict_rounds is None or self.rounds < 2 or math.isnan(self.log_sd):
             return self.low, self.high
-        half = _t995(self.rounds - 1) * self.log_sd * math.sqrt(1 / self.rounds + 1 / self.predict_rounds)
+        within = _t995(self.rounds - 1) * self.log_sd * math.sqrt(1 / self.rounds + 1 / self.predict_rounds)
+        half = math.hypot(within, _Z995 * BETWEEN_PROCESSES_SD)
         return self.ratio * math.exp(-half), self.ratio * math.exp(half)
 
     @property
@@ -624,15 +642,16 @@ def gain_from_ratios(log_ratios: list[float]) -> Gain:
 
 
 def compare(reference: Runner, candidate: Runner, *, min_gain: float, min_rounds: int = 4, max_rounds: int = 12,
-            max_s: float = 20.0, min_unit_s: float = 0.05, max_width: float | None = None) -> Gain:
+            max_s: float = 20.0, min_unit_s: float = 0.2, max_width: float | None = None) -> Gain:
     """Time `candidate` against `reference` in interleaved rounds until the 99% interval of the
     gain decides against `min_gain` (its low end above it: faster; its high end below: not) and,
     with `max_width`, is no wider than that (high / low), or `max_rounds` clean rounds or `max_s`
     seconds have passed (at least `min_rounds` rounds).
 
     Both runners must be warmed up; each is settled first (`Runner.settle`). A side whose pass is
-    shorter than `min_unit_s` runs several passes per round (its time per pass is their mean), so
-    timer resolution and call overhead do not decide. A round in which either side ran preempted by
+    shorter than `min_unit_s` runs several passes per round (its time per pass is their mean): a shared
+    machine's speed wanders over tens of milliseconds (a 2-core VM: ±25% between 50 ms stretches), so
+    short stretches would time the wander, not the model. A round in which either side ran preempted by
     other work is set aside and timed again (up to `max_rounds` set aside); when `max_s` runs out with
     fewer than `min_rounds` clean rounds, the set-aside ones are counted too and the Gain is `busy`.
 

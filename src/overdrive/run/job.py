@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread
+from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread, settle_host_allocator
 from overdrive.core.errors import ConfigError, DataError, OverdriveError, RunAborted, arg, one_line
 from overdrive.core.input_limits import workload_input_limits
 from overdrive.core.measure import compiled_graphs
@@ -199,6 +199,7 @@ def run_offline(config: RunConfig, *, workload: Workload | None = None, progress
     out_fmt, mode, parts = claim_output(config)
     if mode == "complete":
         return _complete_summary(config)
+    settle_host_allocator()  # eager activations from the heap, not page faults every call (devices.settle_host_allocator)
     cores = serial_main_thread()  # the model runs in the replicas' threads (devices.serial_main_thread)
     try:
         return _run_claimed(config, workload, out_fmt, mode, parts, progress, status or (lambda text: None),

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread
+from overdrive.core.devices import replica_devices, resolve_device, serial_main_thread, settle_host_allocator
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.serve.app import InferenceServer, ServerConfig
 from overdrive.serve.model import ServedModel
@@ -37,6 +37,7 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
         WorkloadError: an unknown workload, or a model that cannot be served.
         PlanError: an unreadable plan, or a plan for another device type.
     """
+    settle_host_allocator()  # eager activations from the heap, not fresh page faults every call
     plan = None
     if spec.endswith(".json"):
         plan, resolved, device = load_plan(spec, device=device, argument="model")
