@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from overdrive.core.interference import Contention, LoadMeter, PassLoad, wait_until_idle
-from overdrive.core.measure import BETWEEN_PROCESSES_SD, Gain, compare, gain_from_ratios
+from overdrive.core.gain import BETWEEN_PROCESSES_SD, Gain, compare, gain_from_ratios
 
 BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1:]})\nwhile True: pass"
 

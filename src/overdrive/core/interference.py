@@ -15,7 +15,7 @@ of its wall time while no more of them were busy than there are CPUs to run them
 threads than CPUs (a runtime's pool beside PyTorch's OpenMP team: an ONNX Runtime model's output
 copied by a parallel torch op while ONNX Runtime's worker still spins), the waits are the model's
 own and part of what it costs, in `run` and `serve` too; such a stretch counts as preempted only
-when other processes used more than `OTHERS_SHARE` of a CPU beside it. `measure.compare` times a
+when other processes used more than `OTHERS_SHARE` of a CPU beside it. `gain.compare` times a
 preempted round again instead of averaging it in. Where schedstats are missing (not Linux, a
 kernel without them), the stretch's CPU time over its wall time, against the best the same
 runner reached, stands in.

@@ -174,8 +174,9 @@ class OptimizeResult:
     @property
     def table(self) -> list[dict[str, Any]]:
         """The per-technique rows: technique, kept, why not, latency p50/p90 (ms), speedup vs the
-        baseline as it may be quoted (`measure.Gain.quoted`: the interval's low end when it is wide, None
-        when the machine was busy; `speedup_uncertain` says why, `gain` holds what was measured), samples/s, peak memory (bytes; on CUDA also reserved), the roofline point
+        baseline as it may be quoted (`gain.Gain.quoted`: the interval's low end when it is wide, None
+        when the machine was busy; `speedup_uncertain` says why, `gain` holds what was measured),
+        samples/s, peak memory (bytes; on CUDA also reserved), the roofline point
         (`core.roofline.Roofline.to_dict`), the audit (baseline and plan, `core.audit.Audit.to_dict`),
         fidelity figures and task metric."""
         out = []
@@ -196,7 +197,7 @@ class OptimizeResult:
 
     @property
     def speedup(self) -> float | None:
-        """The plan's speedup over the eager baseline as it may be quoted (`measure.Gain.quoted`): the point
+        """The plan's speedup over the eager baseline as it may be quoted (`gain.Gain.quoted`): the point
         figure, the low end of a wide interval, or None when the machine was too busy for a figure
         (`headline` says which, with the interval `overdrive bench` of the plan lands in)."""
         return self.plan.measured.get("speedup_vs_baseline")

@@ -9,7 +9,7 @@ baseline's (`FidelityRule`, built from two runs of the baseline by `fidelity_rul
 - R² joins a cosine figure (an offset all rows share hides errors from cosine).
 - A zero accuracy budget, a floor within float noise of 1, or `lossless` keeps lossless techniques only.
 
-The speed side (the interleaved gain interval against `Guard.min_gain`) is `measure.compare`, used by `tuner.Tuner`.
+The speed side (the interleaved gain interval against `Guard.min_gain`) is `gain.compare`, used by `tuner.Tuner`.
 """
 
 from __future__ import annotations

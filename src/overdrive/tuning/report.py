@@ -52,7 +52,7 @@ def _speedup(row: Row) -> str:
 
 
 def headline(measured: dict) -> str:
-    """The plan's speedup as a user may quote it (`measure.Gain.quoted`): "2.31× [2.20, 2.43] the baseline's
+    """The plan's speedup as a user may quote it (`gain.Gain.quoted`): "2.31× [2.20, 2.43] the baseline's
     samples/s"; the interval's low end when it is wide; "uncertain" and why, when the machine was busy."""
     low, high = measured.get("speedup_interval99") or measured.get("speedup_ci99") or [None, None]
     interval = f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None and (low, high) != (1.0, 1.0) else ""

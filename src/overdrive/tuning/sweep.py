@@ -12,13 +12,11 @@ import torch
 from overdrive.core.devices import resolve_device
 from overdrive.core.errors import ConfigError, arg, one_line
 from overdrive.core.flops import count_flops_per_sample, layer_flop_share
+from overdrive.core.gain import RECHECK_ROUNDS, Gain, compare
 from overdrive.core.measure import (
-    RECHECK_ROUNDS,
     TIMING_ROWS,
-    Gain,
     Measurement,
     Runner,
-    compare,
     cycle_indices,
     judge_outputs,
 )
@@ -155,18 +153,19 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
 def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_sizes: list[int],
           progress=lambda _: None, warn=lambda _: None, reports: dict[str, list[dict]] | None = None, *,
           rounds: int = RECHECK_ROUNDS, max_rows: int | None = None, audit: bool = False,
-          notice=lambda _: None, max_rounds: int | None = None, max_width: float | None = None) -> dict[str, list[tuple[int, Measurement]]]:
+          notice=lambda _: None, max_rounds: int | None = None,
+          max_width: float | None = None) -> dict[str, list[tuple[int, Measurement]]]:
     """Measure each configuration at each batch size, on the same rows `optimize` judged (cycled up
     to one full batch when there are fewer; passes timed over the first `TIMING_ROWS`, as there). When the first configuration is the eager baseline
     (no steps), every other one is timed against it in `rounds` interleaved rounds
-    (`measure.compare`), so its `gain` (speedup with a 99% interval) is the one `optimize` reports,
+    (`gain.compare`), so its `gain` (speedup with a 99% interval) is the one `optimize` reports,
     and its fidelity is against the baseline at the same batch size.
 
     Args:
         reports: when given, receives each configuration's technique reports from its first build.
         rounds: interleaved rounds per configuration and batch size (at least, with `max_rounds`).
         max_rounds, max_width: with these, each comparison goes on past `rounds` until its 99% interval is
-            no wider than `max_width` (high / low), or `max_rounds` rounds (`measure.compare`).
+            no wider than `max_width` (high / low), or `max_rounds` rounds (`gain.compare`).
         max_rows: rows per pass at most (the report's curve needs no full pass); None: all of them.
         audit: also audit one forward of each configuration at each size (`core.audit`, `Measurement.audit`).
         notice: called with what makes a point's figures partly something else (CUDA-graph shapes run eagerly).

@@ -17,7 +17,7 @@ The guard (DESIGN.md's "what every kept technique must pass"):
   technique must answer a row that is all padding as fp32 does, finite (`invariance.EdgeProbe`).
 - A model whose own answer depends on padding is measured on batches of one length, as serve and run
   give it; its dependence (or one on batch-mates, found by the probe) is recorded in the plan.
-- Speed: a candidate and what it is compared with run interleaved (`measure.compare`) until the
+- Speed: a candidate and what it is compared with run interleaved (`gain.compare`) until the
   99% confidence interval of the gain decides; a step is kept only when the interval's low end
   clears `Guard.min_gain`. The table shows the interval; noisy timing is named in `warnings`.
 """
@@ -35,13 +35,11 @@ from overdrive.core import devices
 from overdrive.core.errors import WorkloadError, one_line
 from overdrive.core.flops import count_flops_per_sample, layer_flop_share
 from overdrive.core.interference import Contention
+from overdrive.core.gain import RECHECK_ROUNDS, Gain, compare
 from overdrive.core.measure import (
-    RECHECK_ROUNDS,
     TIMING_ROWS,
-    Gain,
     Measurement,
     Runner,
-    compare,
     cycle_indices,
     judge_outputs,
 )
@@ -132,7 +130,7 @@ class Tuner:
             one full batch when the workload has fewer).
         min_rounds, max_rounds, max_compare_s: each comparison times at least `min_rounds`
             interleaved rounds and stops once its 99% interval decides, or at `max_rounds`
-            rounds or `max_compare_s` seconds (see `measure.compare`); a candidate whose outputs
+            rounds or `max_compare_s` seconds (see `gain.compare`); a candidate whose outputs
             already break the budget gets `min(2, min_rounds)` rounds, for the table's figures.
         timing_rows: rows per timed pass (see `measure.Runner`); None: every evaluation row.
         progress: called with a description before each measurement.

@@ -5,9 +5,10 @@ A factory returns either a `Workload`, or a pair `(model, example_input)` where
 pair, and for saved files, candidates are judged by agreement with the fp32 outputs on real
 rows: the rows of `data` when given, else the rows of the example itself (a .pt2 file carries
 the example it was exported with); of 100 or more (and no `metric`), the last fifth is kept apart
-for calibration and recovery, never judged (`overdrive.workloads.data.hold_out`). Only when the example is a placeholder (every value the same,
-as the zeros made from a TorchScript file's `input_shape`) are `NUM_SAMPLES` seeded random rows
-of its shape used, and the table says that fidelity is then on random inputs, shape only.
+for calibration and recovery, never judged (`overdrive.workloads.data.hold_out`). Only when the
+example is a placeholder (every value the same, as the zeros made from a TorchScript file's
+`input_shape`) are `NUM_SAMPLES` seeded random rows of its shape used, and the table says that
+fidelity is then on random inputs, shape only.
 """
 
 from __future__ import annotations
