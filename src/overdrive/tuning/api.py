@@ -28,7 +28,8 @@ from overdrive.tuning.plan import Plan, build, resolve_steps
 from overdrive.tuning.report import headline as describe_headline, rows_markdown, write_report_md
 from overdrive.tuning.sweep import Session, open_session, sweep
 from overdrive.tuning.guard import FidelityRule, Guard
-from overdrive.tuning.tuner import Row, Tuner
+from overdrive.tuning.rows import Row
+from overdrive.tuning.tuner import Tuner
 
 Progress = Callable[[str, int, int], None]  # (what is measured next, measurements done, expected in all)
 PLOT_NAME = "latency_vs_batch_size.png"

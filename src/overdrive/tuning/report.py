@@ -15,7 +15,7 @@ from overdrive.core.report import environment, format_bytes, format_fidelity, sw
 from overdrive.core.audit import Audit
 from overdrive.core.roofline import Roofline, roofline_cell
 from overdrive.techniques import describe_report
-from overdrive.tuning.tuner import Row, TuneResult
+from overdrive.tuning.rows import Row, TuneResult
 
 
 def short_reason(reason: str, width: int = 40) -> str:

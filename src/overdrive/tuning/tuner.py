@@ -47,10 +47,11 @@ from overdrive.core.row_dependence import checked_dependence
 from overdrive.core.workload import Workload
 from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
-from overdrive.techniques.registry import compute_dtype, compute_layers, config_to_dict, fallbacks
+from overdrive.techniques.registry import compute_dtype, compute_layers, fallbacks
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
 from overdrive.tuning.invariance import EdgeProbe, InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan, build
+from overdrive.tuning.rows import Row, TuneResult
 
 NOISY_PASSES = 1.25  # p90 / p50 of the baseline's clean pass times: a machine busy in ways the OS did not show
 
@@ -62,51 +63,6 @@ def late_graphs(runner: Runner) -> str | None:
         return None
     return (f"compiled {runner.late_graphs} graph(s) for evaluation rows after the warm-up run and serve give it (batch 1 "
             f"and {runner.batch_size}, padded and not): a job would stop to compile each, slower than eager there")
-
-
-@dataclass(kw_only=True)
-class Row:
-    """One line of the table: a candidate, whether it was kept, why not, and its figures."""
-
-    phase: str  # "baseline", "alone", "compose", "plan", "without"
-    label: str
-    steps: list[str]
-    kept: bool
-    reason: str = ""
-    measurement: Measurement | None = None
-    speedup: float | None = None  # throughput ÷ the baseline's, as quoted (`Gain.quoted`; None: uncertain, busy)
-    gain: Gain | None = None  # the interleaved comparison this row was judged by
-    versus: str = ""  # what `gain` is against
-    invariance: Verdict | None = None  # batch-invariance figures (lossy candidates)
-    details: list[dict] = field(default_factory=list)  # technique reports (pruning: params, FLOPs, recovery)
-    config: TechniqueConfig | None = None  # an alone row's config (one of the technique's variants)
-
-    def to_dict(self) -> dict:
-        return {
-            "phase": self.phase,
-            "label": self.label,
-            "techniques": self.steps,
-            "kept": self.kept,
-            "reason": self.reason,
-            "speedup_vs_baseline": self.speedup,
-            "gain": {**self.gain.to_dict(), "versus": self.versus} if self.gain else None,
-            "batch_invariance": vars(self.invariance) if self.invariance else None,
-            "measurement": self.measurement.to_dict() if self.measurement else None,
-            "details": self.details,
-            "config": config_to_dict(self.config) if self.config is not None else None,
-        }
-
-
-@dataclass(kw_only=True)
-class TuneResult:
-    rows: list[Row]
-    plan: Plan
-    baseline: Measurement
-    flops_per_sample: float | None
-    rule: FidelityRule | None = None
-    warnings: list[str] = field(default_factory=list)
-    settings: dict = field(default_factory=dict)
-    peaks: str = ""  # the device peaks the roofline column is against (`core.roofline.describe_peaks`)
 
 
 Progress = Callable[[str], None]
