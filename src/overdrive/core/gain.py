@@ -28,7 +28,7 @@ _Z995 = 2.576  # beyond 30 degrees of freedom
 NOISY_INTERVAL = 1.4
 # What differs between two processes timing the same plan beyond their rounds' own scatter (log-ratio standard
 # deviation): with the allocator settled and the collector paused, `overdrive bench` of one plan in fresh processes
-# on a 2-core VM scattered 0.07-0.10 all told (benchmarks/RESULTS.md, reproducible_cpu), of which the rounds explain most.
+# on a 2-core VM scattered 0.07-0.11 all told (benchmarks/RESULTS.md, reproducible_cpu), of which the rounds explain most.
 BETWEEN_PROCESSES_SD = 0.05
 # The fewest interleaved rounds a second look at a figure times (`overdrive bench`, the report's sweep): the
 # headline's prediction interval is for a new measurement of this many rounds (`Gain.predict_rounds`).
