@@ -36,7 +36,7 @@ from overdrive.core.measure import Runner
 from overdrive.core.roofline import describe_peaks, roofline_cell
 from overdrive.techniques import default_config
 from overdrive.techniques.runtime.torch_compile import CompileConfig, CompileMode
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 
 MIN_GRAPHS_GAIN = 1.5
 MIN_ROOF_FRACTION = 0.6

@@ -32,7 +32,8 @@ from overdrive.techniques import (
     BatchingPolicy,  # noqa: E402
     default_config,  # noqa: E402
 )
-from overdrive.tuning.plan import Plan, build
+from overdrive.tuning.plan import Plan
+from overdrive.techniques.compose import build
 from overdrive.tuning.tuner import Tuner  # noqa: E402
 from overdrive.workloads.minilm import build_minilm  # noqa: E402
 

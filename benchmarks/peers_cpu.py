@@ -112,7 +112,7 @@ def main() -> int:
         # ONNX Runtime: export, transformers optimizer (Optimum's level-99 fusions), dynamic int8.
         from onnxruntime.transformers.optimizer import optimize_model
 
-        from overdrive.deploy.onnx import export_onnx
+        from overdrive.files.onnx import export_onnx
 
         exported = export_onnx(workload.model, workload, tmp / "minilm.onnx")
         config = workload.model.encoder.config

@@ -35,7 +35,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.core.measure import Runner  # noqa: E402
 from overdrive.techniques import default_config, get_technique  # noqa: E402
-from overdrive.tuning.plan import Plan, build  # noqa: E402
+from overdrive.tuning.plan import Plan  # noqa: E402
+from overdrive.techniques.compose import build
 from overdrive.workloads.minilm import build_minilm  # noqa: E402
 
 FLOOR = 0.99

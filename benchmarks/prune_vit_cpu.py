@@ -26,7 +26,7 @@ from overdrive.core.measure import measure
 from overdrive.techniques.pruning.ffn import PruneFFNConfig
 from overdrive.techniques.pruning.heads import PruneHeadsConfig
 from overdrive.techniques.pruning.recovery import num_parameters
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from overdrive.workloads.vision import build_torchvision
 
 CPU = torch.device("cpu")

@@ -32,7 +32,7 @@ from overdrive.techniques import (
     describe_report,  # noqa: E402
     get_technique,  # noqa: E402
 )
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from overdrive.workloads import create_workload  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.core.measure import measure  # noqa: E402
 from overdrive.techniques import default_config  # noqa: E402
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from overdrive.workloads.minilm import build_minilm  # noqa: E402
 
 CPU = torch.device("cpu")

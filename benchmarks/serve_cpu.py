@@ -126,7 +126,8 @@ def compute_ceiling(workload: str, plan: Path | None, instances: int, rows: int,
     import random
 
     from overdrive.serve.batcher import length_bucket
-    from overdrive.tuning.plan import Plan, build
+    from overdrive.tuning.plan import Plan
+    from overdrive.techniques.compose import build
     from overdrive.workloads import create_workload
 
     w = create_workload(workload)

@@ -26,7 +26,7 @@ import json, os, statistics, sys, threading, time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from overdrive.core.devices import serial_main_thread
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from overdrive.techniques import default_config
 from overdrive.workloads.minilm import build_minilm
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ from torch import nn
 from overdrive.core.workload import Workload, embedding_fidelity, logits_fidelity, pad_token_ids
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One cache of exports for the whole run (`overdrive.files.cache`), never the user's ~/.cache: a model
+# exported by one test is read back by the next, as a user's second start would.
+os.environ.setdefault("OVERDRIVE_CACHE", tempfile.mkdtemp(prefix="overdrive-test-cache-"))
 
 def requires_cuda(test):
     """Skipped without a CUDA GPU, and marked `cuda`, so `pytest -m cuda` (what `make gpu-check` runs) selects it."""

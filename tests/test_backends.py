@@ -26,7 +26,7 @@ from torch import nn
 
 from overdrive.core.workload import Workload
 from overdrive.deploy.formats import describe, dynamic_batching, export
-from overdrive.deploy.onnx import ExportError, export_onnx, ort_session, prove_onnx
+from overdrive.files.onnx import ExportError, export_onnx, ort_session, prove_onnx
 from overdrive.techniques import (
     Stage,
     Technique,
@@ -36,7 +36,8 @@ from overdrive.techniques import (
     register,
     unregister,
 )
-from overdrive.tuning.plan import Plan, build
+from overdrive.tuning.plan import Plan
+from overdrive.techniques.compose import build
 from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
 CPU = torch.device("cpu")

@@ -456,7 +456,7 @@ def test_parameters_not_passed_are_traced_at_their_defaults_and_untraced_work_is
 
 def test_streams_inside_bf16_are_checked_against_the_same_model_before_the_rewrite():
     from overdrive.techniques import default_config
-    from overdrive.tuning.plan import build
+    from overdrive.techniques.compose import build
 
     workload = _workload(TwoTower().eval())
     expected, _ = build(workload, [default_config("bf16")], CPU)

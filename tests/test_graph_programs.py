@@ -20,7 +20,7 @@ from overdrive.core.graph_ops import count_ops, op_name
 from overdrive.core.measure import measure
 from overdrive.techniques import default_config, get_technique, list_techniques
 from overdrive.techniques.pruning.recovery import num_parameters
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from overdrive.workloads.user import build_from_file
 from tests.conftest import TinyConvNet, _randomise_bn
 

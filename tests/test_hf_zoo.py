@@ -16,7 +16,8 @@ from torch import nn
 import overdrive
 from overdrive.techniques import default_config
 from overdrive.tuning.api import record_workload
-from overdrive.tuning.plan import Plan, build
+from overdrive.tuning.plan import Plan
+from overdrive.techniques.compose import build
 from overdrive.workloads.signature import pick_output
 from overdrive.workloads.structured import UserFacingModel, user_facing
 from overdrive.workloads.user import workload_from_model
@@ -184,7 +185,7 @@ def test_without_an_attention_mask_the_text_techniques_say_why_not():
 
 def test_an_export_failure_names_its_cause():
     """torch.onnx wraps torch.export's error, whose own last line only points above: the cause is quoted."""
-    from overdrive.deploy.onnx import quiet_export, reason
+    from overdrive.files.onnx import quiet_export, reason
     from overdrive.workloads.signature import SignatureModel
 
     model = SignatureModel(MaskedSum().eval(), ["input_ids"], ["pooled"])

@@ -25,7 +25,8 @@ from overdrive.techniques import config_from_dict, config_to_dict, conflict, def
 from overdrive.techniques.precision.mixed import MixedInt8Config
 from overdrive.techniques.precision.quantized_layers import RowInt8Linear
 from overdrive.tuning.guard import Guard
-from overdrive.tuning.plan import Plan, build, resolve_steps
+from overdrive.tuning.plan import Plan
+from overdrive.techniques.compose import build, resolve_steps
 from overdrive.tuning.tuner import Tuner
 from tests.conftest import requires_cuda
 

@@ -20,7 +20,7 @@ from overdrive.techniques.pruning.encoder import kept_count
 from overdrive.techniques.pruning.ffn import PruneFFNConfig
 from overdrive.techniques.pruning.heads import PruneHeadsConfig
 from overdrive.techniques.pruning.recovery import num_parameters, save_checkpoint
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from tests.conftest import make_conv_workload, make_text_workload
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from overdrive.core.workload import pad_token_ids
 from overdrive.techniques import default_config, get_technique
 from overdrive.techniques.graph.remove_padding import PaddingFreeEncoder, bert_encoders
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from tests.conftest import make_conv_workload, make_text_workload, tiny_bert_embedder
 
 CPU = torch.device("cpu")

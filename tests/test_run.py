@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from overdrive import cli
-from overdrive.run.inputs import CsvSource, JsonlSource, TextLinesSource, csv_record_offsets, line_offsets
+from overdrive.files.inputs import CsvSource, JsonlSource, TextLinesSource, csv_record_offsets, line_offsets
 from overdrive.run.job import RunAborted, RunConfig, run_offline
 from overdrive.run.replica import Collate, Replica, chunk_batches, measure_auto_batch_size
 from overdrive.run.resume import Parts

@@ -14,7 +14,8 @@ from torch import nn
 from overdrive import cli
 from overdrive.core.errors import DataError
 from overdrive.run.job import RunConfig, run_offline
-from overdrive.run.resume import MANIFEST_VERSION, Parts, check_manifest, checkpoint_fingerprints, weights_fingerprint
+from overdrive.core.digest import weights_fingerprint
+from overdrive.run.resume import MANIFEST_VERSION, Parts, check_manifest, checkpoint_fingerprints
 from overdrive.run.threads import _SimulatedCrash, crash_after
 from overdrive.techniques.pruning.unstructured import PruneUnstructuredConfig
 from tests.fixtures.run_io import mixed_input, npy_rows

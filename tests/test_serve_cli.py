@@ -18,7 +18,8 @@ import torch
 
 from overdrive.serve.runner import load_served_model
 from overdrive.techniques import default_config
-from overdrive.tuning.plan import Plan, build
+from overdrive.tuning.plan import Plan
+from overdrive.techniques.compose import build
 from overdrive.workloads import create_workload
 from tests.fixtures.live_server import wait_ready
 

@@ -14,7 +14,7 @@ from overdrive.techniques import describe_report as describe
 from overdrive.techniques.pruning.unstructured import PruneUnstructuredConfig, weight_sparsity
 from overdrive.techniques.sparsity import semi_structured
 from overdrive.techniques.sparsity.semi_structured import SemiStructuredLinear, Sparsity24Config, mask_2_to_4
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
 CPU = torch.device("cpu")

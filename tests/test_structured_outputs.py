@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import overdrive
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from overdrive.workloads.structured import UserFacingModel, user_facing
 from overdrive.workloads.user import workload_from_model
 from tests.fixtures import hf_models, hf_zoo

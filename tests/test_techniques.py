@@ -14,7 +14,7 @@ from torch import nn
 
 from overdrive.core.measure import measure
 from overdrive.techniques import BatchingPolicy, Stage, default_config, list_techniques
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from tests.conftest import make_conv_workload, make_text_workload, requires_cuda
 
 # Floors for lossy techniques: min cosine to fp32 on the tiny random models.

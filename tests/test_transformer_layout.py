@@ -23,7 +23,7 @@ from overdrive.techniques.pruning.ffn import PruneFFNConfig
 from overdrive.techniques.pruning.heads import PruneHeadsConfig
 from overdrive.techniques.pruning.recovery import num_parameters, save_checkpoint
 from overdrive.train.launch import DistEnv
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from tests.conftest import make_conv_workload, make_vit_workload, tiny_bert_embedder, tiny_vit
 
 CPU = torch.device("cpu")

@@ -290,7 +290,7 @@ def test_a_per_row_scalar_output_beside_another_is_taken_as_one_column():
 
 
 def test_a_rebuild_with_other_weights_is_said(tmp_path):
-    from overdrive.run.resume import weights_fingerprint
+    from overdrive.core.digest import weights_fingerprint
     from overdrive.tuning.plan import Plan
 
     workload = build_from_import_path("tests.fixtures.user_models:build")  # seeded: the same weights every time

@@ -43,7 +43,7 @@ from overdrive.core.devices import settle_host_allocator, synchronize
 from overdrive.core.interference import LoadMeter, wait_until_idle
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Inputs, Workload, equal_length_batches, warm_up_rows
-from overdrive.techniques.registry import BatchingPolicy
+from overdrive.core.workload import BatchingPolicy
 
 if TYPE_CHECKING:
     from overdrive.core.gain import Gain

@@ -370,3 +370,24 @@ def logits_fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, 
         "min_cosine": nn.functional.cosine_similarity(out, ref, dim=-1).min().item(),
     }
     return _with_r2(result, output, reference)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchingPolicy:
+    """How evaluation samples are grouped into batches.
+
+    Attributes:
+        sort_by_length: order samples by `workload.bucket_length` before cutting batches,
+            so each batch pads to a similar length (length bucketing). Outputs are restored to
+            the input order by the caller.
+    """
+
+    sort_by_length: bool = False
+
+    def order(self, workload: Workload, indices: list[int]) -> list[int]:
+        """Positions 0..len(indices)-1 in the order they are cut into batches (indices may repeat)."""
+        positions = list(range(len(indices)))
+        length = workload.bucket_length
+        if self.sort_by_length and length is not None:
+            positions.sort(key=lambda p: length(workload.samples[indices[p]]))
+        return positions

@@ -1,1 +1,1 @@
-"""Deployment: ONNX export with proof (`onnx.py`), and `overdrive export`'s formats (`formats.py`)."""
+"""Deployment: `overdrive export`'s formats (`formats.py`); the ONNX export itself is `overdrive.files.onnx`."""

@@ -1,7 +1,7 @@
 """`overdrive export`: what a plan found, in the forms users deploy.
 
 - `onnx`: the plan's model as an ONNX file, proved against PyTorch on real rows
-  (`overdrive.deploy.onnx`); a plan whose runtime is ONNX Runtime gives the very file it ran
+  (`overdrive.files.onnx`); a plan whose runtime is ONNX Runtime gives the very file it ran
   (int8 included).
 - `pt2`: a torch.export program (`torch.export.save`), dynamic batch and sequence axes, proved by
   loading it back; `overdrive optimize/serve/run FILE.pt2` and `torch.export.load` read it.
@@ -28,7 +28,7 @@ import torch
 
 from overdrive.core.errors import ConfigError, PlanError, arg
 from overdrive.core.workload import Workload
-from overdrive.deploy.onnx import (
+from overdrive.files.onnx import (
     EXPORT_ATOL,
     EXPORT_RTOL,
     PROOF_ROWS,
@@ -191,7 +191,7 @@ def _split(steps, format: str) -> tuple[list[str], list[str], list]:
 
 def _model_for_file(workload: Workload, steps):
     """The CPU model of the carried steps, and the ONNX file of its ONNX Runtime step (or None)."""
-    from overdrive.tuning.plan import build
+    from overdrive.techniques.compose import build
 
     model, _ = build(workload, steps, torch.device("cpu"))
     return model, getattr(model, "onnx_path", None)

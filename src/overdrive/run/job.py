@@ -55,8 +55,8 @@ from overdrive.core.input_limits import workload_input_limits
 from overdrive.core.measure import compiled_graphs
 from overdrive.core.row_dependence import checked_dependence
 from overdrive.core.workload import BATCH_MATES, Workload
-from overdrive.run.inputs import RecordSource, open_source
-from overdrive.run.tensor_sources import input_names
+from overdrive.files.inputs import RecordSource, open_source
+from overdrive.files.tensor_sources import input_names
 from overdrive.run.outputs import OutputChunk, write_output
 from overdrive.run.replica import (
     Collate,
@@ -68,6 +68,7 @@ from overdrive.run.replica import (
     probe_inputs,
     text_lengths,
 )
+from overdrive.core.digest import weights_fingerprint
 from overdrive.run.resume import (
     MANIFEST_VERSION,
     Parts,
@@ -78,7 +79,6 @@ from overdrive.run.resume import (
     claim_output,
     errors_file,
     file_sha256,
-    weights_fingerprint,
 )
 from overdrive.run.threads import _execute, _records, _Run, _write_failed
 
@@ -92,7 +92,7 @@ class RunConfig:
 
     Attributes:
         workload: workload spec (`minilm`, `digits-cnn`, a torchvision name, module:factory), or None with a plan.
-        input: input file or image folder (see `overdrive.run.inputs`).
+        input: input file or image folder (see `overdrive.files.inputs`).
         output: `.npy`, `.parquet`, `.csv` or `.jsonl`.
         plan: plan.json from `optimize`: its techniques and batch size.
         device: "auto", "cpu", "cuda" (every GPU, one replica each) or "cuda:N".
@@ -158,7 +158,8 @@ class RunSummary:
 
 def _build(config: RunConfig, workload: Workload | None):
     """(workload, plan, devices, models) from the config; OverdriveError for the user's mistakes."""
-    from overdrive.tuning.plan import build_on_devices, load_plan
+    from overdrive.tuning.plan import load_plan
+    from overdrive.techniques.compose import build_on_devices
     from overdrive.workloads import create_workload
 
     plan = None

@@ -56,8 +56,9 @@ class Predictor:
         from overdrive.core.input_limits import workload_input_limits
         from overdrive.core.row_dependence import checked_dependence
         from overdrive.run.replica import Collate, Replica, pad_records, text_lengths
-        from overdrive.run.tensor_sources import input_names
-        from overdrive.tuning.plan import build, load_plan
+        from overdrive.files.tensor_sources import input_names
+        from overdrive.tuning.plan import load_plan
+        from overdrive.techniques.compose import build
 
         if threads:
             torch.set_num_threads(threads)
@@ -151,10 +152,10 @@ def run_on_ray(*, plan: str | Path, input: Path, output: Path, concurrency: int 
         import ray
     except ImportError:
         raise ConfigError(f"{arg('engine', 'ray')} needs Ray Data: pip install 'ray[data]'") from None
-    from overdrive.run.inputs import RecordError, open_source
+    from overdrive.files.inputs import RecordError, open_source
     from overdrive.run.outputs import OutputChunk, output_format, write_output
     from overdrive.run.resume import errors_file
-    from overdrive.run.tensor_sources import input_names
+    from overdrive.files.tensor_sources import input_names
     from overdrive.tuning.plan import load_plan
 
     fmt = output_format(Path(output))

@@ -26,7 +26,7 @@ from overdrive.core.input_limits import InputLimits
 from overdrive.core.measure import owned_host_float32
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload, equal_length_batches, pad_stack, warm_up_rows
-from overdrive.run.inputs import RecordError, RecordSource
+from overdrive.files.inputs import RecordError, RecordSource
 
 AUTO_GAIN = 1.05  # batch_size "auto" doubles while items/s rises by at least 5%
 

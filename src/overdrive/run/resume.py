@@ -9,7 +9,6 @@ whole chunks or no chunk. The manifest records what a resumed run must share wit
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from overdrive.core.digest import file_sha256
 from overdrive.core.errors import ConfigError, DataError, arg
 from overdrive.run.outputs import OUTPUT_FORMATS, OutputChunk, output_format
 
@@ -107,42 +107,6 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def file_sha256(path: str | Path) -> str:
-    """sha256 of a file's bytes, hex, read in 8 MiB pieces."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(8 << 20):
-            digest.update(piece)
-    return digest.hexdigest()
-
-
-def weights_fingerprint(model) -> str:
-    """sha256 (hex) over the model's state_dict, parameters and buffers: each entry's name, shape,
-    dtype and bytes, in state_dict order. TorchScript modules and torch.export programs' modules
-    have a state_dict too. A value that is not a tensor contributes its type name only.
-
-    Args:
-        model: an nn.Module (the workload's fp32 model, before any technique).
-    """
-    import torch
-
-    digest = hashlib.sha256()
-    for name, value in model.state_dict().items():
-        digest.update(name.encode() + b"\0")
-        if not isinstance(value, torch.Tensor):
-            digest.update(type(value).__name__.encode() + b"\0")
-            continue
-        t = value.detach()
-        digest.update(f"{list(t.shape)} {t.dtype}\0".encode())
-        if t.is_quantized:
-            t = t.int_repr()
-        if t.layout != torch.strided:
-            t = t.to_dense()
-        t = t.cpu().contiguous().reshape(-1)
-        digest.update(t.view(torch.uint8).numpy() if t.numel() else b"")
-    return digest.hexdigest()
-
-
 def checkpoint_fingerprints(steps) -> dict[str, str]:
     """{file name: sha256} of each checkpoint file a plan's steps name (pruning's `checkpoint`)."""
     return {Path(c).name: file_sha256(c) for c in (getattr(s, "checkpoint", None) for s in steps) if c}
@@ -162,7 +126,7 @@ def claim_output(config) -> tuple[str, str, Parts]:
             `overwrite`, another process writing the same output, an unwritable output.
         ConfigError: both `resume` and `overwrite`, or a `text_field` for input that has no fields.
     """
-    from overdrive.run.inputs import TENSOR_FORMATS, TEXT_FORMATS
+    from overdrive.files.inputs import TENSOR_FORMATS, TEXT_FORMATS
 
     output, parts = config.output, Parts(config.output)
     if not config.input.exists():

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from overdrive.core.errors import RunAborted, arg, one_line
-from overdrive.run.inputs import RecordSource
+from overdrive.files.inputs import RecordSource
 from overdrive.run.replica import RecordDataset, Replica, Result, Staged, chunk_batches
 from overdrive.run.resume import Parts
 

@@ -18,7 +18,8 @@ from overdrive.core.devices import replica_devices, resolve_device, serial_main_
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.serve.app import InferenceServer, ServerConfig
 from overdrive.serve.model import ServedModel
-from overdrive.tuning.plan import Plan, build_on_devices, load_plan
+from overdrive.tuning.plan import Plan, load_plan
+from overdrive.techniques.compose import build_on_devices
 from overdrive.workloads import create_workload
 
 log = logging.getLogger("overdrive.serve")

@@ -3,10 +3,8 @@ loadable at any world size and strategy."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -14,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from overdrive.core.errors import ConfigError, arg, one_line
+from overdrive.files.checkpoint import _checkpoints, _single_process_quiet, resolve_checkpoint
 from overdrive.train.launch import DistEnv
 
 KEEP_CHECKPOINTS = 2
@@ -53,33 +52,6 @@ def save_checkpoint(root: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             shutil.rmtree(old)
     _barrier(env)
     return path
-
-
-@contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns that it assumes one process when there is no process group: that is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def _checkpoints(root: Path) -> list[Path]:
-    found = [p for p in root.glob("step-*") if (p / ".metadata").exists() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint folder itself, or the newest ROOT/step-N under a `save_dir` folder.
-
-    Raises:
-        ConfigError: neither is there.
-    """
-    if (path / ".metadata").exists():
-        return path
-    found = _checkpoints(path) if path.is_dir() else []
-    if not found:
-        raise ConfigError(f"{arg('resume_dir', path)}: no checkpoint there (expected a step-N folder written by {arg('save_dir')})")
-    return found[-1]
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:

@@ -132,7 +132,7 @@ def check_runnable(config: TrainConfig, device: torch.device) -> str:
     """
     from pathlib import Path
 
-    from overdrive.train.checkpoint import resolve_checkpoint
+    from overdrive.files.checkpoint import resolve_checkpoint
 
     precision = training_precision(device, config.precision, strategy=config.dims.strategy)
     if config.resume_dir:

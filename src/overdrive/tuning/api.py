@@ -22,9 +22,10 @@ from overdrive.core.errors import ConfigError, arg
 from overdrive.core.measure import Measurement
 from overdrive.core.report import environment, plot_latency_vs_batch, write_results
 from overdrive.core.workload import Workload
-from overdrive.run.resume import weights_fingerprint
+from overdrive.core.digest import weights_fingerprint
 from overdrive.techniques import TechniqueConfig, get_technique, list_techniques
-from overdrive.tuning.plan import Plan, build, resolve_steps
+from overdrive.tuning.plan import Plan
+from overdrive.techniques.compose import build, resolve_steps
 from overdrive.tuning.report import headline as describe_headline, rows_markdown, write_report_md
 from overdrive.tuning.sweep import Session, open_session, sweep
 from overdrive.tuning.guard import FidelityRule, Guard

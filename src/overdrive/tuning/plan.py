@@ -1,8 +1,9 @@
-"""Plan: device, batch size and the ordered technique configs; JSON round trip; `build`."""
+"""Plan: device, batch size and the ordered technique configs; JSON round trip; load_plan.
+
+The steps are applied by `overdrive.techniques.compose.build`."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -13,67 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from overdrive.core.errors import PlanError, arg, one_line
-from overdrive.core.workload import Workload, eval_mode
-from overdrive.techniques import BatchingPolicy, TechniqueConfig, config_from_dict, config_to_dict, conflict, technique_for
+from overdrive.core.errors import PlanError, arg
+from overdrive.core.workload import Workload
+from overdrive.techniques import BatchingPolicy, TechniqueConfig, config_from_dict, config_to_dict, technique_for
+from overdrive.techniques.compose import build
 
 PLAN_VERSION = 1
-
-
-def build(workload: Workload, steps: list[TechniqueConfig], device: torch.device,
-          reports: list[dict[str, Any]] | None = None) -> tuple[nn.Module, BatchingPolicy]:
-    """Apply the technique of each config in `steps`, in order, to a private copy of the
-    workload's fp32 model on `device`.
-
-    Args:
-        reports: when given, receives the report of each step that leaves one (pruning:
-            parameters, FLOPs and metrics before and after, the fine-tune).
-
-    Returns:
-        (model ready to call, batching policy).
-
-    Raises:
-        RuntimeError: a technique is unsupported here or its transform failed (message says which).
-    """
-    model = eval_mode(copy.deepcopy(workload.model).to(device))
-    policy = BatchingPolicy()
-    for i, step in enumerate(steps):
-        technique = technique_for(step)
-        reason = technique.unsupported_reason(workload, device, step) or conflict(steps[:i], step)
-        if reason:
-            raise RuntimeError(f"{step.name}: {reason}")
-        model = technique.apply(model, step, workload=workload, device=device)
-        report = model.__dict__.pop("overdrive_report", None)  # set by the technique on its own output
-        if report is not None and reports is not None:
-            reports.append(report)
-        policy = technique.batching(policy, step)
-    return model, policy
-
-
-def build_on_devices(workload: Workload, steps: list[TechniqueConfig], devices: list[torch.device]) -> list[nn.Module]:
-    """`build` once per device (one replica or serving instance each).
-
-    Raises:
-        PlanError: a step cannot be applied on a device (the message names the device and why).
-    """
-    models = []
-    for d in devices:
-        try:
-            models.append(build(workload, steps, d)[0])
-        except RuntimeError as exc:
-            raise PlanError(f"cannot build the plan's model on {d}: {one_line(exc)}") from None
-    return models
-
-
-def resolve_steps(steps: list[TechniqueConfig], workload: Workload, device: torch.device,
-                  folder: Path) -> list[TechniqueConfig]:
-    """The steps as plan.json keeps them (`Technique.resolve`): a pruning step with its weights in
-    `folder/<technique>.pt`, a searched precision step with its layers, so that reloading the plan
-    rebuilds the same model without pruning, fine-tuning or searching again."""
-    out: list[TechniqueConfig] = []
-    for step in steps:
-        out.append(technique_for(step).resolve(step, list(out), workload=workload, device=device, folder=Path(folder)))
-    return out
 
 
 @dataclass(kw_only=True)
@@ -95,7 +41,7 @@ class Plan:
         weights: the checkpoint loaded into the model (`--weights`), or None.
         dynamic_dims: {input name (or index): dims} whose size varies from row to row, or None.
         model_sha256: the fingerprint of the fp32 weights it was measured with
-            (`overdrive.run.resume.weights_fingerprint`), to tell when a rebuild differs.
+            (`overdrive.core.digest.weights_fingerprint`), to tell when a rebuild differs.
         batch_dependence: how the fp32 model's answer for a row depends on the rows batched with it
             (`core.workload.BatchDependence.to_dict`), as optimize found it; `run` and `serve` batch by it.
     """
@@ -223,7 +169,7 @@ class Plan:
             ConfigError: the plan's weights are gone or no longer fit.
         """
         from overdrive.core.row_dependence import checked_dependence
-        from overdrive.run.resume import weights_fingerprint
+        from overdrive.core.digest import weights_fingerprint
         from overdrive.workloads import create_workload
         from overdrive.workloads.user import archive_kind
         from overdrive.workloads.weights import load_weights

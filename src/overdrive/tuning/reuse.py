@@ -14,7 +14,8 @@ from overdrive.core.flops import count_flops_per_sample
 from overdrive.core.measure import Measurement, cycle_indices, measure
 from overdrive.core.workload import Workload
 from overdrive.tuning.api import PYTHON_MODEL_PREFIX, data_left, as_workload
-from overdrive.tuning.plan import Plan, build, load_plan
+from overdrive.tuning.plan import Plan, load_plan
+from overdrive.techniques.compose import build
 from overdrive.tuning.sweep import compare_plan, open_session
 from overdrive.workloads.structured import user_facing
 

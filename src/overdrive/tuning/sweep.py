@@ -23,7 +23,7 @@ from overdrive.core.measure import (
 from overdrive.core.roofline import weight_bytes
 from overdrive.techniques import TechniqueConfig, technique_for
 from overdrive.techniques.registry import compute_dtype, compute_layers, fallbacks
-from overdrive.tuning.plan import build
+from overdrive.techniques.compose import build
 from overdrive.workloads import Workload, create_workload
 
 DEFAULT_TEXT_SAMPLES = 512

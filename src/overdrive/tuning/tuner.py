@@ -50,7 +50,8 @@ from overdrive.techniques import TechniqueConfig, conflict, default_config, get_
 from overdrive.techniques.registry import compute_dtype, compute_layers, fallbacks
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
 from overdrive.tuning.invariance import EdgeProbe, InvarianceProbe, Verdict
-from overdrive.tuning.plan import Plan, build
+from overdrive.tuning.plan import Plan
+from overdrive.techniques.compose import build
 from overdrive.tuning.rows import Row, TuneResult
 
 NOISY_PASSES = 1.25  # p90 / p50 of the baseline's clean pass times: a machine busy in ways the OS did not show

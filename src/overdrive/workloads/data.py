@@ -1,7 +1,7 @@
 """The user's own evaluation rows for any workload: `optimize --data FILE`, `optimize(..., data=...)`.
 
 A built-in workload (or a factory's) is judged on its own samples; with data, it is judged on the
-user's instead, read the way `overdrive run` reads its input (`overdrive.run.inputs`): a `.txt`,
+user's instead, read the way `overdrive run` reads its input (`overdrive.files.inputs`): a `.txt`,
 `.jsonl` or `.csv` file of text for text models, a `.npy` array [N, *row] or a folder of images
 for tensor models. The workload's labels and metric belong to its own samples, so they are
 dropped: the user's rows are judged by agreement with the eager fp32 outputs (fidelity).
@@ -127,7 +127,7 @@ def _within_limits(workload: Workload, rows: list) -> tuple[list, list[str]]:
 
 
 def _rows_from_file(path: Path, workload: Workload, *, text_field: str | None, limit: int) -> tuple[list, list[str]]:
-    from overdrive.run.inputs import RecordError, open_source
+    from overdrive.files.inputs import RecordError, open_source
 
     source = open_source(path, workload, text_field=text_field, argument="data")
     rows, skipped = [], []

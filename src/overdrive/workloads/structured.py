@@ -144,7 +144,7 @@ class UserFacingModel(nn.Module):
     the user's model gave them.
 
     Args:
-        model: the plan's model (`tuning.plan.build`), kept as the submodule `model`.
+        model: the plan's model (`techniques.compose.build`), kept as the submodule `model`.
         input_names: the keyword of each positional input of `model`; None: inputs by position.
         layout: the user's output structure (`OutputLayout.of`).
         signature: the user's forward's signature; None: keywords matched by name, positional

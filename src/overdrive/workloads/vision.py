@@ -33,7 +33,7 @@ def image_preset(name: str):
     ImageNet normalisation for architectures whose preset has another crop size or none."""
     from torchvision import models
 
-    from overdrive.run.inputs import ResizeToTensor
+    from overdrive.files.inputs import ResizeToTensor
 
     try:
         preset = models.get_model_weights(name).DEFAULT.transforms()

@@ -86,7 +86,7 @@ def _load_file(model: nn.Module, path: Path) -> str:
 def _load_dcp(model: nn.Module, path: Path) -> str:
     import torch.distributed.checkpoint as dcp
 
-    from overdrive.train.checkpoint import _single_process_quiet, resolve_checkpoint
+    from overdrive.files.checkpoint import _single_process_quiet, resolve_checkpoint
 
     try:
         folder = resolve_checkpoint(path)

@@ -73,7 +73,7 @@ class Int8Dynamic(Technique):
 
 def called_linears(model: nn.Module, workload: Workload, device: torch.device) -> set[str]:
     """The names of the exact nn.Linear modules of `model` that its forward calls, on a small real batch."""
-    from overdrive.deploy.onnx import example_inputs
+    from overdrive.files.onnx import example_inputs
 
     called: set[str] = set()
     hooks = [m.register_forward_hook(lambda module, args, out, name=name: called.add(name))

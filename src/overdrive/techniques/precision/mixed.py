@@ -267,7 +267,7 @@ class MixedPrecision(Technique):
         """The step with the search's layers written in, so a reloaded plan rebuilds without searching."""
         if step.layers is not None:
             return step
-        from overdrive.tuning.plan import build
+        from overdrive.techniques.compose import build
 
         reports: list[dict] = []
         build(workload, before + [step], device, reports)  # the search is cached; compiling waits for a call
@@ -380,7 +380,7 @@ class MixedInt8Static(MixedPrecision):
         """The step with its layers and its quantised program (`folder/mixed-int8-static.pt2`) written in."""
         if step.checkpoint:
             return step
-        from overdrive.tuning.plan import build
+        from overdrive.techniques.compose import build
 
         reports: list[dict] = []
         model, _ = build(workload, before + [dataclasses.replace(step, compile=False)], device, reports)  # one export

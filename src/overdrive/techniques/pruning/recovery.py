@@ -210,7 +210,7 @@ class PruningTechnique(Technique):
         """The step with `checkpoint` set to its pruned, recovered weights, written to `folder/<technique>.pt`."""
         if step.checkpoint:
             return step
-        from overdrive.tuning.plan import build
+        from overdrive.techniques.compose import build
 
         model, _ = build(workload, before + [step], device)  # cached: reshapes and loads, no new fine-tune
         path = Path(folder) / f"{step.name}.pt"

@@ -1,5 +1,5 @@
 """ONNX Runtime as a technique: the plan's model exported to ONNX (proved against PyTorch on real
-rows, `overdrive.deploy.onnx`), run by an InferenceSession at graph optimisation level ALL.
+rows, `overdrive.files.onnx`), run by an InferenceSession at graph optimisation level ALL.
 
 Providers by device: CPU → CPUExecutionProvider; CUDA → TensorrtExecutionProvider (when the
 build has it), CUDAExecutionProvider, then CPU for the ops they lack. On CUDA the inputs and the
@@ -12,7 +12,6 @@ calibrated on the workload's training rows, never its evaluation rows).
 from __future__ import annotations
 
 import enum
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -90,7 +89,7 @@ def providers_for(device: torch.device, tensorrt: bool) -> list:
 def ort_module(path: Path, *, device: torch.device, optimization: str, providers: list, names: list[str], output: str,
                runtime: str, keep=None) -> RuntimeModule:
     """A RuntimeModule running `path` with ONNX Runtime on `device`."""
-    from overdrive.deploy.onnx import ort_session
+    from overdrive.files.onnx import ort_session
 
     def make(threads: int):
         return ort_session(path, threads=threads, providers=providers, optimization=optimization)
@@ -138,13 +137,13 @@ class OnnxRuntime(ExportedRuntime):
     description = "ONNX Runtime (exported, proved on real rows; CPU / CUDA / TensorRT providers)"
 
     def apply(self, model, config, *, workload, device):
-        from overdrive.deploy.onnx import export_onnx
+        from overdrive.files.onnx import cached_onnx
 
-        folder = tempfile.TemporaryDirectory(prefix="overdrive-ort-")
-        exported = export_onnx(cpu_model(model), workload, Path(folder.name) / "model.onnx")
+        exported = cached_onnx(cpu_model(model), workload)
         module = ort_module(exported.path, device=device, optimization=config.optimization.value,
                             providers=providers_for(device, config.tensorrt), names=exported.input_names,
-                            output=exported.output_names[0], runtime=f"onnxruntime ({exported.exporter} export)", keep=folder)
+                            output=exported.output_names[0], runtime=f"onnxruntime ({exported.exporter} export)",
+                            keep=exported.cache)
         return _reported(module, self.name, exported)
 
 
@@ -163,24 +162,34 @@ class OnnxRuntimeInt8(ExportedRuntime):
     def apply(self, model, config, *, workload, device):
         from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-        from overdrive.deploy.onnx import export_onnx
+        from overdrive.files.cache import cached, versions
+        from overdrive.files.onnx import cached_onnx
 
         if config.calibration == Calibration.STATIC and not workload.train_samples:
             raise RuntimeError("static int8 calibrates on the workload's training rows, and it has none (pass --data "
                                "with 100+ rows, or use calibration dynamic)")
-        folder = tempfile.TemporaryDirectory(prefix="overdrive-ort-int8-")
-        exported = export_onnx(cpu_model(model), workload, Path(folder.name) / "model.onnx")
-        fp32 = _preprocessed(exported.path)
-        int8 = Path(folder.name) / "model.int8.onnx"
-        if config.calibration == Calibration.DYNAMIC:
-            quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8, per_channel=config.per_channel)
-        else:
-            quantize_static(str(fp32), str(int8), _CalibrationReader(workload, exported.input_names),
-                            quant_format=QuantFormat.QDQ, per_channel=config.per_channel,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+        exported = cached_onnx(cpu_model(model), workload)
+        reader = _CalibrationReader(workload, exported.input_names) if config.calibration == Calibration.STATIC else None
+        parts = {"fp32": exported.cache.folder.name, "config": config.to_dict(), "versions": versions("onnxruntime"),
+                 "calibration": reader.key() if reader else None}
+
+        def make(folder: Path) -> dict:
+            fp32 = _preprocessed(exported.path, folder)
+            if reader is None:
+                quantize_dynamic(str(fp32), str(folder / "model.int8.onnx"), weight_type=QuantType.QInt8,
+                                 per_channel=config.per_channel)
+            else:
+                quantize_static(str(fp32), str(folder / "model.int8.onnx"), reader, quant_format=QuantFormat.QDQ,
+                                per_channel=config.per_channel, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+            if fp32 != exported.path:
+                fp32.unlink(missing_ok=True)
+            return {}
+
+        entry = cached("onnxruntime-int8", parts, make)
+        int8 = entry.folder / "model.int8.onnx"
         module = ort_module(int8, device=device, optimization="all", providers=["CPUExecutionProvider"],
                             names=exported.input_names, output=exported.output_names[0],
-                            runtime=f"onnxruntime int8 {config.calibration.value}", keep=folder)
+                            runtime=f"onnxruntime int8 {config.calibration.value}", keep=(exported.cache, entry))
         return _reported(module, self.name, exported, int8)
 
 
@@ -194,13 +203,13 @@ def _reported(module: RuntimeModule, technique: str, exported, path: Path | None
     return module
 
 
-def _preprocessed(path: Path) -> Path:
-    """onnxruntime's recommended pre-processing before quantisation (shape inference, folding), or
-    the file as it is when that step fails."""
+def _preprocessed(path: Path, folder: Path) -> Path:
+    """onnxruntime's recommended pre-processing before quantisation (shape inference, folding),
+    written into `folder`, or the file as it is when that step fails."""
     try:
         from onnxruntime.quantization.shape_inference import quant_pre_process
 
-        out = path.with_name("model.pre.onnx")
+        out = folder / "model.pre.onnx"
         quant_pre_process(str(path), str(out), skip_symbolic_shape=True)  # its symbolic pass writes temporary files into the current folder
         return out
     except Exception:  # noqa: BLE001 - quantising the plain export still works
@@ -214,6 +223,12 @@ class _CalibrationReader:
         rows = list(workload.train_samples)[:CALIBRATION_ROWS]
         self._feeds = [dict(zip(names, (t.numpy() for t in workload.collate(rows[i:i + 8])))) for i in range(0, len(rows), 8)]
         self.rewind()
+
+    def key(self) -> str:
+        """sha256 (hex) of the calibration rows, for the cache of quantised files."""
+        from overdrive.files.cache import tensors_key
+
+        return tensors_key(a for feed in self._feeds for a in (torch.from_numpy(v) for v in feed.values()))
 
     def get_next(self):
         return next(self._batches, None)

@@ -16,6 +16,7 @@ import enum
 import io
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -66,14 +67,14 @@ class OpenVinoInt8Config(TechniqueConfig):
 def convert(model: torch.nn.Module, workload: Workload):
     """The openvino.Model of `model` (fp32, CPU): from its torch.export program (dynamic batch and
     sequence axes), else OpenVINO's TorchScript frontend on a small real batch, which is refused when
-    the trace fixed a data-dependent value (`deploy.onnx.traced`).
+    the trace fixed a data-dependent value (`files.onnx.traced`).
 
     Raises:
         RuntimeError: both conversions failed (both reasons given).
     """
     import openvino as ov
 
-    from overdrive.deploy.onnx import example_inputs, export_shapes, quiet_export, reason, traced
+    from overdrive.files.onnx import example_inputs, export_shapes, quiet_export, reason, traced
 
     model = cpu_model(model)
     example = example_inputs(workload)
@@ -88,6 +89,39 @@ def convert(model: torch.nn.Module, workload: Workload):
         except Exception as exc:  # noqa: BLE001
             raise RuntimeError(f"OpenVINO conversion failed: from torch.export: {first} | from a TorchScript trace: "
                                f"{reason(exc)}") from None
+
+
+def cached_convert(model: torch.nn.Module, workload: Workload, quantize=None, quantize_key=None):
+    """`convert` (then `quantize(ov_model)`, when given) through the cache (`overdrive.files.cache`):
+    the IR saved at full precision (`compress_to_fp16=False`) and read back on a later call with the
+    same weights, code, example and versions.
+
+    Args:
+        quantize: ov.Model -> ov.Model applied after conversion (NNCF), cached with it.
+        quantize_key: what `quantize`'s result depends on besides the model (settings, calibration rows).
+
+    Raises:
+        RuntimeError: as `convert`.
+    """
+    import openvino as ov
+
+    from overdrive.files.cache import cached, model_key, tensors_key, versions
+    from overdrive.files.onnx import example_inputs
+
+    model = cpu_model(model)
+    parts = {"model": model_key(model), "example": tensors_key(example_inputs(workload)),
+             "dynamic": {str(k): list(v) for k, v in (workload.dynamic_dims or {}).items()},
+             "quantize": quantize_key, "versions": versions("openvino", "nncf")}
+
+    def make(folder: Path) -> dict:
+        ov_model = convert(model, workload)
+        if quantize is not None:
+            ov_model = quantize(ov_model)
+        ov.save_model(ov_model, str(folder / "model.xml"), compress_to_fp16=False)
+        return {}
+
+    entry = cached("openvino-int8" if quantize else "openvino", parts, make)
+    return ov.Core().read_model(str(entry.folder / "model.xml")), entry
 
 
 def ov_module(ov_model, *, config: dict, runtime: str, technique: str) -> RuntimeModule:
@@ -131,9 +165,11 @@ class OpenVino(ExportedRuntime):
         return {Precision.F32: "float32", Precision.BF16: "bfloat16"}[config.precision]
 
     def apply(self, model, config, *, workload, device):
-        ov_model = convert(model, workload)
+        ov_model, entry = cached_convert(model, workload)
         hint = {} if config.precision == Precision.DEFAULT else {"INFERENCE_PRECISION_HINT": config.precision.value}
-        return ov_module(ov_model, config=hint, runtime="openvino", technique=self.name)
+        module = ov_module(ov_model, config=hint, runtime="openvino", technique=self.name)
+        module._keep = entry
+        return module
 
 
 @register
@@ -154,11 +190,22 @@ class OpenVinoInt8(ExportedRuntime):
     def apply(self, model, config, *, workload, device):
         import nncf
 
+        from overdrive.files.cache import tensors_key
+
         nncf.set_log_level(logging.ERROR)
-        ov_model = convert(model, workload)
         rows = list(workload.train_samples)[:config.calibration_rows]
-        batches = [[t.numpy() for t in workload.collate(rows[i:i + 8])] for i in range(0, len(rows), 8)]
+        batches = [workload.collate(rows[i:i + 8]) for i in range(0, len(rows), 8)]
         model_type = nncf.ModelType.TRANSFORMER if workload.is_text else None
-        with contextlib.redirect_stdout(io.StringIO()):  # NNCF draws progress bars on stdout
-            quantized = nncf.quantize(ov_model, nncf.Dataset(batches), model_type=model_type, subset_size=len(batches))
-        return ov_module(quantized, config={}, runtime=f"openvino int8 (NNCF, {len(rows)} training rows)", technique=self.name)
+
+        def quantize(ov_model):
+            with contextlib.redirect_stdout(io.StringIO()):  # NNCF draws progress bars on stdout
+                return nncf.quantize(ov_model, nncf.Dataset([[t.numpy() for t in b] for b in batches]),
+                                     model_type=model_type, subset_size=len(batches))
+
+        key = {"config": config.to_dict(), "rows": tensors_key(t for b in batches for t in b),
+               "model_type": str(model_type)}
+        quantized, entry = cached_convert(model, workload, quantize=quantize, quantize_key=key)
+        module = ov_module(quantized, config={}, runtime=f"openvino int8 (NNCF, {len(rows)} training rows)",
+                           technique=self.name)
+        module._keep = entry
+        return module

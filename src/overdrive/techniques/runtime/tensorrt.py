@@ -62,7 +62,7 @@ class TensorRt(ExportedRuntime):
     def apply(self, model, config, *, workload, device):
         import torch_tensorrt
 
-        from overdrive.deploy.onnx import example_inputs, varying_dims
+        from overdrive.files.onnx import example_inputs, varying_dims
 
         example = [t.to(device) for t in example_inputs(workload)]
         dims = varying_dims(workload, len(example))

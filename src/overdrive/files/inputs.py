@@ -13,7 +13,7 @@ A *record source* is a random-access view of the user's input, one record per ou
 | `.jsonl`, a field per input    | (tensor models) each field's  | "line 12" (from 1)    |
 |                                | nested list, as a tensor      |                       |
 
-The three tensor sources are in `overdrive.run.tensor_sources`; `open_source` picks among all.
+The three tensor sources are in `overdrive.files.tensor_sources`; `open_source` picks among all.
 Records are located once at open time (byte offsets of lines / CSV rows, a sorted file list,
 a memory map), so any worker process can read any record by index without reading the others.
 `read(i)` decodes one record and raises `RecordError` with a reason when that record alone is
@@ -420,7 +420,7 @@ def open_source(path: Path, workload, *, text_field: str | None = None, argument
         transform, mode = image_transform(workload)
         return ImageFolderSource(path, transform, mode)
     suffix = path.suffix.lower()
-    from overdrive.run.tensor_sources import JsonlTensorSource, NpySource, NpzSource, input_names, row_specs
+    from overdrive.files.tensor_sources import JsonlTensorSource, NpySource, NpzSource, input_names, row_specs
 
     if suffix == ".npz" or (suffix in (".jsonl", ".ndjson") and not workload.is_text):
         if workload.is_text:

@@ -1,5 +1,5 @@
 """Record sources of tensor models for `overdrive run` (and `--data`): `.npy` [N, *row], `.npz` with
-an array per model input, `.jsonl` with a field per input (see `overdrive.run.inputs` for the text
+an array per model input, `.jsonl` with a field per input (see `overdrive.files.inputs` for the text
 and image sources and `open_source`). Inputs are named as `serve` names them (`input_names`);
 sizes that vary from row to row (`Workload.dynamic_dims`) are -1 in a row spec, checked ≥ 1."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from overdrive.core.errors import DataError
-from overdrive.run.inputs import RecordError, RecordSource, ByteRecords, json_object, line_offsets
+from overdrive.files.inputs import RecordError, RecordSource, ByteRecords, json_object, line_offsets
 
 
 class NpySource(RecordSource):

@@ -50,6 +50,7 @@ class OnnxExport:
         max_abs_diff: max |ONNX Runtime − PyTorch| over the proof rows (fp32), or None when unproven.
         proof_rows: how many real rows the proof ran.
         notes: what happened on the way (the dynamo exporter's failure before the fallback).
+        cache: the `files.cache.Entry` the file lives in (`cached_onnx`), or None.
     """
 
     path: Path
@@ -60,6 +61,7 @@ class OnnxExport:
     max_abs_diff: float | None = None
     proof_rows: int = 0
     notes: list[str] = field(default_factory=list)
+    cache: object = field(default=None, repr=False)
 
 
 def varying_dims(workload: Workload, num_inputs: int) -> dict[int, tuple[int, ...]]:
@@ -75,11 +77,11 @@ def varying_dims(workload: Workload, num_inputs: int) -> dict[int, tuple[int, ..
 def input_names(workload: Workload, num_inputs: int) -> list[str]:
     """The names of the model's positional inputs, as `serve` and `run` spell them: the workload's
     `input_names` (a Hugging Face model's keywords); for a tensor model without them `input`, or
-    `input__0`, `input__1`, ... (`run.tensor_sources.input_names`); for text, its forward's
+    `input__0`, `input__1`, ... (`files.tensor_sources.input_names`); for text, its forward's
     parameter names (`input_ids`, `attention_mask`), else input_0, input_1, ..."""
     import inspect
 
-    from overdrive.run.tensor_sources import input_names as served_names
+    from overdrive.files.tensor_sources import input_names as served_names
 
     names = list(workload.input_names or []) if workload.is_text else served_names(workload)
     if len(names) != num_inputs:
@@ -167,6 +169,50 @@ def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, input
     result = OnnxExport(path=path, exporter=exporter, input_names=names, output_names=outputs, dynamic_axes=axes, notes=notes)
     if prove:
         prove_onnx(result, model, workload, batch_size=len(inputs[0]))
+    return result
+
+
+def cached_onnx(model: nn.Module, workload: Workload, *, opset: int | None = None) -> OnnxExport:
+    """`export_onnx` through the cache (`overdrive.files.cache`): a model exported before with the
+    same weights, code, example and versions is read back instead of exported again, then proved
+    on the workload's real rows all the same (the proof, not the key, is what vouches for it).
+
+    Returns:
+        the OnnxExport, its `path` inside the cache entry; `notes` says "from the cache" on a hit.
+
+    Raises:
+        ExportError: as `export_onnx` (a cached file that fails the proof is removed first).
+    """
+    from overdrive.files.cache import cached, model_key, tensors_key, versions
+
+    model = model.eval().cpu()
+    inputs = tuple(t.cpu() for t in example_inputs(workload))
+    names = input_names(workload, len(inputs))
+    parts = {"model": model_key(model), "example": tensors_key(inputs), "names": names,
+             "output": output_name(workload), "axes": axes_for(workload, inputs), "opset": opset,
+             "versions": versions("onnx", "onnxscript")}
+
+    def make(folder: Path) -> dict:
+        made = export_onnx(model, workload, folder / "model.onnx", inputs=inputs, prove=False, opset=opset)
+        return {"exporter": made.exporter, "input_names": made.input_names, "output_names": made.output_names,
+                "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in made.dynamic_axes.items()},
+                "notes": made.notes}
+
+    entry = cached("onnx", parts, make)
+    meta = entry.meta
+    result = OnnxExport(path=entry.folder / "model.onnx", exporter=meta["exporter"], input_names=meta["input_names"],
+                        output_names=meta["output_names"],
+                        dynamic_axes={k: {int(a): n for a, n in v.items()} for k, v in meta["dynamic_axes"].items()},
+                        notes=list(meta["notes"]) + (["from the cache"] if entry.hit else []))
+    result.cache = entry  # also keeps a temporary folder alive when caching is off
+    try:
+        prove_onnx(result, model, workload, batch_size=len(inputs[0]))
+    except ExportError:
+        if entry.hit:
+            import shutil
+
+            shutil.rmtree(entry.folder, ignore_errors=True)
+        raise
     return result
 
 
