@@ -21,6 +21,9 @@ from overdrive.cli.args import (
 )
 
 
+from overdrive.tuning.budget import DEFAULT_TIME_BUDGET_S
+
+
 def add_parser(sub) -> None:
     opt = sub.add_parser("optimize", help="measure baseline and techniques, compose the winners, write a plan")
     add_workload_args(opt)
@@ -38,6 +41,10 @@ def add_parser(sub) -> None:
                      help="recovery fine-tune steps after pruning (default 300; 0: none)")
     opt.add_argument("--overwrite", action="store_true", help="replace the plan already in OUT/<workload>/")
     opt.add_argument("--sweep-batch-sizes", type=int_list, help="batch sizes for the report's plot (default: 1, B/4, B, 2B)")
+    opt.add_argument("--time-budget", type=nonnegative, default=None, metavar="SECONDS",
+                     help=f"seconds optimize may take: candidates are tried by predicted gain per second and those "
+                          f"that would not finish are reported untried (default {DEFAULT_TIME_BUDGET_S:.0f}; 0: no limit, "
+                          f"try everything)")
 
 
 def main(args, argv: list[str]) -> int:
@@ -56,6 +63,7 @@ def main(args, argv: list[str]) -> int:
         num_samples=args.num_samples, prune_ratio=args.prune_ratio, finetune_steps=args.finetune_steps,
         sweep_batch_sizes=args.sweep_batch_sizes, out=args.out, input_shape=args.input_shape, input_dtype=args.input_dtype,
         data=args.data, text_field=args.text_field, weights=args.weights, dynamic_dims=dynamic_dims(args.dynamic_dim),
+        time_budget_s=args.time_budget,
         command="overdrive " + shlex.join(argv))
     session, workload = job.session, job.session.workload
     existing = session.out_dir / "plan.json"
@@ -83,7 +91,9 @@ def main(args, argv: list[str]) -> int:
             bar.update(task, description=f"measuring {description}", completed=done + 1, total=total)
             if not console.is_terminal:  # logs and CI: a line per step instead of a live bar
                 elapsed = bar.tasks[0].elapsed or 0
-                left = f", about {elapsed / done * (total - done) / 60:.0f} min left" if done >= 3 and total > done else ""
+                eta = job.eta_s()  # the estimates of what is left, within the time budget
+                left = f", about {eta / 60:.0f} min left" if eta is not None and eta >= 60 else \
+                    (", under a minute left" if eta is not None else "")
                 console.print(f"  measuring {description} ({elapsed:.0f} s{left})", highlight=False)
 
         result = job.run(step)

@@ -99,6 +99,9 @@ class Technique:
     leaves_pytorch: ClassVar[bool] = False
     description: ClassVar[str] = ""
     compute_dtype: ClassVar[str | None] = None
+    # what building it costs before its first timed pass, for the time budget (`tuning.budget.SETUP_PRIOR`):
+    # "cheap", "export" (a model out of PyTorch), "compile", "search" (per layer) or "train"
+    setup_cost: ClassVar[str] = "cheap"
     dtype_layers: ClassVar[tuple[type[nn.Module], ...] | None] = None  # the layers compute_dtype applies to; None: all
 
     @property

@@ -28,6 +28,7 @@ from overdrive.tuning.plan import Plan
 from overdrive.techniques.compose import build, resolve_steps
 from overdrive.tuning.report import headline as describe_headline, rows_markdown, write_report_md
 from overdrive.tuning.sweep import Session, open_session, sweep
+from overdrive.tuning.budget import DEFAULT_TIME_BUDGET_S, Budget, resolve_budget
 from overdrive.tuning.guard import FidelityRule, Guard
 from overdrive.tuning.rows import Row
 from overdrive.tuning.tuner import Tuner
@@ -171,6 +172,7 @@ class OptimizeResult:
     warnings: list[str] = field(default_factory=list)
     rule: FidelityRule | None = None
     peaks: str = ""
+    time_budget_s: float | None = None  # the time budget it ran under (None: no limit)
     _model: nn.Module | None = field(default=None, repr=False)
 
     @property
@@ -301,6 +303,9 @@ class OptimizeJob:
     configs: dict[str, TechniqueConfig]
     sweep_batch_sizes: list[int]
     command: str
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S  # None: no limit
+    tuner: Tuner | None = None
+    budget: Budget | None = None
 
     @classmethod
     def prepare(cls, model: str | nn.Module | Workload, example_inputs=None, *, device: str | torch.device = "auto",
@@ -312,11 +317,15 @@ class OptimizeJob:
                 input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
                 text_field: str | None = None, weights: str | Path | None = None,
                 output: str | list[str] | None = None, dynamic_dims: dict | None = None,
-                command: str | None = None) -> OptimizeJob:
+                time_budget_s: float | None = None, command: str | None = None) -> OptimizeJob:
         """Check the arguments and build the workload (see `optimize` for them)."""
         if techniques is not None and not techniques:
             raise ConfigError(f"{arg('techniques')} is empty; name techniques (see `overdrive list`) or pass None for all")
         configs = pruning_configs(techniques, prune_ratio=prune_ratio, finetune_steps=finetune_steps)
+        try:
+            budget_s = resolve_budget(time_budget_s)
+        except ValueError as exc:
+            raise ConfigError(f"{arg('time_budget_s', time_budget_s)}: {exc}") from None
         for value, name in ((batch_size, "batch_size"), (num_samples, "num_samples")):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{arg(name, value)}: expected a positive integer")
@@ -340,16 +349,27 @@ class OptimizeJob:
             session.spec = f"{PYTHON_MODEL_PREFIX}{workload.name}>"
         spec = session.spec
         return cls(session=session, guard=guard, techniques=techniques, configs=configs,
-                   sweep_batch_sizes=session.sweep_sizes(sizes),
+                   sweep_batch_sizes=session.sweep_sizes(sizes), time_budget_s=budget_s,
                    command=command or f"overdrive.optimize({shlex.quote(spec)})")
+
+    def eta_s(self) -> float | None:
+        """Seconds this run expects to need from now (what is left to try, the plan's own
+        measurement, the sweep), never more than the time budget has left; None before it starts."""
+        if self.tuner is None or self.budget is None:
+            return None
+        sweep_s = len(self.sweep_batch_sizes) * 2 * self.tuner._compare_estimate() / 2
+        return max(0.0, min(self.budget.left(), self.tuner.eta_s() + sweep_s))
 
     def run(self, progress: Progress | None = None) -> OptimizeResult:
         """Measure: the baseline, each technique alone, the composition, then the sweep. When the
         session has an output folder, plan.json is written as soon as it is known (before the
         sweep) and everything else at the end."""
         s = self.session
+        self.budget = Budget(self.time_budget_s)
         tuner = Tuner(workload=s.workload, device=s.device, batch_size=s.batch_size, techniques=self.techniques,
-                      guard=self.guard, num_samples=s.num_distinct_samples, workload_spec=s.spec, configs=self.configs)
+                      guard=self.guard, num_samples=s.num_distinct_samples, workload_spec=s.spec, configs=self.configs,
+                      budget=self.budget)
+        self.tuner = tuner
         count = {"done": 0, "total": 2 + 2 * len(tuner.techniques) + len(self.configs) + 2 * len(self.sweep_batch_sizes)}
 
         def step(description: str) -> None:
@@ -370,7 +390,12 @@ class OptimizeJob:
             result.save_plan(s.out_dir)  # before the sweep: the plan is the main result
         count["total"] = count["done"] + 2 * len(self.sweep_batch_sizes)
         result.sweep = sweep(s, {BASELINE_LABEL: [], "plan": result.plan.steps}, self.sweep_batch_sizes,
-                             progress=step, warn=warnings.append, max_rows=SWEEP_MAX_ROWS, rounds=3)
+                             progress=step, warn=warnings.append, max_rows=SWEEP_MAX_ROWS, rounds=3,
+                             stop=lambda last_s: not self.budget.affords(last_s))
+        if self.budget.seconds is not None and self.budget.left() < -0.1 * self.budget.seconds:
+            result.warnings.append(f"optimize took {self.budget.seconds - self.budget.left():.0f} s, over "
+                                   f"{self.budget.describe()}: a step took longer than estimated")
+        result.time_budget_s = self.budget.seconds
         if s.out_dir is not None:
             result.save(s.out_dir)
         return result
@@ -384,7 +409,8 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
              sweep_batch_sizes: list[int] | None = None, out: str | Path | None = None,
              input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
              text_field: str | None = None, weights: str | Path | None = None, output: str | list[str] | None = None,
-             dynamic_dims: dict | None = None, progress: Progress | None = None) -> OptimizeResult:
+             dynamic_dims: dict | None = None, time_budget_s: float | None = None,
+             progress: Progress | None = None) -> OptimizeResult:
     """Measure `model` eager in fp32, then with each technique alone, compose the winners in
     canonical order (batching → prune → precision → graph → compile → runtime), roll back any
     step that is not faster or breaks the accuracy budget, and return the plan with the table.
@@ -432,6 +458,10 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             row to row, e.g. {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}; rows are
             zero-padded there per batch once padding is shown not to change the answers. None:
             found by calling the model at two sizes (integer inputs only); {}: none.
+        time_budget_s: seconds optimize may take (`overdrive.tuning.budget`): candidates are tried
+            by the gain cheap signals predict per second of trying, and one that cannot finish in
+            what is left is reported untried with its estimate. None: the default
+            (`DEFAULT_TIME_BUDGET_S`); 0: no limit, everything is tried.
         progress: called before each measurement as progress(description, done, expected).
 
     Returns:
@@ -450,5 +480,5 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
         min_fidelity=min_fidelity, min_gain=min_gain, lossless=lossless, techniques=techniques, batch_size=batch_size,
         num_samples=num_samples, prune_ratio=prune_ratio, finetune_steps=finetune_steps,
         sweep_batch_sizes=sweep_batch_sizes, out=out, input_shape=input_shape, input_dtype=input_dtype,
-        text_field=text_field, weights=weights, output=output, dynamic_dims=dynamic_dims,
+        text_field=text_field, weights=weights, output=output, dynamic_dims=dynamic_dims, time_budget_s=time_budget_s,
     ).run(progress)

@@ -29,6 +29,8 @@ class Row:
     invariance: Verdict | None = None  # batch-invariance figures (lossy candidates)
     details: list[dict] = field(default_factory=list)  # technique reports (pruning: params, FLOPs, recovery)
     config: TechniqueConfig | None = None  # an alone row's config (one of the technique's variants)
+    setup_s: float | None = None  # seconds to build, warm up and judge it (exports, compiles, searches)
+    trial_s: float | None = None  # seconds the whole row took, its comparison included
 
     def to_dict(self) -> dict:
         return {
@@ -43,6 +45,8 @@ class Row:
             "measurement": self.measurement.to_dict() if self.measurement else None,
             "details": self.details,
             "config": config_to_dict(self.config) if self.config is not None else None,
+            "setup_s": self.setup_s,
+            "trial_s": self.trial_s,
         }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
           progress=lambda _: None, warn=lambda _: None, reports: dict[str, list[dict]] | None = None, *,
           rounds: int = RECHECK_ROUNDS, max_rows: int | None = None, audit: bool = False,
           notice=lambda _: None, max_rounds: int | None = None,
-          max_width: float | None = None) -> dict[str, list[tuple[int, Measurement]]]:
+          max_width: float | None = None, stop=lambda last_s: False) -> dict[str, list[tuple[int, Measurement]]]:
     """Measure each configuration at each batch size, on the same rows `optimize` judged (cycled up
     to one full batch when there are fewer; passes timed over the first `TIMING_ROWS`, as there). When the first configuration is the eager baseline
     (no steps), every other one is timed against it in `rounds` interleaved rounds
@@ -169,6 +170,8 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
         max_rows: rows per pass at most (the report's curve needs no full pass); None: all of them.
         audit: also audit one forward of each configuration at each size (`core.audit`, `Measurement.audit`).
         notice: called with what makes a point's figures partly something else (CUDA-graph shapes run eagerly).
+        stop: called before each batch size after the first with the seconds the last one took; True leaves
+            the rest out (a warning says which): optimize's time budget.
 
     Every measurement gets its roofline point (`Measurement.roofline`): the FLOPs per sample a pruning
     step left, else the first model's (counted eagerly), against this device's measured peaks.
@@ -184,7 +187,13 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
     first_flops, first_weights, shares = _UNSET, None, {}
     first = next(iter(configs), None)
     baseline_label = first if first is not None and not configs[first] else None
-    for b in batch_sizes:
+    last_s = 0.0
+    for k, b in enumerate(batch_sizes):
+        if k and stop(last_s):
+            warn(f"batch sizes {', '.join(str(x) for x in batch_sizes[k:])} left out of the sweep: the time budget "
+                 "would not cover them")
+            break
+        point_started = time.monotonic()
         rows = max(session.num_distinct_samples, b) if max_rows is None else max(b, min(session.num_distinct_samples, max_rows))
         indices = cycle_indices(rows, len(workload.samples))
         runners: dict[str, Runner] = {}
@@ -244,6 +253,7 @@ def sweep(session: Session, configs: dict[str, list[TechniqueConfig]], batch_siz
                 runner.model, runner.batches = None, []
             runners.clear()
             torch.compiler.reset()
+            last_s = time.monotonic() - point_started
     return out
 
 

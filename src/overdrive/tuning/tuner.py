@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,9 +47,10 @@ from overdrive.core.measure import (
 )
 from overdrive.core.row_dependence import checked_dependence
 from overdrive.core.workload import Workload
-from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, weight_bytes
+from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, peak_flops, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
 from overdrive.techniques.registry import compute_dtype, compute_layers, fallbacks
+from overdrive.tuning.budget import Budget, Estimate, History, Signals, default_dtype_layers, estimate, padding_share
 from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
 from overdrive.tuning.invariance import EdgeProbe, InvarianceProbe, Verdict
 from overdrive.tuning.plan import Plan
@@ -93,6 +96,8 @@ class Tuner:
         progress: called with a description before each measurement.
         configs: technique configs to use instead of the defaults, by name (e.g. a pruning
             ratio from the command line).
+        budget: the time optimize may take (`tuning.budget`): candidates are tried by predicted gain
+            per second, and one that cannot finish in what is left is reported untried.
     """
 
     workload: Workload
@@ -108,6 +113,7 @@ class Tuner:
     progress: Progress = lambda _: None
     workload_spec: str | None = None
     configs: dict[str, TechniqueConfig] = field(default_factory=dict)
+    budget: Budget = field(default_factory=lambda: Budget(None))
 
     def __post_init__(self):
         available = len(self.workload.samples)
@@ -119,6 +125,10 @@ class Tuner:
         self.probe: InvarianceProbe | None = None
         self.edge: EdgeProbe | None = None
         self.warnings: list[str] = []
+        self.signals: Signals | None = None
+        self.history = History(None)
+        self.compare_s: list[float] = []  # seconds each comparison took, for the estimates
+        self.pending: list[Estimate] = []  # what is still to be tried, for the time left
 
     def _step(self, name: str) -> TechniqueConfig:
         return get_technique(name).for_guard(self.configs.get(name) or default_config(name), self.guard)
@@ -175,6 +185,69 @@ class Tuner:
         self.base_model = runner.model
         return runner, first, flops
 
+    # -- the time budget ---------------------------------------------------------------------------
+
+    def _read_signals(self, base: Runner) -> None:
+        """The cheap facts the estimates use (`tuning.budget.Signals`), and the model's history."""
+        pass_s = statistics.median(base.pass_s) if base.pass_s else 0.1
+        params = sum(p.numel() for p in self.base_model.parameters()) / 1e6
+        shares, peaks = {}, {"float32": peak_flops(self.device, "float32")}
+        for name in self.techniques:
+            technique = get_technique(name)
+            dtype = technique.dtype_of(self._step(name))
+            if not dtype or dtype == "float32" or self._skip_reason(name):
+                continue
+            layers = technique.dtype_layers or default_dtype_layers()
+            try:
+                if layers not in self.shares:
+                    self.shares[layers] = layer_flop_share(self.base_model, self.workload, device=self.device,
+                                                           indices=self.indices, layer_types=layers)
+                shares[layers] = self.shares[layers]
+                peaks[dtype] = peak_flops(self.device, dtype)
+            except Exception:  # noqa: BLE001 - a signal missing makes a prior of the prediction, nothing else
+                continue
+        self.signals = Signals(params_m=params, pass_s=pass_s,
+                               compare_s=min(self.max_compare_s, self.min_rounds * 2 * max(pass_s, 0.2)) * 1.5,
+                               padding=padding_share(self.workload, self.indices, self.batch_size), shares=shares,
+                               peaks=peaks)
+        try:
+            self.history = History.for_model(self.workload.model, self.device, self.batch_size)
+        except Exception:  # noqa: BLE001 - a model whose weights cannot be read for a key has no history
+            self.history = History(None)
+
+    def _compare_estimate(self) -> float:
+        """Seconds one comparison takes: the median of those timed so far, else the first guess."""
+        if self.compare_s:
+            return statistics.median(self.compare_s)
+        return self.signals.compare_s if self.signals is not None else self.max_compare_s
+
+    def _estimate(self, name: str, config: TechniqueConfig, label: str) -> Estimate:
+        self.signals.compare_s = self._compare_estimate()
+        return estimate(get_technique(name), config, self.signals, self.history, label, self.device)
+
+    def _reserve(self, kept) -> float:
+        """Seconds kept back for what must follow: the winners so far built again and composed, and the
+        plan timed against the baseline (twice when the first try is uncertain)."""
+        compare_s = self._compare_estimate()
+        return 2 * compare_s + sum((row.setup_s or 0.0) + compare_s for row in kept if row.kept)
+
+    def _untried(self, phase: str, label: str, steps: list[str], guess: Estimate | None, reserve: float,
+                 cost: float | None = None) -> Row:
+        cost = guess.cost_s if guess is not None else cost
+        source = f", {guess.source}" if guess is not None else ", its build measured alone"
+        left = max(self.budget.left(), 0.0)
+        return Row(phase=phase, label=label, steps=steps, kept=False,
+                   reason=f"untried: {self.budget.describe()} had {left:.0f} s left, {min(reserve, left):.0f} s of it kept "
+                          f"for the plan's own measurement, and this takes about {cost:.0f} s (estimate{source}); "
+                          f"a larger --time-budget tries it")
+
+    def eta_s(self) -> float:
+        """Seconds the tuner expects to need from now: what is still to be tried alone, the reserve,
+        never more than the budget has left."""
+        if self.signals is None:
+            return self.budget.left()
+        return min(self.budget.left(), sum(e.cost_s for e in self.pending) + 2 * self._compare_estimate())
+
     # -- candidates ------------------------------------------------------------------------------
 
     def _try(self, phase: str, label: str, steps: list[TechniqueConfig], reference: Runner, versus: str, *,
@@ -186,6 +259,7 @@ class Tuner:
         names = [s.name for s in steps]
         reports: list[dict] = []
         runner = None
+        started = compared = time.monotonic()
         try:
             runner = self._runner(steps, reports)
             outputs = runner.warm_up()
@@ -196,15 +270,20 @@ class Tuner:
                 verdict = self.probe.check(runner.model, rule=self.rule)
             breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps) \
                 or (self.edge.check(runner.model, rule=self.rule) if self.edge is not None else None) or late_graphs(runner)
+            compared = time.monotonic()
             gain = self._compare(reference, runner, decide=breaks is None)
+            if breaks is None:
+                self.compare_s.append(time.monotonic() - compared)
             m = self._figures(judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference),
                               runner, steps, reports)
         except Exception as exc:  # noqa: BLE001 - a failing technique is a row, not a crash
             self._release(runner)
+            ended = time.monotonic()
             return Row(phase=phase, label=label, steps=names, kept=False, reason=f"failed: {one_line(exc)}",
-                       details=reports), None
+                       details=reports, setup_s=(compared if compared > started else ended) - started,
+                       trial_s=ended - started), None
         row = Row(phase=phase, label=label, steps=names, kept=False, measurement=m, details=reports, gain=gain,
-                  versus=versus, invariance=verdict)
+                  versus=versus, invariance=verdict, setup_s=compared - started, trial_s=time.monotonic() - started)
         if judge:
             self._judge(row, breaks)
         return row, runner
@@ -294,25 +373,44 @@ class Tuner:
 
         # 1. Each technique alone against the baseline, interleaved: the attribution table. A technique
         # with modes worth searching (compile on CUDA) has a row per variant; its fastest kept one composes.
+        # Tried by predicted gain per second (`tuning.budget`); the table keeps the techniques' order.
+        self._read_signals(base)
         alone: dict[str, Row] = {}
+        entries: list[tuple[int, Row]] = []
+        candidates: list[tuple[int, str, TechniqueConfig, str]] = []
         for name in self.techniques:
             reason = self._skip_reason(name)
             if reason:
-                rows.append(Row(phase="alone", label=name, steps=[name], kept=False, reason=reason))
+                entries.append((len(entries) + len(candidates), Row(phase="alone", label=name, steps=[name], kept=False,
+                                                                  reason=reason)))
                 continue
             step = self._step(name)
             variants = [step] if name in self.configs else get_technique(name).variants(step, self.workload, self.device)
             for variant in variants:
                 label = name if variant == variants[0] else f"{name} ({_describe_variant(variant, variants[0])})"
-                row, runner = self._try("alone", label, [variant], base, "the baseline")
-                self._release(runner)
-                row.speedup = row.gain.quoted if row.gain else None
-                row.config = variant
-                best = alone.get(name)
-                if best is None or (row.kept and (not best.kept or row.measurement.samples_per_s
-                                                  > best.measurement.samples_per_s)):
-                    alone[name] = row
-                rows.append(row)
+                candidates.append((len(entries) + len(candidates), name, variant, label))
+        first_guess = {c[3]: self._estimate(c[1], c[2], c[3]) for c in candidates}
+        candidates.sort(key=lambda c: -first_guess[c[3]].priority)
+        for i, (position, name, variant, label) in enumerate(candidates):
+            self.pending = [first_guess[c[3]] for c in candidates[i + 1:]]
+            guess = self._estimate(name, variant, label)
+            reserve = self._reserve(alone.values())
+            if not self.budget.affords(guess.cost_s, reserve):
+                entries.append((position, self._untried("alone", label, [name], guess, reserve)))
+                continue
+            row, runner = self._try("alone", label, [variant], base, "the baseline")
+            self._release(runner)
+            row.speedup = row.gain.quoted if row.gain else None
+            row.config = variant
+            self.history.record(label, gain=row.gain.ratio if row.gain else None, setup_s=row.setup_s or 0.0,
+                                trial_s=row.trial_s or 0.0, kept=row.kept)
+            best = alone.get(name)
+            if best is None or (row.kept and (not best.kept or row.measurement.samples_per_s
+                                              > best.measurement.samples_per_s)):
+                alone[name] = row
+            entries.append((position, row))
+        self.pending = []
+        rows += [row for _, row in sorted(entries, key=lambda e: e[0])]
         baseline = self._figures(judge_outputs(base.measurement(), self.workload, self.repeat, self.indices,
                                                self.reference), base, [], [], audit=True)
         rows.insert(0, Row(phase="baseline", label="baseline (eager fp32)", steps=[], kept=True, measurement=baseline,
@@ -334,7 +432,9 @@ class Tuner:
         current_row: Row | None = None
         current_runner: Runner = base
         deferred: list[Row] = []  # runtimes outside PyTorch that cannot follow the steps kept: tried instead of them
-        for winner in winners:
+        for i, winner in enumerate(winners):
+            self.pending = [Estimate(gain=1.0, setup_s=w.setup_s or 0.0, compare_s=self._compare_estimate(), source="")
+                            for w in winners[i + 1:]]
             technique = get_technique(winner.steps[0])
             step = winner.config
             clash = conflict(current, step)
@@ -354,6 +454,11 @@ class Tuner:
                 except Exception as exc:  # noqa: BLE001 - it ran alone; a second build failing is still a row
                     step_row.kept, step_row.reason, runner = False, f"failed when built again: {one_line(exc)}", None
             else:
+                cost = (winner.setup_s or 0.0) + self._compare_estimate()
+                if not self.budget.affords(cost, 2 * self._compare_estimate()):
+                    rows.append(self._untried("compose", f"+ {winner.label}", [s.name for s in candidate],
+                                              None, 2 * self._compare_estimate(), cost))
+                    continue
                 self.progress(f"+ {winner.label}")
                 step_row, runner = self._try("compose", f"+ {winner.label}", candidate, current_runner,
                                              "the steps before it")
@@ -368,7 +473,9 @@ class Tuner:
 
         # 2b. A runtime outside PyTorch runs the exported fp32 graph: it is tried instead of the steps it
         # cannot follow (autocast, compile), kept when the plan with it beats the plan without it.
-        for winner in deferred:
+        for i, winner in enumerate(deferred):
+            self.pending = [Estimate(gain=1.0, setup_s=w.setup_s or 0.0, compare_s=self._compare_estimate(), source="")
+                            for w in deferred[i + 1:]]
             step = winner.config
             kept_steps = [s for s in current if get_technique(s.name).exportable]
             clash = conflict(kept_steps, step)
@@ -379,6 +486,11 @@ class Tuner:
                                 kept=False, reason=clash))
                 continue
             candidate = kept_steps + [step]
+            cost = (winner.setup_s or 0.0) + self._compare_estimate()
+            if not self.budget.affords(cost, 2 * self._compare_estimate()):
+                rows.append(self._untried("compose", label, [s.name for s in candidate], None,
+                                          2 * self._compare_estimate(), cost))
+                continue
             step_row, runner = self._try("compose", label, candidate, current_runner, "the plan so far")
             rows.append(step_row)
             if step_row.kept:
@@ -388,6 +500,7 @@ class Tuner:
             else:
                 self._release(runner)
 
+        self.pending = []
         plan_row = self._plan_row(current, current_runner, base, baseline, current_row.details if current_row else [])
         while current and plan_row.gain.low < self.guard.min_gain:  # back off: the last step added goes first
             plan_row.phase, plan_row.kept = "compose", False
@@ -463,6 +576,9 @@ class Tuner:
             if len(plan) < 2 or not get_technique(step.name).opt_in:
                 continue
             others = [s for s in plan if s is not step]
+            if not self.budget.affords(self._compare_estimate() * 2):
+                self.warnings.append(f"plan without {step.name}: not measured, {self.budget.describe()} was spent")
+                continue
             row, runner = self._try("without", f"plan without {step.name}", others, plan_runner, "the plan", judge=False)
             self._release(runner)
             if row.gain is not None:

@@ -155,6 +155,7 @@ def rows_fingerprint(rows: list[Any]) -> str:
 class MixedPrecision(Technique):
     """Base of the searched precision techniques: subclasses say which layers, how a candidate is built
     (`candidates`) and how the final model is (`lower`)."""
+    setup_cost = "search"  # `tuning.budget`: what building it costs before its first timed pass
 
     scheme: ClassVar[str]
     form: ClassVar[str]  # how activations are quantised, for the report

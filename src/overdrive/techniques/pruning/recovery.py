@@ -173,6 +173,7 @@ def default_learning_rate(workload: Workload) -> float:
 
 class PruningTechnique(Technique):
     """Base of structural pruning techniques: opt-in, lossy until recovered, rewrites modules."""
+    setup_cost = "train"  # `tuning.budget`: what building it costs before its first timed pass
 
     exportable = True  # survives export to ONNX / OpenVINO
     stage = Stage.PRUNE

@@ -272,6 +272,7 @@ class CudaGraphsConfig(TechniqueConfig):
 @register
 class CudaGraphs(Technique):
     """The forward captured as CUDA graphs, one per input shape (see the module docstring)."""
+    setup_cost = "compile"  # `tuning.budget`: what building it costs before its first timed pass
 
     config_cls = CudaGraphsConfig
     stage = Stage.RUNTIME

@@ -61,6 +61,7 @@ class RuntimeModule(nn.Module):
 
 class ExportedRuntime(Technique):
     """Base of the runtime techniques that take the model out of PyTorch."""
+    setup_cost = "export"  # `tuning.budget`: what building it costs before its first timed pass
 
     stage = Stage.RUNTIME
     group = RUNTIME_GROUP

@@ -46,6 +46,7 @@ def default_dynamic(workload: Workload) -> bool | None:
 @register
 class Compile(Technique):
     """torch.compile with the Inductor backend. Compile time is reported apart (Measurement.compile_s)."""
+    setup_cost = "compile"  # `tuning.budget`: what building it costs before its first timed pass
 
     config_cls = CompileConfig
     stage = Stage.COMPILE

@@ -99,6 +99,7 @@ def _set_child(model: nn.Module, name: str, module: nn.Module) -> None:
 
 @register
 class Sparsity24(Technique):
+    setup_cost = "search"  # a speed gate per layer
     config_cls = Sparsity24Config
     stage = Stage.PRUNE
     lossless = False
