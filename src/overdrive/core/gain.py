@@ -92,7 +92,8 @@ class Gain:
         low, high = self.interval
         if self.busy:
             waited = (self.contention or {}).get("waited_share")
-            during = f", its threads waiting for a CPU {100 * waited:.0f}% of the time" if waited is not None else ""
+            during = f", its threads waiting for a CPU {waited:.2f} s per second of the pass (summed over threads)" \
+                if waited is not None else ""
             return f"the machine was busy ({self.preempted_rounds} of {self.rounds} rounds ran preempted by other work{during})"
         if high / max(low, 1e-12) > NOISY_INTERVAL:
             return f"the 99% interval is wide (high / low = {high / max(low, 1e-12):.2f})"
@@ -109,7 +110,7 @@ class Gain:
     def describe(self) -> str:
         """"2.31× [2.20, 2.43]"; "≥ 2.20× (wide: [2.20, 3.43])"; "uncertain (busy) [1.50, 9.30]"."""
         low, high = self.interval
-        interval = f"[{low:.2f}, {high:.2f}]"
+        interval = f"[{_bound(low)}, {_bound(high)}]"
         if self.busy:
             return f"uncertain (busy) {interval}"
         if self.uncertain is not None:
@@ -118,6 +119,11 @@ class Gain:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "interval": list(self.interval), "quoted": self.quoted, "uncertain": self.uncertain}
+
+
+def _bound(value: float) -> str:
+    """An interval's end as printed: beyond 1000× (a few noisy rounds) it says only that."""
+    return f"{value:.2f}" if value <= 1000 else "> 1000"
 
 
 def _t995(df: int) -> float:

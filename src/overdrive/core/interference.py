@@ -221,7 +221,7 @@ class Contention:
 
     def describe(self) -> str:
         share = "" if self.waited_share is None or math.isnan(self.waited_share) else \
-            f"; its threads waited for a CPU {100 * self.waited_share:.0f}% of the time (median)"
+            f"; its threads waited for a CPU {self.waited_share:.2f} s per second of the stretch (median, summed over threads)"
         return f"{self.preempted} of {self.stretches} timed stretches ran preempted by other work{share}"
 
     def to_dict(self) -> dict:

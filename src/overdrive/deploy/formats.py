@@ -166,7 +166,9 @@ def _resolve(plan: Any, model: Any):
 
         return plan, as_workload(model, _example_from(plan)), plan_path
     if plan.workload.startswith(PYTHON_MODEL_PREFIX):
-        raise ConfigError(f"the plan was made from a Python module ({plan.workload}); pass it as {arg('model')}")
+        raise ConfigError(f"the plan was made from a Python module ({plan.workload}), which only Python can rebuild: "
+                          "overdrive.export(plan, format, out, model=<that module>), or optimize a factory "
+                          "(package.module:build) for a plan the command line can export")
     workload = open_session(plan.create_workload(), device="cpu", batch_size=plan.batch_size).workload
     return plan, workload, plan_path
 

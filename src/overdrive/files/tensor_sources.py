@@ -30,6 +30,8 @@ class NpySource(RecordSource):
         self.path = path
         try:
             self.array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except EOFError:
+            raise DataError(f"{path}: holds no records (the file is empty)") from None
         except (ValueError, OSError) as exc:
             raise DataError(f"{path}: not a readable .npy array ({exc})") from None
         if self.array.ndim < 1 or not _fits(self.array.shape[1:], row_shape):
@@ -109,6 +111,8 @@ class NpzSource(RecordSource):
         self.path, self.names, self.specs = path, names, specs
         try:
             archive = np.load(path, allow_pickle=False)
+        except EOFError:
+            raise DataError(f"{path}: holds no records (the file is empty)") from None
         except (ValueError, OSError) as exc:
             raise DataError(f"{path}: not a readable .npz archive ({exc})") from None
         if len(names) == 1 and names[0] not in archive.files and len(archive.files) == 1:

@@ -319,6 +319,8 @@ class OptimizeJob:
                 output: str | list[str] | None = None, dynamic_dims: dict | None = None,
                 time_budget_s: float | None = None, command: str | None = None) -> OptimizeJob:
         """Check the arguments and build the workload (see `optimize` for them)."""
+        if isinstance(techniques, str):  # "bf16" or "bf16,compile", as the command line spells them
+            techniques = [name.strip() for name in techniques.split(",") if name.strip()]
         if techniques is not None and not techniques:
             raise ConfigError(f"{arg('techniques')} is empty; name techniques (see `overdrive list`) or pass None for all")
         configs = pruning_configs(techniques, prune_ratio=prune_ratio, finetune_steps=finetune_steps)

@@ -84,7 +84,10 @@ class Guard:
             return broken
         if self.max_accuracy_drop is not None and m.task_metric and baseline_task_metric:
             key = next(iter(baseline_task_metric))  # "accuracy_pct", or a user metric's "metric"
-            drop = baseline_task_metric[key] - m.task_metric[key]
+            value = m.task_metric.get(key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                return f"the task metric {key} is {value!r} on its outputs, not a number to judge a drop by"
+            drop = baseline_task_metric[key] - value
             if drop > self.max_accuracy_drop:
                 return f"accuracy drop {drop:.2f} pt > {self.max_accuracy_drop} pt budget"
         return None

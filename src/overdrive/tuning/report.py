@@ -88,16 +88,27 @@ def rows_table(result: TuneResult, *, fidelity_key: str, title: str, rows_descri
             table.add_section()
         previous_phase = row.phase
         m = row.measurement
+        busy = BUSY_MARK if m is not None and _busy(m) else ""
         table.add_row(
             row.label,
             _kept(row, short=True),
-            f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}" if m else "",
+            f"{m.latency_ms['p50']:.2f} / {m.latency_ms['p90']:.2f}{busy}" if m else "",
             _speedup(row),
-            "\n".join(c for c in (f"{m.samples_per_s:,.1f}", roofline_cell(m.roofline, compact=True)) if c) if m else "",
+            "\n".join(c for c in (f"{m.samples_per_s:,.1f}{busy}", roofline_cell(m.roofline, compact=True)) if c) if m else "",
             format_memory(m) if m else "",
             format_fidelity(m, _key(result, fidelity_key), compact=True),
         )
     return table
+
+
+BUSY_MARK = "†"
+
+
+def _busy(m: Measurement) -> bool:
+    """Most of the measurement's timed stretches ran preempted by other work (`Contention.busy`)."""
+    from overdrive.core.interference import Contention
+
+    return bool(m.contention) and Contention(**m.contention).busy
 
 
 def format_memory(m: Measurement) -> str:
@@ -116,7 +127,10 @@ def table_note(result: TuneResult, rows_description: str = "") -> str:
     """What the table's figures are: the memory kind, the roofline, the rows and rule of the fidelity column, the intervals."""
     memory_kind = ("CUDA allocator peak allocated / reserved" if result.baseline.peak_memory_kind.startswith("cuda")
                    else "process RSS high-water")
-    return f"peak memory: {memory_kind}; {ROOFLINE_NOTE}; {caption(result, rows_description or 'the evaluation rows')}"
+    busy = (f"; {BUSY_MARK}: timed while other work ran (most stretches preempted, none clean enough to replace them): "
+            "the busy machine's absolute figure, not one to quote") if any(
+        r.measurement is not None and _busy(r.measurement) for r in result.rows) else ""
+    return f"peak memory: {memory_kind}; {ROOFLINE_NOTE}; {caption(result, rows_description or 'the evaluation rows')}{busy}"
 
 
 def figure_lines(result: TuneResult) -> list[str]:

@@ -3,12 +3,14 @@ measured again; a module measured as it is."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from overdrive.core.digest import weights_fingerprint
 from overdrive.core.errors import ConfigError, WorkloadError, arg
 from overdrive.core.flops import count_flops_per_sample
 from overdrive.core.measure import Measurement, cycle_indices, measure
@@ -38,6 +40,10 @@ def load(plan: str | Path, model: nn.Module | Workload | None = None, *, example
         arguments (`fast(**inputs)` for a model given a dict example), and for structured outputs
         the same structure holding the outputs the plan judged (as `OptimizeResult.model`).
 
+    Warns:
+        PlanWeightsWarning: `model`'s weights are not those the plan was measured on (its figures
+            were measured on other weights; the rebuilt model still computes with `model`'s).
+
     Raises:
         PlanError: the file is not a plan, names missing checkpoints, or was tuned on another device type.
         ConfigError: a plan made from a Python module, loaded without `model`.
@@ -46,14 +52,24 @@ def load(plan: str | Path, model: nn.Module | Workload | None = None, *, example
     loaded, resolved, _ = load_plan(plan, device=device_name)
     if model is None:
         if loaded.workload.startswith(PYTHON_MODEL_PREFIX):
-            raise ConfigError(f"{plan} was made from a Python module ({loaded.workload}); pass it as {arg('model')}")
+            raise ConfigError(f"{plan} was made from a Python module ({loaded.workload}); pass that module as "
+                              f"{arg('model')}")
         workload = open_session(loaded.create_workload(), device=resolved, batch_size=loaded.batch_size).workload
     elif isinstance(model, Workload):
         workload = model
     else:  # the workload optimize measured: the same input names, judged outputs and varying dimensions
         workload = as_workload(model, example_inputs if example_inputs is not None else _example_from(loaded),
                                output=loaded.outputs, dynamic_dims=loaded.dynamic_dims or {})
+    if model is not None and loaded.model_sha256 and weights_fingerprint(workload.model) != loaded.model_sha256:
+        warnings.warn(f"{plan}: this model's weights differ from those optimize measured the plan on (another "
+                      "initialisation, a changed architecture or fine-tuned weights?): the plan's speedup and fidelity "
+                      "were measured on other weights; optimize this model for figures that hold for it",
+                      PlanWeightsWarning, stacklevel=2)
     return user_facing(build(workload, loaded.steps, resolved)[0], workload.model)
+
+
+class PlanWeightsWarning(UserWarning):
+    """`load(plan, model)` was given a model whose weights are not those the plan was measured on."""
 
 
 def _example_from(plan: Plan) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:

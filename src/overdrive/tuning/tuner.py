@@ -363,6 +363,13 @@ class Tuner:
         base, self.reference, flops = self._baseline()
         self.baseline_task_metric = self.workload.task_metric(self.reference, self.indices) if self.workload.has_task_metric \
             else None
+        if self.guard.max_accuracy_drop is not None and self.baseline_task_metric:
+            broken = {k: v for k, v in self.baseline_task_metric.items()
+                      if not isinstance(v, (int, float)) or not math.isfinite(v)}
+            if broken:
+                raise WorkloadError(f"{self.workload.name}: the task metric gives {broken} on the eager fp32 outputs: "
+                                    "an accuracy budget cannot be judged by it (does the metric divide by zero, or "
+                                    "read NaN labels?)")
         # The probe judges lossy candidates; the model's own batch dependence is worth knowing whatever is tried.
         self.probe = InvarianceProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
                                      indices=self.indices)

@@ -43,6 +43,7 @@ class RuntimeModule(nn.Module):
         self._sessions: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
         self._keep = keep  # e.g. the temporary folder holding the exported file
+        self.signature: list[tuple[str, torch.dtype, tuple[int | None, ...]]] | None = None  # `input_signature`
         self.session()  # fail at build time, not at the first request
 
     def session(self) -> Any:
@@ -53,7 +54,35 @@ class RuntimeModule(nn.Module):
             return self._sessions[key]
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.signature is not None:
+            inputs = self._conform(inputs)
         return self._run(self.session(), inputs)
+
+    def _conform(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The inputs in the dtypes the exported graph takes (an int32 id tensor widened to int64, as
+        PyTorch's embedding takes either), after checking their shapes against it.
+
+        Raises:
+            ValueError: an input's rank or a fixed size differs from the exported graph's (the message
+                names the input and the shape it takes).
+            TypeError: the number of inputs differs, or a float given where integers are taken.
+        """
+        if len(inputs) != len(self.signature):
+            raise TypeError(f"{self.runtime}: the exported graph takes {len(self.signature)} inputs "
+                            f"({', '.join(n for n, _, _ in self.signature)}), not {len(inputs)}")
+        conformed = []
+        for t, (name, dtype, shape) in zip(inputs, self.signature):
+            if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+                wanted = ", ".join("*" if s is None else str(s) for s in shape)
+                raise ValueError(f"{self.runtime}: input {name!r} has shape {list(t.shape)}; the exported graph takes "
+                                 f"[{wanted}] (* varies; a fixed size was fixed by the example optimize measured: name "
+                                 "the dimensions that vary with dynamic_dims / --dynamic-dim)")
+            if t.dtype != dtype:
+                if dtype.is_floating_point != t.dtype.is_floating_point and dtype != torch.bool:
+                    raise TypeError(f"{self.runtime}: input {name!r} is {t.dtype}; the exported graph takes {dtype}")
+                t = t.to(dtype)
+            conformed.append(t)
+        return tuple(conformed)
 
     def extra_repr(self) -> str:
         return self.runtime
@@ -75,6 +104,18 @@ class ExportedRuntime(Technique):
         if self.package and importlib.util.find_spec(self.package) is None:
             return f"{self.package} is not installed{f' ({self.install_hint})' if self.install_hint else ''}"
         return None
+
+
+def input_signature(workload: Workload, names: list[str] | None = None) -> list[tuple[str, torch.dtype, tuple]]:
+    """(name, dtype, shape) of each input the exported graph takes, a varying size (the batch unless
+    the model takes one, the dynamic dimensions) as None: from the example it was exported with."""
+    from overdrive.files.onnx import axes_for, example_inputs, input_names
+
+    inputs = example_inputs(workload)
+    names = names or input_names(workload, len(inputs))
+    axes = axes_for(workload, inputs)
+    return [(name, t.dtype, tuple(None if d in axes.get(name, {}) else size for d, size in enumerate(t.shape)))
+            for name, t in zip(names, inputs)]
 
 
 def cpu_model(model: nn.Module) -> nn.Module:

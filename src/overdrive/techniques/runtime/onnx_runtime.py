@@ -21,7 +21,7 @@ import torch
 
 from overdrive.core.workload import Workload
 from overdrive.techniques.registry import TechniqueConfig, register
-from overdrive.techniques.runtime.exported import ExportedRuntime, RuntimeModule, cpu_model
+from overdrive.techniques.runtime.exported import ExportedRuntime, RuntimeModule, cpu_model, input_signature
 
 CALIBRATION_ROWS = 128
 
@@ -144,7 +144,7 @@ class OnnxRuntime(ExportedRuntime):
                             providers=providers_for(device, config.tensorrt), names=exported.input_names,
                             output=exported.output_names[0], runtime=f"onnxruntime ({exported.exporter} export)",
                             keep=exported.cache)
-        return _reported(module, self.name, exported)
+        return _reported(module, self.name, exported, workload=workload)
 
 
 @register
@@ -190,13 +190,16 @@ class OnnxRuntimeInt8(ExportedRuntime):
         module = ort_module(int8, device=device, optimization="all", providers=["CPUExecutionProvider"],
                             names=exported.input_names, output=exported.output_names[0],
                             runtime=f"onnxruntime int8 {config.calibration.value}", keep=(exported.cache, entry))
-        return _reported(module, self.name, exported, int8)
+        return _reported(module, self.name, exported, int8, workload=workload)
 
 
-def _reported(module: RuntimeModule, technique: str, exported, path: Path | None = None) -> RuntimeModule:
-    """The module with its report (the runtime, the exporter and the export's proof figure) and the
-    ONNX file it runs (`onnx_path`, which `overdrive export` copies)."""
+def _reported(module: RuntimeModule, technique: str, exported, path: Path | None = None,
+              workload: Workload | None = None) -> RuntimeModule:
+    """The module with its report (the runtime, the exporter and the export's proof figure), the
+    ONNX file it runs (`onnx_path`, which `overdrive export` copies) and its input signature."""
     module.onnx_path = path or exported.path
+    if workload is not None:
+        module.signature = input_signature(workload, exported.input_names)
     providers = module.session().get_providers()
     module.overdrive_report = {"technique": technique, "runtime": module.runtime, "providers": ", ".join(providers),
                                "export max |diff|": f"{exported.max_abs_diff:.2g} on {exported.proof_rows} rows"}

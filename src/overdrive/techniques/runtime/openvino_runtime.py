@@ -25,7 +25,7 @@ import torch
 from overdrive.core.devices import cpu_has_native_bf16
 from overdrive.core.workload import Workload
 from overdrive.techniques.registry import TechniqueConfig, register
-from overdrive.techniques.runtime.exported import ExportedRuntime, RuntimeModule, cpu_model
+from overdrive.techniques.runtime.exported import ExportedRuntime, RuntimeModule, cpu_model, input_signature
 
 CALIBRATION_ROWS = 128
 
@@ -168,7 +168,7 @@ class OpenVino(ExportedRuntime):
         ov_model, entry = cached_convert(model, workload)
         hint = {} if config.precision == Precision.DEFAULT else {"INFERENCE_PRECISION_HINT": config.precision.value}
         module = ov_module(ov_model, config=hint, runtime="openvino", technique=self.name)
-        module._keep = entry
+        module._keep, module.signature = entry, input_signature(workload)
         return module
 
 
@@ -207,5 +207,5 @@ class OpenVinoInt8(ExportedRuntime):
         quantized, entry = cached_convert(model, workload, quantize=quantize, quantize_key=key)
         module = ov_module(quantized, config={}, runtime=f"openvino int8 (NNCF, {len(rows)} training rows)",
                            technique=self.name)
-        module._keep = entry
+        module._keep, module.signature = entry, input_signature(workload)
         return module
