@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from overdrive.files import cache as cache_mod
 from overdrive.files import onnx as onnx_mod

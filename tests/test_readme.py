@@ -15,14 +15,16 @@ from overdrive.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = {path.name: path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}
+ALL_TEXT = "\n".join([README, *DOCS.values()])  # the front page and the pages it links to
 # Options of other programs that README commands pass through (torchrun's) or name in prose (make's targets).
 FOREIGN_FLAGS = {"--nnodes", "--nproc-per-node", "--rdzv-endpoint", "--help"}
 
 
-def _blocks(language: str) -> list[str]:
-    """The README's fenced code blocks whose fence names `language` ("" for a bare fence)."""
+def _blocks(language: str, text: str = README) -> list[str]:
+    """The fenced code blocks of `text` (the README) whose fence names `language` ("" for a bare fence)."""
     blocks, current = [], None
-    for line in README.splitlines():
+    for line in text.splitlines():
         if line.startswith("```"):
             if current is None:
                 current = (line[3:].strip(), [])
@@ -36,9 +38,9 @@ def _blocks(language: str) -> list[str]:
 
 
 def _commands() -> list[list[str]]:
-    """Every `overdrive ...` command in the README's shell blocks, as the words after `overdrive`."""
+    """Every `overdrive ...` command in the shell blocks of the README and docs/, as the words after `overdrive`."""
     commands = []
-    for block in _blocks(""):
+    for block in _blocks("", ALL_TEXT):
         for line in block.splitlines():
             line = line.split("  #")[0].strip()
             if not re.match(r"^(\.venv/bin/overdrive|torchrun|python -m overdrive) ", line):
@@ -66,8 +68,30 @@ def test_every_flag_the_readme_names_exists():
     parser = build_parser()
     verbs = next(a for a in parser._actions if a.dest == "command").choices
     known = {opt for sub in verbs.values() for action in sub._actions for opt in action.option_strings}
-    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", README))
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", ALL_TEXT))
     assert named - known - FOREIGN_FLAGS == set()
+
+
+def test_the_front_page_is_short_and_links_every_page():
+    assert len(README.splitlines()) <= 150
+    for name in DOCS:
+        assert f"docs/{name}" in README, f"docs/{name} is not linked from the README"
+
+
+def test_the_readme_lists_every_technique():
+    from overdrive.techniques import list_techniques
+
+    table = README.split("## Techniques", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z0-9:-]+)`", table))
+    assert {t.name for t in list_techniques()} <= named
+
+
+@pytest.mark.parametrize("page", sorted(DOCS))
+def test_every_python_block_in_the_docs_parses(page):
+    import ast
+
+    for block in _blocks("python", DOCS[page]):
+        ast.parse(block)
 
 
 def test_list_example_runs():
