@@ -167,3 +167,22 @@ def test_converted_and_quantised_files_are_cached_too(cache, monkeypatch, techni
     assert len(calls) == 1 and list(cache.glob(f"{technique}/*/meta.json"))
     with torch.no_grad():
         torch.testing.assert_close(first(x), second(x))
+
+
+def test_the_per_layer_search_is_kept_and_not_run_again(cache, monkeypatch):
+    """mixed-int8's sensitivity table: a second process (the in-process memo cleared) reads it back."""
+    from overdrive.techniques.compose import build
+    from overdrive.techniques.precision import mixed
+    from tests.conftest import make_vit_workload
+
+    calls = []
+    real = mixed.search
+    monkeypatch.setattr(mixed, "search", lambda *a, **k: calls.append(1) or real(*a, **k))
+    workload = make_vit_workload()
+    reports_first, reports_second = [], []
+    build(workload, [default_config("mixed-int8")], torch.device("cpu"), reports_first)
+    mixed._CACHE.clear()  # what a new process starts with
+    build(workload, [default_config("mixed-int8")], torch.device("cpu"), reports_second)
+    assert len(calls) == 1 and list(cache.glob("sensitivity/*/meta.json"))
+    first, second = (next(r for r in reports if r.get("technique") == "mixed-int8") for reports in (reports_first, reports_second))
+    assert first["chosen"] == second["chosen"] and first["layers"] == second["layers"]

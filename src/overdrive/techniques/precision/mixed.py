@@ -228,18 +228,41 @@ class MixedPrecision(Technique):
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
-        batches = calibration_batches(workload, rows, device)
-        modules = dict(model.named_modules())
-        layers = [LayerChoice(name=n, shape=describe_layer(modules[n]), note=self.layer_reason(modules[n], device) or "")
-                  for n in self.layers_of(model)]
-        reference, candidates = self.candidates(model, [c.name for c in layers if not c.note], batches, device, workload)
-        floor = config.min_fidelity if config.min_fidelity is not None else 0.99
-        result = search(workload, batches, reference, candidates, layers, scheme=self.scheme, floor=floor,
-                        margin=SEARCH_MARGIN, calibration_rows=len(rows))
+        def run_search(folder=None) -> dict:
+            batches = calibration_batches(workload, rows, device)
+            modules = dict(model.named_modules())
+            layers = [LayerChoice(name=n, shape=describe_layer(modules[n]), note=self.layer_reason(modules[n], device) or "")
+                      for n in self.layers_of(model)]
+            reference, candidates = self.candidates(model, [c.name for c in layers if not c.note], batches, device, workload)
+            floor = config.min_fidelity if config.min_fidelity is not None else 0.99
+            found = search(workload, batches, reference, candidates, layers, scheme=self.scheme, floor=floor,
+                           margin=SEARCH_MARGIN, calibration_rows=len(rows))
+            return {**{k: v for k, v in vars(found).items() if k != "layers"}, "layers": [c.to_dict() for c in found.layers]}
+
+        result = self._stored_search(model, config, workload, device, rows, run_search)
         _CACHE[key] = result
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
         return result
+
+    def _stored_search(self, model, config, workload, device, rows, run_search) -> SearchResult:
+        """The search's table from the cache folder (`files.cache`) when this model, these calibration
+        rows, this config, this machine and thread count were searched before; else searched now and
+        kept. The layers' time saved is this machine's, so the machine is in the key."""
+        from overdrive.core.devices import describe
+        from overdrive.files.cache import cached, model_key, versions
+
+        try:
+            parts = {"technique": self.name, "model": model_key(model), "rows": rows_fingerprint(rows),
+                     "config": dataclasses.replace(config, compile=True).to_dict(), "device": describe(device),
+                     "threads": torch.get_num_threads(), "versions": versions("torchao")}
+        except Exception:  # noqa: BLE001 - a model whose key cannot be made is searched, not cached
+            parts = None
+        if parts is None or parts["rows"].startswith("id:"):
+            stored = run_search()
+        else:
+            stored = cached("sensitivity", parts, lambda folder: run_search(folder)).meta
+        return SearchResult(**{**stored, "layers": [LayerChoice(**c) for c in stored["layers"]]})
 
     def apply(self, model, config, *, workload, device):
         total = len(self.layers_of(model))
