@@ -89,3 +89,20 @@ def test_a_runtime_names_the_shape_it_takes_and_widens_integer_ids():
 def test_an_interval_end_beyond_a_thousand_is_not_printed_as_a_number():
     gain = Gain(ratio=2.0, low=0.0, high=6e39, rounds=2, log_sd=40.0)
     assert "> 1000" in gain.describe() and "e+" not in gain.describe()
+
+
+class _WithIndices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y, {"sq": y * y, "idx": y.argmax(-1)}
+
+
+def test_an_integer_output_left_out_is_named():
+    from overdrive.tuning.api import as_workload
+
+    workload = as_workload(_WithIndices().eval(), torch.randn(8, 16))
+    assert any("1.idx (torch.int64)" in note and "not floating point" in note for note in workload.notes), workload.notes

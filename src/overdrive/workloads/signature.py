@@ -173,6 +173,11 @@ def choose_outputs(name: str, out: Any, batch: int, output: str | Sequence[str] 
         left = sorted(varying & set(candidates))
         notes.append(f"output(s) {', '.join(left)} follow the input length (token-level), so a row's values would depend "
                      "on its batch-mates' padding: they are not judged or served; the other outputs are")
+    others = [f"{p or '(the output)'} ({t.dtype})" for p, t in output_tensors(out)
+              if p not in candidates and not t.dtype.is_floating_point and t.dim() >= 1 and t.shape[0] == batch]
+    if others and paths:
+        notes.append(f"output(s) {', '.join(others)} are not floating point: they are not judged, and result.model, "
+                     "load and serve return None for them (compute them from the judged outputs)")
     if not paths:
         raise WorkloadError(f"{name}: the model returned no floating tensor [B, ...] with B = {batch} rows that overdrive "
                             f"can judge (it returned {found}); return or name (output=) one with a batch dimension")
