@@ -7,7 +7,7 @@ as `make demo` pays it), the plan, its headline with the 99% interval a re-measu
 fidelity, what the budget left untried; then whether the budgeted plan's interval overlaps the full
 search's and its fidelity is as good (within 0.002 of the floor's figure).
 
-    .venv/bin/python benchmarks/plan_budget_cpu.py [--workloads minilm,digits-cnn] [--order budget-first]
+    .venv/bin/python benchmarks/plan_budget_cpu.py [--workloads minilm,digits-cnn] [--order budget-first] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def search(workload: str, budget: str | None, folder: Path) -> dict:
     rows = results["rows"]
     untried = [r["label"] for r in rows if r["reason"].startswith("untried")]
     key = next(iter(measured["fidelity"] or {}), None)
-    return {"wall_s": wall, "steps": [s["name"] for s in plan["steps"]], "point": measured["speedup_point"],
+    (folder / "optimize.log").write_text(done.stdout)
+    return {"wall_s": wall, "steps": [s["name"] for s in plan["techniques"]], "point": measured["speedup_point"],
             "interval": measured["speedup_interval99"], "quoted": measured["speedup_vs_baseline"],
             "uncertain": measured["speedup_uncertain"], "fidelity": measured["fidelity"], "untried": untried,
             "tried": sum(1 for r in rows if r["phase"] == "alone" and r["measurement"] is not None),
@@ -65,6 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="minilm,digits-cnn")
     parser.add_argument("--order", choices=["budget-first", "full-first"], default="budget-first")
+    parser.add_argument("--logs", help="a folder to keep each optimize's output in")
     args = parser.parse_args()
     import torch
 
@@ -80,6 +82,9 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="plan-budget-") as tmp:
                 found[name] = search(workload, budget, Path(tmp))
             print(describe(name, found[name]), flush=True)
+            if args.logs:  # the whole optimize output, table included
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                (Path(args.logs) / f"{workload}-{budget or 'default'}.log").write_text(found[name]["log"])
         quick, full = found["default budget"], found["full search"]
         overlap = quick["interval"][0] <= full["interval"][1] and full["interval"][0] <= quick["interval"][1]
         key = full["fidelity_key"]
