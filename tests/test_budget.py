@@ -132,3 +132,22 @@ def test_optimize_from_python_keeps_its_budget_and_the_cli_takes_the_flag(tmp_pa
     with pytest.raises(SystemExit) as refused:
         cli.main(["optimize", "digits-cnn", "--time-budget", "-1", "--out", str(tmp_path)])
     assert refused.value.code == 2
+
+
+def test_a_risky_int8_is_predicted_less_and_alternatives_reserve_once(tmp_path, conv_workload):
+    from overdrive.tuning.rows import Row
+
+    risky, searched = get_technique("int8-dynamic"), get_technique("mixed-int8")
+    shares = {t.dtype_layers or budget_mod.default_dtype_layers(): 1.0 for t in (risky, searched)}
+    signals = Signals(params_m=1.0, pass_s=0.1, compare_s=2.0, shares=shares, peaks={"float32": 1e11, "int8": 4e11})
+    history = History(tmp_path / "h.json")
+    whole = estimate(risky, risky.config_cls(), signals, history, "int8-dynamic", CPU)
+    per_layer = estimate(searched, searched.config_cls(), signals, history, "mixed-int8", CPU)
+    assert "risk of breaking the fidelity floor" in whole.source
+    assert per_layer.gain == pytest.approx(1 + budget_mod.DAMPING * 3.0)  # every FLOP in int8 at 4×
+    assert whole.gain == pytest.approx(per_layer.gain ** 0.5)
+    tuner = _tuner(conv_workload, 100.0)
+    tuner.compare_s = [10.0]
+    kept = [Row(phase="alone", label=name, steps=[name], kept=True, setup_s=setup)
+            for name, setup in (("bf16", 1.0), ("mixed-int8", 50.0), ("channels-last", 2.0))]
+    assert tuner._reserve(kept) == pytest.approx(2 * 10 + (50 + 10) + (2 + 10))  # bf16 and mixed-int8: one precision

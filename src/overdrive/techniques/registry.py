@@ -102,6 +102,9 @@ class Technique:
     # what building it costs before its first timed pass, for the time budget (`tuning.budget.SETUP_PRIOR`):
     # "cheap", "export" (a model out of PyTorch), "compile", "search" (per layer) or "train"
     setup_cost: ClassVar[str] = "cheap"
+    # how likely, before anything is measured, it is to break a fidelity floor (the time budget weighs its
+    # predicted gain by it): whole-model int8 with one activation scale per tensor often does on transformers
+    fidelity_risk: ClassVar[float] = 0.0
     dtype_layers: ClassVar[tuple[type[nn.Module], ...] | None] = None  # the layers compute_dtype applies to; None: all
 
     @property

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TIME_BUDGET_S = 300.0
+DEFAULT_TIME_BUDGET_S = 420.0
 
 # Seconds a technique's build and warm-up take before its first timed pass, when nothing was measured
 # for this model: fixed + per million parameters + per baseline pass (one pass over the timing rows).
@@ -173,6 +173,9 @@ def estimate(technique, config, signals: Signals, history: History, label: str, 
         return Estimate(gain=gain, setup_s=float(seen.get("setup_s", setup)), compare_s=signals.compare_s,
                         source="measured for this model before")
     gain, why = _predicted_gain(technique, config, signals, device)
+    if technique.fidelity_risk and gain > 1.0:  # a gain it may well not be allowed to keep
+        gain = math.exp(math.log(gain) * (1.0 - technique.fidelity_risk))
+        why += f", weighed by a {technique.fidelity_risk:.0%} risk of breaking the fidelity floor"
     return Estimate(gain=gain, setup_s=setup, compare_s=signals.compare_s, source=f"predicted: {why}")
 
 

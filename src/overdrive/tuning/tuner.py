@@ -229,7 +229,12 @@ class Tuner:
         """Seconds kept back for what must follow: the winners so far built again and composed, and the
         plan timed against the baseline (twice when the first try is uncertain)."""
         compare_s = self._compare_estimate()
-        return 2 * compare_s + sum((row.setup_s or 0.0) + compare_s for row in kept if row.kept)
+        costs: dict[str, float] = {}  # of a group of alternatives (one precision, one runtime) one is composed
+        for row in kept:
+            if row.kept:
+                group = get_technique(row.steps[0]).group or row.label
+                costs[group] = max(costs.get(group, 0.0), (row.setup_s or 0.0) + compare_s)
+        return 2 * compare_s + sum(costs.values())
 
     def _untried(self, phase: str, label: str, steps: list[str], guess: Estimate | None, reserve: float,
                  cost: float | None = None) -> Row:

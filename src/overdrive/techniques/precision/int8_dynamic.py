@@ -23,6 +23,7 @@ class Int8DynamicConfig(TechniqueConfig):
 
 @register
 class Int8Dynamic(Technique):
+    fidelity_risk = 0.5  # one activation scale per tensor: the time budget's prediction weighs it (tuning.budget)
     config_cls = Int8DynamicConfig
     stage = Stage.PRECISION
     lossless = False

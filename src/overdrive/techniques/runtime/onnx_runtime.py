@@ -149,6 +149,7 @@ class OnnxRuntime(ExportedRuntime):
 
 @register
 class OnnxRuntimeInt8(ExportedRuntime):
+    fidelity_risk = 0.5  # one activation scale per tensor: the time budget's prediction weighs it (tuning.budget)
     config_cls = OnnxRuntimeInt8Config
     lossless = False
     devices = ("cpu",)  # onnxruntime's int8 kernels (MatMulInteger, QLinear*) are CPU kernels

@@ -174,6 +174,7 @@ class OpenVino(ExportedRuntime):
 
 @register
 class OpenVinoInt8(ExportedRuntime):
+    fidelity_risk = 0.5  # one activation scale per tensor: the time budget's prediction weighs it (tuning.budget)
     config_cls = OpenVinoInt8Config
     lossless = False
     devices = ("cpu",)
