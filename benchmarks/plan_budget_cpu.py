@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="minilm,digits-cnn")
     parser.add_argument("--order", choices=["budget-first", "full-first"], default="budget-first")
     parser.add_argument("--logs", help="a folder to keep each optimize's output in")
+    parser.add_argument("--budget-only", action="store_true", help="only the default budget's search (no comparison)")
     args = parser.parse_args()
     import torch
 
@@ -75,6 +76,8 @@ def main() -> None:
     searches = [("default budget", None), ("full search", "0")]
     if args.order == "full-first":
         searches.reverse()
+    if args.budget_only:
+        searches = [("default budget", None)]
     for workload in args.workloads.split(","):
         print(f"{workload}:", flush=True)
         found = {}
@@ -85,6 +88,8 @@ def main() -> None:
             if args.logs:  # the whole optimize output, table included
                 Path(args.logs).mkdir(parents=True, exist_ok=True)
                 (Path(args.logs) / f"{workload}-{budget or 'default'}.log").write_text(found[name]["log"])
+        if args.budget_only:
+            continue
         quick, full = found["default budget"], found["full search"]
         overlap = quick["interval"][0] <= full["interval"][1] and full["interval"][0] <= quick["interval"][1]
         key = full["fidelity_key"]

@@ -243,7 +243,7 @@ class Tuner:
         left = max(self.budget.left(), 0.0)
         return Row(phase=phase, label=label, steps=steps, kept=False,
                    reason=f"untried: {self.budget.describe()} had {left:.0f} s left, {min(reserve, left):.0f} s of it kept "
-                          f"for the plan's own measurement, and this takes about {cost:.0f} s (estimate{source}); "
+                          f"for composing what was kept and timing the plan, and this takes about {cost:.0f} s (estimate{source}); "
                           f"a larger --time-budget tries it")
 
     def eta_s(self) -> float:
