@@ -8,6 +8,7 @@ batch-size sweep); the command line uses the two halves to print its header in b
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -356,11 +357,13 @@ class OptimizeJob:
 
     def eta_s(self) -> float | None:
         """Seconds this run expects to need from now (what is left to try, the plan's own
-        measurement, the sweep), never more than the time budget has left; None before it starts."""
+        measurement, the sweep), never more than the time budget has left; None before it starts
+        (or, with no budget, before anything was estimated)."""
         if self.tuner is None or self.budget is None:
             return None
         sweep_s = len(self.sweep_batch_sizes) * 2 * self.tuner._compare_estimate() / 2
-        return max(0.0, min(self.budget.left(), self.tuner.eta_s() + sweep_s))
+        eta = max(0.0, min(self.budget.left(), self.tuner.eta_s() + sweep_s))
+        return eta if math.isfinite(eta) else None  # no budget and nothing estimated yet
 
     def run(self, progress: Progress | None = None) -> OptimizeResult:
         """Measure: the baseline, each technique alone, the composition, then the sweep. When the
