@@ -1,5 +1,10 @@
 """Every headline survives a second look: `overdrive bench` of a saved plan, in a fresh process, lands
-inside the interval `optimize` printed for it (issue 30)."""
+inside the interval `optimize` printed for it (issue 30).
+
+Both run as a user runs them, each in a process of its own: optimized inside the test process, after
+hundreds of other tests, the eager baseline of `tiny_block` timed 1.45× and 1.83× in two full runs
+against 1.86× and 1.46× from bench (it passes alone): a long-lived process's state (its allocator, its
+thread pools, oneDNN's primitive cache) is not what a user's `overdrive optimize` starts with."""
 
 from __future__ import annotations
 
@@ -11,16 +16,26 @@ from pathlib import Path
 
 import pytest
 
-import overdrive
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def optimize_plan(spec: str, out: Path) -> dict:
+    """`overdrive.optimize` of `spec` with ONNX Runtime, in a new process; its results.json."""
+    code = (f"import overdrive; overdrive.optimize({spec!r}, techniques=['onnxruntime'], sweep_batch_sizes=[], "
+            f"out={str(out)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(next(out.glob("*/results.json")).read_text())
 
 
 def bench_gain(spec: str, plan: Path, out: Path) -> dict:
     """The plan's gain over the baseline as `overdrive bench` measures it in a new process."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "overdrive", "bench", spec, "--plan", str(plan), "--out", str(out)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(next(out.glob("*/bench.json")).read_text())["results"]
     (point,) = [p for label, points in results.items() if label.startswith("plan") for p in points]
@@ -31,9 +46,10 @@ def bench_gain(spec: str, plan: Path, out: Path) -> dict:
 @pytest.mark.parametrize("factory", ["many_small_ops", "conv_bn", "tiny_block"])
 def test_bench_in_a_fresh_process_lands_inside_the_printed_interval(factory, tmp_path):
     spec = f"tests.fixtures.slow_eager:{factory}"
-    result = overdrive.optimize(spec, techniques=["onnxruntime"], sweep_batch_sizes=[], out=tmp_path / "opt")
-    measured = result.plan.measured
-    assert result.plan.names == ["onnxruntime"], [r["reason"] for r in result.table]  # what makes eager slow, removed
+    results = optimize_plan(spec, tmp_path / "opt")
+    measured = results["plan"]["measured"]
+    assert [s["name"] for s in results["plan"]["techniques"]] == ["onnxruntime"], \
+        [r["reason"] for r in results["rows"]]  # what makes eager slow, removed
     gain = bench_gain(spec, tmp_path / "opt" / factory / "plan.json", tmp_path / "bench")
     if measured["speedup_uncertain"] and "busy" in measured["speedup_uncertain"] or gain["busy"]:
         pytest.skip(f"the machine was busy (optimize: {measured['speedup_uncertain']}; bench: {gain['uncertain']}): "
