@@ -147,7 +147,7 @@ def test_a_risky_int8_is_predicted_less_and_alternatives_reserve_once(tmp_path, 
     assert per_layer.gain == pytest.approx(1 + budget_mod.DAMPING * 3.0)  # every FLOP in int8 at 4×
     assert whole.gain == pytest.approx(per_layer.gain ** 0.5)
     tuner = _tuner(conv_workload, 100.0)
-    tuner.compare_s = [10.0]
+    tuner.schedule.compare_s = [10.0]
     kept = [Row(phase="alone", label=name, steps=[name], kept=True, setup_s=setup)
             for name, setup in (("bf16", 1.0), ("mixed-int8", 50.0), ("channels-last", 2.0))]
-    assert tuner._reserve(kept) == pytest.approx(2 * 10 + (50 + 10) + (2 + 10))  # bf16 and mixed-int8: one precision
+    assert tuner.schedule.reserve(kept) == pytest.approx(2 * 10 + (50 + 10) + (2 + 10))  # bf16 and mixed-int8: one precision

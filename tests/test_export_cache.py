@@ -186,3 +186,35 @@ def test_the_per_layer_search_is_kept_and_not_run_again(cache, monkeypatch):
     assert len(calls) == 1 and list(cache.glob("sensitivity/*/meta.json"))
     first, second = (next(r for r in reports if r.get("technique") == "mixed-int8") for reports in (reports_first, reports_second))
     assert first["chosen"] == second["chosen"] and first["layers"] == second["layers"]
+
+
+def _helper(x):
+    return x
+
+
+class _CallsAHelper(torch.nn.Module):
+    """Its forward calls a module-level function: code no module class holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return _helper(self.linear(x))
+
+
+def test_code_outside_the_module_classes_that_changes_the_answers_misses_the_cache(cache, monkeypatch):
+    """OpenVINO's IR is not proved at each use as an ONNX file is: its key must see a changed helper."""
+    from overdrive.techniques.compose import build
+    from overdrive.tuning.api import as_workload
+
+    torch.manual_seed(0)
+    model = _CallsAHelper().eval()
+    x = torch.randn(8, 16)
+    first, _ = build(as_workload(model, x), [default_config("openvino")], torch.device("cpu"))
+    monkeypatch.setitem(globals(), "_helper", lambda y: y * 2.0)  # the user edits the helper, not the class
+    second, _ = build(as_workload(model, x), [default_config("openvino")], torch.device("cpu"))
+    assert len(list(cache.glob("openvino/*/meta.json"))) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(second(x), model(x), rtol=2e-2, atol=2e-2)  # bf16 inside OpenVINO
+        assert not torch.allclose(first(x), second(x), rtol=0.1, atol=0.1)

@@ -172,7 +172,7 @@ def test_the_warm_up_is_the_jobs_and_graphs_compiled_after_it_are_counted(text_w
     runner = Runner(static, text_workload, device=CPU, batch_size=8, indices=indices)
     runner.warm_up()
     assert runner.late_graphs >= 2
-    from overdrive.tuning.tuner import late_graphs
+    from overdrive.tuning.guard import late_graphs
 
     assert "a job would stop to compile each" in late_graphs(runner)
     torch._dynamo.reset()

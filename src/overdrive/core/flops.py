@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch import nn
 
-from overdrive.core.measure import to_device
+from overdrive.core.memory import to_device
 from overdrive.core.workload import Workload
 
 

@@ -4,7 +4,8 @@ of a plan with a runtime starts from the file instead of exporting again.
 
 An entry is a folder `ROOT/<kind>/<key>/` holding the files and `meta.json`; the key is a sha256
 over everything the files depend on: the model (`model_key`: its weights, its structure and the
-code of every module class in it), the example it was traced with, the settings, and the versions
+code of every module class in it; `outputs_key`: what it answers on the example, which also covers
+code its forward calls elsewhere), the example it was traced with, the settings, and the versions
 of torch, the exporter and overdrive. An entry is written into a temporary folder and renamed into
 place, so a reader never sees half of one; concurrent writers of the same key both succeed and one
 folder wins. Entries not used for longest are removed when the cache grows past its size limit.
@@ -81,6 +82,18 @@ def model_key(model: nn.Module) -> str:
         if isinstance(code, str):
             digest.update(code.encode())
     return digest.hexdigest()
+
+
+def outputs_key(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
+    """sha256 (hex) of what `model` answers on `inputs`, at bfloat16 precision (float sums that differ in
+    their last bits between runs seldom change it; when they do, the cost is a rebuild, never a wrong
+    hit). It covers what `model_key` cannot see: code the forward calls outside its module classes (a
+    helper function, a library's)."""
+    from torch.utils._pytree import tree_leaves
+
+    with torch.no_grad():
+        leaves = [t for t in tree_leaves(model(*inputs)) if isinstance(t, torch.Tensor)]
+    return tensors_key(t.detach().to(torch.bfloat16) if t.is_floating_point() else t for t in leaves)
 
 
 def tensors_key(tensors) -> str:

@@ -183,13 +183,13 @@ def cached_onnx(model: nn.Module, workload: Workload, *, opset: int | None = Non
     Raises:
         ExportError: as `export_onnx` (a cached file that fails the proof is removed first).
     """
-    from overdrive.files.cache import cached, model_key, tensors_key, versions
+    from overdrive.files.cache import cached, model_key, outputs_key, tensors_key, versions
 
     model = model.eval().cpu()
     inputs = tuple(t.cpu() for t in example_inputs(workload))
     names = input_names(workload, len(inputs))
-    parts = {"model": model_key(model), "example": tensors_key(inputs), "names": names,
-             "output": output_name(workload), "axes": axes_for(workload, inputs), "opset": opset,
+    parts = {"model": model_key(model), "answers": outputs_key(model, inputs), "example": tensors_key(inputs),
+             "names": names, "output": output_name(workload), "axes": axes_for(workload, inputs), "opset": opset,
              "versions": versions("onnx", "onnxscript")}
 
     def make(folder: Path) -> dict:

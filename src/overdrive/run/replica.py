@@ -23,7 +23,7 @@ from torch import nn
 
 from overdrive.core.errors import one_line
 from overdrive.core.input_limits import InputLimits
-from overdrive.core.measure import owned_host_float32
+from overdrive.core.memory import owned_host_float32
 from overdrive.core.timer import Timer
 from overdrive.core.workload import Workload, equal_length_batches, pad_stack, warm_up_rows
 from overdrive.files.inputs import RecordError, RecordSource

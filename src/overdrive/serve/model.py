@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from overdrive.core.input_limits import InputLimits, workload_input_limits
-from overdrive.core.measure import compiled_graphs, owned_host_float32, to_device
+from overdrive.core.measure import compiled_graphs
+from overdrive.core.memory import owned_host_float32, to_device
 from overdrive.core.row_dependence import checked_dependence
 from overdrive.core.workload import BATCH_MATES, Workload, pad_stack, row_size_problem
 from overdrive.run.replica import text_lengths

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from overdrive.core.errors import ConfigError, arg
-from overdrive.core.measure import peak_memory, reset_peak_memory
+from overdrive.core.memory import peak_memory, reset_peak_memory
 from overdrive.core.workload import Workload
 from overdrive.train import parallel
 from overdrive.train.checkpoint import load_checkpoint, save_checkpoint

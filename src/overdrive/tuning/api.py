@@ -361,7 +361,7 @@ class OptimizeJob:
         (or, with no budget, before anything was estimated)."""
         if self.tuner is None or self.budget is None:
             return None
-        sweep_s = len(self.sweep_batch_sizes) * 2 * self.tuner._compare_estimate() / 2
+        sweep_s = len(self.sweep_batch_sizes) * self.tuner.schedule.compare_estimate()  # a point: about one comparison
         eta = max(0.0, min(self.budget.left(), self.tuner.eta_s() + sweep_s))
         return eta if math.isfinite(eta) else None  # no budget and nothing estimated yet
 

@@ -21,7 +21,7 @@ import torch
 
 from overdrive.core.errors import ConfigError, WorkloadError, arg
 from overdrive.core.graph_ops import training_mode_ops
-from overdrive.core.measure import Measurement
+from overdrive.core.measure import Measurement, Runner
 from overdrive.core.workload import Workload
 
 # Reference outputs all smaller than this are float noise: cosine and agreement with them mean nothing
@@ -175,3 +175,12 @@ def moving_cause(model: torch.nn.Module) -> str:
         return f"its graph holds training-mode ops ({', '.join(ops)}); export it after model.eval()"
     return ("no dropout or batch-norm layer is in training mode, so its forward draws random numbers, or keeps "
             "state that changes from call to call; make it deterministic in eval mode")
+
+
+def late_graphs(runner: Runner) -> str | None:
+    """Why a candidate would lose in `run` and `serve` what it wins here: torch.compile built graphs for
+    evaluation rows past the warm-up those jobs give (`Runner.warm_up`), so a job stops mid-way to compile."""
+    if not runner.late_graphs:
+        return None
+    return (f"compiled {runner.late_graphs} graph(s) for evaluation rows after the warm-up run and serve give it (batch 1 "
+            f"and {runner.batch_size}, padded and not): a job would stop to compile each, slower than eager there")

@@ -22,12 +22,13 @@ the budget.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from overdrive.core.measure import owned_host_float32, to_device
+from overdrive.core.memory import owned_host_float32, to_device
 from overdrive.core.errors import one_line
 from overdrive.core.workload import BATCH_MATES, BatchDependence, Workload
 
@@ -52,6 +53,20 @@ class Verdict:
     mixed: dict[str, float]
     outlier: str
     rows: int
+
+    def breaks(self, rule, hints: list[str]) -> str | None:
+        """Why the rows break `rule` (a `guard.FidelityRule`) inside a batch with other rows and an
+        outlier, batch-dependent when they pass alone (`hints`: the techniques' own words for why), or None."""
+        mixed = rule.violation(self.mixed)
+        if mixed is None:
+            return None
+        where = f"for rows batched with other rows and {self.outlier}"
+        alone = rule.violation(self.alone)
+        if alone:
+            return f"{mixed} {where} (alone: {alone})"
+        why = f"; {hints[0]}" if hints else ""
+        figure = self.alone.get(rule.key, math.nan)
+        return f"batch-dependent: {mixed} {where}, {rule.key} {figure:.4g} alone{why}; unfit for serve and run"
 
 
 def _columns(sample):

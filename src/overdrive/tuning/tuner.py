@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gc
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,26 +46,18 @@ from overdrive.core.measure import (
 )
 from overdrive.core.row_dependence import checked_dependence
 from overdrive.core.workload import Workload
-from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, peak_flops, weight_bytes
+from overdrive.core.roofline import ABOVE_ROOF, above_roof, describe_peaks, measure_peaks, weight_bytes
 from overdrive.techniques import TechniqueConfig, conflict, default_config, get_technique, list_techniques, technique_for
 from overdrive.techniques.registry import compute_dtype, compute_layers, fallbacks
-from overdrive.tuning.budget import Budget, Estimate, History, Signals, default_dtype_layers, estimate, padding_share
-from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule
-from overdrive.tuning.invariance import EdgeProbe, InvarianceProbe, Verdict
+from overdrive.tuning.budget import Budget
+from overdrive.tuning.guard import FidelityRule, Guard, fidelity_rule, late_graphs
+from overdrive.tuning.invariance import EdgeProbe, InvarianceProbe
 from overdrive.tuning.plan import Plan
 from overdrive.techniques.compose import build
 from overdrive.tuning.rows import Row, TuneResult
+from overdrive.tuning.schedule import Schedule, read_signals
 
 NOISY_PASSES = 1.25  # p90 / p50 of the baseline's clean pass times: a machine busy in ways the OS did not show
-
-
-def late_graphs(runner: Runner) -> str | None:
-    """Why a candidate would lose in `run` and `serve` what it wins here: torch.compile built graphs for
-    evaluation rows past the warm-up those jobs give (`Runner.warm_up`), so a job stops mid-way to compile."""
-    if not runner.late_graphs:
-        return None
-    return (f"compiled {runner.late_graphs} graph(s) for evaluation rows after the warm-up run and serve give it (batch 1 "
-            f"and {runner.batch_size}, padded and not): a job would stop to compile each, slower than eager there")
 
 
 Progress = Callable[[str], None]
@@ -125,10 +116,7 @@ class Tuner:
         self.probe: InvarianceProbe | None = None
         self.edge: EdgeProbe | None = None
         self.warnings: list[str] = []
-        self.signals: Signals | None = None
-        self.history = History(None)
-        self.compare_s: list[float] = []  # seconds each comparison took, for the estimates
-        self.pending: list[Estimate] = []  # what is still to be tried, for the time left
+        self.schedule = Schedule(self.budget, self.device, self.max_compare_s)
 
     def _step(self, name: str) -> TechniqueConfig:
         return get_technique(name).for_guard(self.configs.get(name) or default_config(name), self.guard)
@@ -185,73 +173,9 @@ class Tuner:
         self.base_model = runner.model
         return runner, first, flops
 
-    # -- the time budget ---------------------------------------------------------------------------
-
-    def _read_signals(self, base: Runner) -> None:
-        """The cheap facts the estimates use (`tuning.budget.Signals`), and the model's history."""
-        pass_s = statistics.median(base.pass_s) if base.pass_s else 0.1
-        params = sum(p.numel() for p in self.base_model.parameters()) / 1e6
-        shares, peaks = {}, {"float32": peak_flops(self.device, "float32")}
-        for name in self.techniques:
-            technique = get_technique(name)
-            dtype = technique.dtype_of(self._step(name))
-            if not dtype or dtype == "float32" or self._skip_reason(name):
-                continue
-            layers = technique.dtype_layers or default_dtype_layers()
-            try:
-                if layers not in self.shares:
-                    self.shares[layers] = layer_flop_share(self.base_model, self.workload, device=self.device,
-                                                           indices=self.indices, layer_types=layers)
-                shares[layers] = self.shares[layers]
-                peaks[dtype] = peak_flops(self.device, dtype)
-            except Exception:  # noqa: BLE001 - a signal missing makes a prior of the prediction, nothing else
-                continue
-        self.signals = Signals(params_m=params, pass_s=pass_s,
-                               compare_s=min(self.max_compare_s, self.min_rounds * 2 * max(pass_s, 0.2)) * 1.5,
-                               padding=padding_share(self.workload, self.indices, self.batch_size), shares=shares,
-                               peaks=peaks)
-        try:
-            self.history = History.for_model(self.workload.model, self.device, self.batch_size)
-        except Exception:  # noqa: BLE001 - a model whose weights cannot be read for a key has no history
-            self.history = History(None)
-
-    def _compare_estimate(self) -> float:
-        """Seconds one comparison takes: the median of those timed so far, else the first guess."""
-        if self.compare_s:
-            return statistics.median(self.compare_s)
-        return self.signals.compare_s if self.signals is not None else self.max_compare_s
-
-    def _estimate(self, name: str, config: TechniqueConfig, label: str) -> Estimate:
-        self.signals.compare_s = self._compare_estimate()
-        return estimate(get_technique(name), config, self.signals, self.history, label, self.device)
-
-    def _reserve(self, kept) -> float:
-        """Seconds kept back for what must follow: the winners so far built again and composed, and the
-        plan timed against the baseline (twice when the first try is uncertain)."""
-        compare_s = self._compare_estimate()
-        costs: dict[str, float] = {}  # of a group of alternatives (one precision, one runtime) one is composed
-        for row in kept:
-            if row.kept:
-                group = get_technique(row.steps[0]).group or row.label
-                costs[group] = max(costs.get(group, 0.0), (row.setup_s or 0.0) + compare_s)
-        return 2 * compare_s + sum(costs.values())
-
-    def _untried(self, phase: str, label: str, steps: list[str], guess: Estimate | None, reserve: float,
-                 cost: float | None = None) -> Row:
-        cost = guess.cost_s if guess is not None else cost
-        source = f", {guess.source}" if guess is not None else ", its build measured alone"
-        left = max(self.budget.left(), 0.0)
-        return Row(phase=phase, label=label, steps=steps, kept=False,
-                   reason=f"untried: {self.budget.describe()} had {left:.0f} s left, {min(reserve, left):.0f} s of it kept "
-                          f"for composing what was kept and timing the plan, and this takes about {cost:.0f} s (estimate{source}); "
-                          f"a larger --time-budget tries it")
-
     def eta_s(self) -> float:
-        """Seconds the tuner expects to need from now: what is still to be tried alone, the reserve,
-        never more than the budget has left."""
-        if self.signals is None:
-            return self.budget.left()
-        return min(self.budget.left(), sum(e.cost_s for e in self.pending) + 2 * self._compare_estimate())
+        """Seconds the tuner expects to need from now, within the budget (`Schedule.eta_s`)."""
+        return self.schedule.eta_s()
 
     # -- candidates ------------------------------------------------------------------------------
 
@@ -273,12 +197,14 @@ class Tuner:
             verdict = None
             if self.probe is not None and any(not technique_for(s).lossless for s in steps):
                 verdict = self.probe.check(runner.model, rule=self.rule)
-            breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) or self._batch_dependence(verdict, steps) \
+            hints = [technique_for(s).batch_dependence for s in steps if technique_for(s).batch_dependence]
+            breaks = self.guard.violation(m, self.baseline_task_metric, self.rule) \
+                or (verdict.breaks(self.rule, hints) if verdict is not None else None) \
                 or (self.edge.check(runner.model, rule=self.rule) if self.edge is not None else None) or late_graphs(runner)
             compared = time.monotonic()
             gain = self._compare(reference, runner, decide=breaks is None)
             if breaks is None:
-                self.compare_s.append(time.monotonic() - compared)
+                self.schedule.compare_s.append(time.monotonic() - compared)
             m = self._figures(judge_outputs(runner.measurement(), self.workload, outputs, self.indices, self.reference),
                               runner, steps, reports)
         except Exception as exc:  # noqa: BLE001 - a failing technique is a row, not a crash
@@ -316,21 +242,6 @@ class Tuner:
             self.warnings.append(f"{' + '.join(s.name for s in steps) or 'the baseline'}: roofline or audit not "
                                  f"measured: {one_line(exc)}")
         return m
-
-    def _batch_dependence(self, verdict: Verdict | None, steps: list[TechniqueConfig]) -> str | None:
-        """The reason a candidate's rows break the budget inside a batch with other rows and an
-        outlier row (batch-dependent when they pass alone), or None."""
-        mixed = self.rule.violation(verdict.mixed) if verdict is not None else None
-        if mixed is None:
-            return None
-        where = f"for rows batched with other rows and {verdict.outlier}"
-        alone = self.rule.violation(verdict.alone)
-        if alone:
-            return f"{mixed} {where} (alone: {alone})"
-        hints = [technique_for(s).batch_dependence for s in steps if technique_for(s).batch_dependence]
-        why = f"; {hints[0]}" if hints else ""
-        figure = verdict.alone.get(self.rule.key, math.nan)
-        return f"batch-dependent: {mixed} {where}, {self.rule.key} {figure:.4g} alone{why}; unfit for serve and run"
 
     def _judge(self, row: Row, breaks: str | None) -> Row:
         """Set kept and the reason: over budget (with the figure), or not clearly faster."""
@@ -386,7 +297,6 @@ class Tuner:
         # 1. Each technique alone against the baseline, interleaved: the attribution table. A technique
         # with modes worth searching (compile on CUDA) has a row per variant; its fastest kept one composes.
         # Tried by predicted gain per second (`tuning.budget`); the table keeps the techniques' order.
-        self._read_signals(base)
         alone: dict[str, Row] = {}
         entries: list[tuple[int, Row]] = []
         candidates: list[tuple[int, str, TechniqueConfig, str]] = []
@@ -401,27 +311,28 @@ class Tuner:
             for variant in variants:
                 label = name if variant == variants[0] else f"{name} ({_describe_variant(variant, variants[0])})"
                 candidates.append((len(entries) + len(candidates), name, variant, label))
-        first_guess = {c[3]: self._estimate(c[1], c[2], c[3]) for c in candidates}
-        candidates.sort(key=lambda c: -first_guess[c[3]].priority)
-        for i, (position, name, variant, label) in enumerate(candidates):
-            self.pending = [first_guess[c[3]] for c in candidates[i + 1:]]
-            guess = self._estimate(name, variant, label)
-            reserve = self._reserve(alone.values())
-            if not self.budget.affords(guess.cost_s, reserve):
-                entries.append((position, self._untried("alone", label, [name], guess, reserve)))
+        self.schedule.start(read_signals(self.base_model, self.workload, device=self.device, indices=self.indices,
+                                         batch_size=self.batch_size, pass_s=base.pass_s,
+                                         candidates=[(c[1], c[2]) for c in candidates], shares=self.shares,
+                                         min_rounds=self.min_rounds, max_compare_s=self.max_compare_s),
+                            self.workload.model, self.batch_size)
+        ordered = self.schedule.order(candidates)
+        for i, (position, name, variant, label) in enumerate(ordered):
+            untried = self.schedule.untried_alone(name, variant, label, list(alone.values()), ordered[i + 1:])
+            if untried is not None:
+                entries.append((position, untried))
                 continue
             row, runner = self._try("alone", label, [variant], base, "the baseline")
             self._release(runner)
             row.speedup = row.gain.quoted if row.gain else None
             row.config = variant
-            self.history.record(label, gain=row.gain.ratio if row.gain else None, setup_s=row.setup_s or 0.0,
-                                trial_s=row.trial_s or 0.0, kept=row.kept)
+            self.schedule.record(row)
             best = alone.get(name)
             if best is None or (row.kept and (not best.kept or row.measurement.samples_per_s
                                               > best.measurement.samples_per_s)):
                 alone[name] = row
             entries.append((position, row))
-        self.pending = []
+        self.schedule.pending = []
         rows += [row for _, row in sorted(entries, key=lambda e: e[0])]
         baseline = self._figures(judge_outputs(base.measurement(), self.workload, self.repeat, self.indices,
                                                self.reference), base, [], [], audit=True)
@@ -445,8 +356,6 @@ class Tuner:
         current_runner: Runner = base
         deferred: list[Row] = []  # runtimes outside PyTorch that cannot follow the steps kept: tried instead of them
         for i, winner in enumerate(winners):
-            self.pending = [Estimate(gain=1.0, setup_s=w.setup_s or 0.0, compare_s=self._compare_estimate(), source="")
-                            for w in winners[i + 1:]]
             technique = get_technique(winner.steps[0])
             step = winner.config
             clash = conflict(current, step)
@@ -466,10 +375,10 @@ class Tuner:
                 except Exception as exc:  # noqa: BLE001 - it ran alone; a second build failing is still a row
                     step_row.kept, step_row.reason, runner = False, f"failed when built again: {one_line(exc)}", None
             else:
-                cost = (winner.setup_s or 0.0) + self._compare_estimate()
-                if not self.budget.affords(cost, 2 * self._compare_estimate()):
-                    rows.append(self._untried("compose", f"+ {winner.label}", [s.name for s in candidate],
-                                              None, 2 * self._compare_estimate(), cost))
+                untried = self.schedule.untried_step(f"+ {winner.label}", [s.name for s in candidate], winner,
+                                                     winners[i + 1:])
+                if untried is not None:
+                    rows.append(untried)
                     continue
                 self.progress(f"+ {winner.label}")
                 step_row, runner = self._try("compose", f"+ {winner.label}", candidate, current_runner,
@@ -486,8 +395,6 @@ class Tuner:
         # 2b. A runtime outside PyTorch runs the exported fp32 graph: it is tried instead of the steps it
         # cannot follow (autocast, compile), kept when the plan with it beats the plan without it.
         for i, winner in enumerate(deferred):
-            self.pending = [Estimate(gain=1.0, setup_s=w.setup_s or 0.0, compare_s=self._compare_estimate(), source="")
-                            for w in deferred[i + 1:]]
             step = winner.config
             kept_steps = [s for s in current if get_technique(s.name).exportable]
             clash = conflict(kept_steps, step)
@@ -498,10 +405,9 @@ class Tuner:
                                 kept=False, reason=clash))
                 continue
             candidate = kept_steps + [step]
-            cost = (winner.setup_s or 0.0) + self._compare_estimate()
-            if not self.budget.affords(cost, 2 * self._compare_estimate()):
-                rows.append(self._untried("compose", label, [s.name for s in candidate], None,
-                                          2 * self._compare_estimate(), cost))
+            untried = self.schedule.untried_step(label, [s.name for s in candidate], winner, deferred[i + 1:])
+            if untried is not None:
+                rows.append(untried)
                 continue
             step_row, runner = self._try("compose", label, candidate, current_runner, "the plan so far")
             rows.append(step_row)
@@ -512,7 +418,7 @@ class Tuner:
             else:
                 self._release(runner)
 
-        self.pending = []
+        self.schedule.pending = []
         plan_row = self._plan_row(current, current_runner, base, baseline, current_row.details if current_row else [])
         while current and plan_row.gain.low < self.guard.min_gain:  # back off: the last step added goes first
             plan_row.phase, plan_row.kept = "compose", False
@@ -588,7 +494,7 @@ class Tuner:
             if len(plan) < 2 or not get_technique(step.name).opt_in:
                 continue
             others = [s for s in plan if s is not step]
-            if not self.budget.affords(self._compare_estimate() * 2):
+            if not self.schedule.affords_comparisons(2):
                 self.warnings.append(f"plan without {step.name}: not measured, {self.budget.describe()} was spent")
                 continue
             row, runner = self._try("without", f"plan without {step.name}", others, plan_runner, "the plan", judge=False)

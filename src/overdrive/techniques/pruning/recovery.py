@@ -103,7 +103,7 @@ def evaluate(model: nn.Module, workload: Workload, device: torch.device,
     Returns:
         (float32 outputs [N, ...] on the CPU, {fidelity figures vs `reference`, task metric}).
     """
-    from overdrive.core.measure import owned_host_float32  # not at import: core.measure imports the technique registry
+    from overdrive.core.memory import owned_host_float32  # not at import: core.measure imports the technique registry
 
     n = len(workload.samples) if workload.metric is not None else min(len(workload.samples), EVAL_SAMPLES)  # a metric scores all
     outputs = []

@@ -105,11 +105,12 @@ def cached_convert(model: torch.nn.Module, workload: Workload, quantize=None, qu
     """
     import openvino as ov
 
-    from overdrive.files.cache import cached, model_key, tensors_key, versions
+    from overdrive.files.cache import cached, model_key, outputs_key, tensors_key, versions
     from overdrive.files.onnx import example_inputs
 
     model = cpu_model(model)
-    parts = {"model": model_key(model), "example": tensors_key(example_inputs(workload)),
+    example = example_inputs(workload)
+    parts = {"model": model_key(model), "answers": outputs_key(model, example), "example": tensors_key(example),
              "dynamic": {str(k): list(v) for k, v in (workload.dynamic_dims or {}).items()},
              "quantize": quantize_key, "versions": versions("openvino", "nncf")}
 
