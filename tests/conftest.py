@@ -14,7 +14,14 @@ from overdrive.core.workload import Workload, embedding_fidelity, logits_fidelit
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # One cache of exports for the whole run (`overdrive.files.cache`), never the user's ~/.cache: a model
 # exported by one test is read back by the next, as a user's second start would.
-os.environ.setdefault("OVERDRIVE_CACHE", tempfile.mkdtemp(prefix="overdrive-test-cache-"))
+# Under pytest-xdist every worker imports this file: they share one folder, named by the run's id.
+_run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _run_id:
+    _cache = os.path.join(tempfile.gettempdir(), f"overdrive-test-cache-{_run_id}")
+    os.makedirs(_cache, exist_ok=True)
+    os.environ.setdefault("OVERDRIVE_CACHE", _cache)
+else:
+    os.environ.setdefault("OVERDRIVE_CACHE", tempfile.mkdtemp(prefix="overdrive-test-cache-"))
 
 def requires_cuda(test):
     """Skipped without a CUDA GPU, and marked `cuda`, so `pytest -m cuda` (what `make gpu-check` runs) selects it."""

@@ -176,3 +176,30 @@ def test_the_warm_up_is_the_jobs_and_graphs_compiled_after_it_are_counted(text_w
 
     assert "a job would stop to compile each" in late_graphs(runner)
     torch._dynamo.reset()
+
+
+def test_a_settled_runner_stays_settled_and_a_busy_one_settles_again(text_workload):
+    """The baseline is compared with each candidate in turn: it settles once (two clean stretches agree), and each
+    later comparison runs one stretch to bring its caches back. A settle cut short by a busy machine is not kept."""
+    from overdrive.core.measure import Runner
+
+    runner = Runner(_MaskedMean().eval(), text_workload, device=CPU, batch_size=8, indices=list(range(16)))
+    stretches: list[int] = []
+    busy = [False]
+
+    def stretch(n):
+        stretches.append(n)
+        runner.meter.flags.append(busy[0])
+        return [(0.01, [0.005, 0.005])] * n, busy[0]
+
+    runner._stretch = stretch
+    runner._pass = lambda timed: (0.01, [0.005, 0.005], None)
+    first = runner.settle(min_unit_s=0.2)
+    assert first == (pytest.approx(0.01), 20) and stretches == [20, 20]
+    assert runner.settle(min_unit_s=0.2) == first and stretches == [20, 20, 20]  # one stretch, no search
+    busy[0] = True
+    runner.settle(min_unit_s=0.05)  # another unit; the machine busy: cut short after two preempted stretches
+    assert stretches[3:] == [5, 5]
+    busy[0] = False
+    runner.settle(min_unit_s=0.05)
+    assert stretches[5:] == [5, 5]  # a search of its own again, not the busy attempt's figure

@@ -200,6 +200,7 @@ class Runner:
         self.pass_preempted: list[bool] = []  # per pass: it ran preempted by other work (`core.interference`)
         self.meter = LoadMeter()  # the load of each timed stretch
         self.settle_passes = 0  # uncounted passes `settle` ran
+        self._settled: dict[float, tuple[float, int]] = {}  # min_unit_s -> what a settle that converged found
         self.late_graphs = 0  # graphs torch.compile built in the first pass, after the jobs' warm-up
         self.job_warm_up_rows = 0  # rows the jobs' warm-up ran (`warmup_s` holds their time)
         self.warmup_s = 0.0
@@ -292,12 +293,23 @@ class Runner:
         few more passes to reach their steady state. A stretch is as many passes as take `min_unit_s`
         (at least one).
 
+        A runner that has settled (two clean stretches agreed) stays settled: a later call (the next
+        comparison of the same baseline) runs one stretch to bring its caches back after another model ran,
+        and returns what the first found.
+
         Returns:
             (seconds of the last clean pass, or of the last pass when none was clean; passes per stretch).
         """
+        if min_unit_s in self._settled:
+            repeats = self._settled[min_unit_s][1]
+            self._stretch(repeats)
+            self.settle_passes += repeats
+            return self._settled[min_unit_s]
         started, clean, last = time.perf_counter(), [], math.inf
-        seconds = min(self._pass(timed=True)[0] for _ in range(3 if min_unit_s else 1))
-        repeats = max(1, min(1000, math.ceil(min_unit_s / max(seconds, 1e-9))))
+        def passes_per_stretch(seconds: float) -> int:
+            return max(1, min(1000, math.ceil(min_unit_s / max(seconds, 1e-9))))
+
+        repeats = passes_per_stretch(min(self._pass(timed=True)[0] for _ in range(3 if min_unit_s else 1)))
         for _ in range(max_units):
             passes, preempted = self._stretch(repeats)
             last = sum(seconds for seconds, _ in passes) / repeats
@@ -305,13 +317,14 @@ class Runner:
             if not preempted:
                 clean.append(last)
                 if len(clean) >= 2 and max(clean[-2:]) <= (1 + tolerance) * min(clean[-2:]):
-                    break
+                    self._settled[min_unit_s] = (last, passes_per_stretch(last))
+                    return self._settled[min_unit_s]
             elif self.meter.flags[-2:] == [True, True]:
                 break  # a busy machine: settling cannot be seen through it (the comparison sets such rounds aside)
             if time.perf_counter() - started > max_s:
                 break
         settled = clean[-1] if clean else last
-        return settled, max(1, min(1000, math.ceil(min_unit_s / max(settled, 1e-9))))  # stretches of the settled pass
+        return settled, passes_per_stretch(settled)
 
     def _pass(self, *, timed: bool) -> tuple[float, list[float], torch.Tensor | None]:
         """One pass: (seconds, each call's seconds, outputs float32 [N, ...] when not `timed`)."""
