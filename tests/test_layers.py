@@ -1,6 +1,6 @@
 """The packages' layering: every import, lazy ones inside functions included, points down.
 
-core < files < workloads < train < techniques < tuning < {deploy, run, serve} < {ray, cli}: a lower
+core < files < generate < workloads < train < techniques < tuning < {deploy, run, serve} < {ray, cli}: a lower
 package never imports a higher one, so a technique can be read (and tested) without the tuner,
 and `workloads` without `run`. Packages on the same level may not import each other either, except
 where `SIDEWAYS` says so.
@@ -16,8 +16,8 @@ import pytest
 import overdrive
 
 ROOT = Path(overdrive.__file__).parent
-LEVEL = {"core": 0, "files": 1, "workloads": 2, "train": 3, "techniques": 4, "tuning": 5,
-         "deploy": 6, "run": 6, "serve": 6, "ray": 7, "cli": 8}
+LEVEL = {"core": 0, "files": 1, "generate": 2, "workloads": 3, "train": 4, "techniques": 5, "tuning": 6,
+         "deploy": 7, "run": 7, "serve": 7, "ray": 8, "cli": 9}
 SIDEWAYS = {("serve", "run")}  # serve measures text rows the way run does (run.replica.text_lengths)
 
 

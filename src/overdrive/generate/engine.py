@@ -1,0 +1,236 @@
+"""The generation engine: prefill and decode over a pre-allocated KV cache, for batches of prompts of
+mixed lengths, with greedy and sampled decoding, stop tokens and strings, and finish reasons.
+
+A batch's prompts are left-padded to the longest, so that they all end at the same cache slot and every
+decode step writes one slot for all of them; each sequence's padding slots are masked out of every
+attention and its RoPE positions count its own tokens only, so a prompt's tokens do not depend on its
+batch-mates (up to floating-point summation order: a test compares a prompt alone and in a batch).
+Prefill runs every prompt's tokens in one forward; a decode step runs one token per sequence. Each request's
+sampling draws from its own `torch.Generator` seeded by the request, so a seeded request gives the same
+tokens alone or in a batch.
+
+Sampling follows Hugging Face's order: temperature, then top-k, then top-p (nucleus sampling,
+Holtzman et al., 2020).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from overdrive.core.devices import synchronize
+from overdrive.generate.decoder import Decoder, KVCache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. `temperature` 0 is greedy (argmax; top-k/top-p ignored);
+    `seed` seeds the request's own generator (None: a fresh seed from torch's global generator)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be ≥ 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Completion:
+    """One request's answer: the new token ids (stop token included when one ended it, as Hugging Face
+    returns it), their text when a tokenizer is known (cut before a stop string), and why it ended:
+    "stop" (a stop token or string) or "length" (max_new_tokens)."""
+
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class BatchTimings:
+    """Where one batch's time went, in seconds: `prefill_s` from the prompts to the first token of every
+    sequence (the time to first token), `step_s` each decode step after it (the inter-token latency: one
+    token for every sequence still running); `prompt_tokens` the prompts' own tokens (padding apart),
+    `new_tokens` the tokens produced."""
+
+    batch_size: int
+    prompt_tokens: int
+    prefill_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+    new_tokens: int = 0
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token from one row's logits float32 [vocab]."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits / params.temperature
+    if params.top_k is not None and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p is not None and params.top_p < 1:
+        ordered, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(ordered, dim=-1) >= params.top_p  # keep the smallest set reaching top_p
+        scores = scores.scatter(0, order, ordered.masked_fill(drop, -math.inf))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+class Generator:
+    """Generates continuations with a `Decoder`.
+
+    Args:
+        model: the decoder (`Decoder.from_hf(hf_model)`), on its device, in its dtype.
+        tokenizer: optional; a Hugging Face tokenizer, for text prompts, text answers and stop strings.
+        max_batch_size: prompts per batch (more are run in turn).
+        cache_dtype: the KV cache's dtype (default: the model's).
+        compile: compile the decode step with torch.compile (fixed shapes: the cache's slots are rounded up to a
+            multiple of `SLOT_ROUNDING`, so batches of similar lengths share one graph; CUDA graphs on a GPU
+            through mode "reduce-overhead"). Prefill stays eager (its length varies).
+    """
+
+    SLOT_ROUNDING = 128
+
+    def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16,
+                 cache_dtype: torch.dtype | None = None, compile: bool = False):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.max_batch_size = max_batch_size
+        self.compiled = compile
+        self._decode = model
+        if compile:
+            mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+            self._decode = torch.compile(model, dynamic=False, fullgraph=True, mode=mode)
+        reference = next(model.parameters())
+        self.device, self.dtype = reference.device, reference.dtype
+        self.cache_dtype = cache_dtype or self.dtype
+        self.timings: list[BatchTimings] = []  # the last `generate` call's, one per batch
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (or pass token ids)")
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("an empty prompt: give at least one token")
+        if min(ids) < 0 or max(ids) >= self.model.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size}); got {min(ids)}..{max(ids)}")
+        return ids
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 = SamplingParams()) -> list[Completion]:
+        """Completions for `prompts` (text or token ids), in their order; `params` one for all or one per prompt.
+
+        Raises:
+            ValueError: an empty or out-of-vocabulary prompt, a text prompt without a tokenizer, or a prompt plus
+                max_new_tokens longer than the model's positions.
+        """
+        encoded = [self.encode(p) for p in prompts]
+        per_request = [params] * len(encoded) if isinstance(params, SamplingParams) else list(params)
+        if len(per_request) != len(encoded):
+            raise ValueError(f"{len(per_request)} sampling params for {len(encoded)} prompts")
+        for ids, p in zip(encoded, per_request):
+            if len(ids) + p.max_new_tokens > self.model.config.max_positions:
+                raise ValueError(f"a prompt of {len(ids)} tokens plus {p.max_new_tokens} new ones exceeds the "
+                                 f"model's {self.model.config.max_positions} positions")
+        out: list[Completion] = []
+        self.timings = []
+        for first in range(0, len(encoded), self.max_batch_size):
+            out += self._batch(encoded[first:first + self.max_batch_size], per_request[first:first + self.max_batch_size])
+        return out
+
+    def _batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        b, dev = len(prompts), self.device
+        timings = BatchTimings(batch_size=b, prompt_tokens=sum(len(p) for p in prompts))
+        self.timings.append(timings)
+        synchronize(dev)
+        started = time.perf_counter()
+        longest = max(len(p) for p in prompts)
+        slots = longest + max(q.max_new_tokens for q in params)
+        if self.compiled:
+            slots = min(self.model.config.max_positions, -(-slots // self.SLOT_ROUNDING) * self.SLOT_ROUNDING)
+        cache = KVCache(self.model.config, b, slots, device=dev, dtype=self.cache_dtype)
+        pad = torch.tensor([longest - len(p) for p in prompts], device=dev)  # [B] left padding
+        tokens = torch.zeros((b, longest), dtype=torch.long, device=dev)
+        for row, ids in enumerate(prompts):
+            tokens[row, longest - len(ids):] = torch.tensor(ids, device=dev)
+        slot = torch.arange(slots, device=dev)
+        own = slot[None, :] >= pad[:, None]  # [B, S]: the slot is the sequence's (its padding is not)
+        # Prefill: the token at slot i attends to the sequence's slots up to i (padding attends to itself only:
+        # its outputs are never used, and a row with nothing to attend to would give NaN).
+        query = slot[:longest]
+        mask = (own[:, None, :] & (slot[None, None, :] <= query[None, :, None])) | \
+            (slot[None, None, :] == query[None, :, None])  # [B, T, S]
+        positions = (query[None, :] - pad[:, None]).clamp(min=0)  # RoPE positions count the sequence's own tokens
+        logits = self.model(tokens, positions, cache, query, mask[:, None], last_only=True)[:, 0]  # [B, V]
+
+        generators = [self._generator(q) for q in params]
+        done = [Completion(prompt_tokens=len(p)) for p in prompts]
+        greedy = all(q.temperature == 0 for q in params)
+        for step in range(max(q.max_new_tokens for q in params)):
+            chosen = logits.argmax(-1).cpu() if greedy else torch.zeros(b, dtype=torch.long)
+            for row, (c, q) in enumerate(zip(done, params)):
+                if c.finish_reason is None:
+                    c.token_ids.append(int(chosen[row]) if greedy else sample_next(logits[row], q, generators[row]))
+                    chosen[row] = c.token_ids[-1]
+                    timings.new_tokens += 1
+                    self._finish_if_done(c, q)
+            now = time.perf_counter()  # the tokens are on the host: the device has finished
+            if step:
+                timings.step_s.append(now - started)
+            else:
+                timings.prefill_s = now - started
+            started = now
+            if all(c.finish_reason is not None for c in done):
+                break
+            # Decode: every sequence writes its token at the same slot; its RoPE position counts its own tokens.
+            at = slot[longest + step: longest + step + 1]  # [1]
+            mask = (own & (slot[None, :] <= at))[:, None, None, :]  # [B, 1, 1, S]
+            logits = self._decode(chosen.to(dev)[:, None], (at - pad)[:, None], cache, at, mask)[:, 0]
+        if self.tokenizer is not None:
+            for c, q in zip(done, params):
+                c.text = self._text(c, q)
+        return done
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.temperature == 0:
+            return None
+        g = torch.Generator(device="cpu")
+        g.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ())))
+        return g
+
+    def _finish_if_done(self, c: Completion, q: SamplingParams) -> None:
+        if c.token_ids[-1] in q.stop_token_ids:
+            c.finish_reason = "stop"
+        elif q.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(c.token_ids) for s in q.stop):
+            c.finish_reason = "stop"
+        elif len(c.token_ids) >= q.max_new_tokens:
+            c.finish_reason = "length"
+
+    def _text(self, c: Completion, q: SamplingParams) -> str:
+        ids = c.token_ids[:-1] if c.token_ids and c.token_ids[-1] in q.stop_token_ids else c.token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in q.stop if s in text]
+        return text[:min(cuts)] if cuts else text

@@ -1,0 +1,147 @@
+"""The generation engine against Hugging Face `generate` on the same fp32 weights: the same greedy tokens
+for each prompt alone and inside a batch of mixed lengths; seeded sampling the same alone and batched;
+stop tokens, finish reasons and bad requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overdrive.generate import Decoder, Generator, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def _hf(kind: str = "llama", **extra):
+    """A small random causal LM of `kind` whose logits are peaked enough that fp32 summation order cannot
+    flip a greedy token (weights drawn wider than the default initializer)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.25, tie_word_embeddings=False)
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "mistral": transformers.MistralConfig}[kind](**{**common, **extra})
+    if kind == "mistral":
+        config.sliding_window = None
+    torch.manual_seed(0)
+    model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+             "mistral": transformers.MistralForCausalLM}[kind](config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _prompts(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (int(torch.randint(2, 12, (), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _hf_greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Hugging Face `generate`, greedy, each prompt alone (no padding at all)."""
+    out = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False)
+        out.append(y[0, len(ids):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_greedy_tokens_equal_hugging_face_generate_alone_and_in_a_batch_of_mixed_lengths(kind):
+    hf = _hf(kind)
+    prompts = _prompts(6)
+    expected = _hf_greedy(hf, prompts, new=12)
+    generator = Generator(Decoder.from_hf(hf), max_batch_size=8)
+    params = SamplingParams(max_new_tokens=12)
+    alone = [generator.generate([p], params)[0].token_ids for p in prompts]
+    batched = [c.token_ids for c in generator.generate(prompts, params)]
+    assert alone == expected
+    assert batched == expected
+    assert len({len(p) for p in prompts}) > 2  # the batch really mixes lengths
+
+
+def test_the_decoder_gives_hugging_faces_logits():
+    hf = _hf()
+    decoder = Decoder.from_hf(hf)
+    ids = torch.tensor([_prompts(1)[0]])
+    from overdrive.generate import KVCache
+
+    cache = KVCache(decoder.config, 1, ids.shape[1], device="cpu", dtype=torch.float32)
+    t = ids.shape[1]
+    slots = torch.arange(t)
+    mask = (slots[None, :, None] >= slots[None, None, :])[:, None]
+    ours = decoder(ids, slots[None], cache, slots, mask)
+    theirs = hf(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
+    generator = Generator(Decoder.from_hf(_hf()), max_batch_size=8)
+    prompts = _prompts(4, seed=3)
+    params = [SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, top_p=0.9, seed=100 + i) for i in range(4)]
+    batched = [c.token_ids for c in generator.generate(prompts, params)]
+    alone = [generator.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert batched == alone
+    again = generator.generate(prompts[:1], SamplingParams(max_new_tokens=10, temperature=0.8, seed=101))
+    other = generator.generate(prompts[:1], SamplingParams(max_new_tokens=10, temperature=0.8, seed=102))
+    assert again[0].token_ids != other[0].token_ids  # the seed decides
+    top1 = generator.generate(prompts[:1], SamplingParams(max_new_tokens=10, temperature=5.0, top_k=1, seed=7))
+    greedy = generator.generate(prompts[:1], SamplingParams(max_new_tokens=10))
+    assert top1[0].token_ids == greedy[0].token_ids  # top-k 1 is greedy at any temperature
+
+
+def test_stop_tokens_and_max_tokens_give_finish_reasons():
+    generator = Generator(Decoder.from_hf(_hf()))
+    prompt = _prompts(1)[0]
+    (free,) = generator.generate([prompt], SamplingParams(max_new_tokens=8))
+    assert free.finish_reason == "length" and free.completion_tokens == 8 and free.prompt_tokens == len(prompt)
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    (stopped,) = generator.generate([prompt], SamplingParams(max_new_tokens=8, stop_token_ids=(stop,)))
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:first + 1]
+    # In a batch, a sequence that stops early leaves the others' tokens as they were.
+    mates = generator.generate([prompt, *_prompts(2, seed=5)], SamplingParams(max_new_tokens=8, stop_token_ids=(stop,)))
+    assert mates[0].token_ids == stopped.token_ids
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([], SamplingParams(), "empty prompt"),
+    ([VOCAB], SamplingParams(), "token ids must be in"),
+    ("text", SamplingParams(), "needs a tokenizer"),
+    ([1, 2], SamplingParams(max_new_tokens=200), "exceeds the model's 128 positions"),
+])
+def test_bad_requests_are_refused_before_any_work(prompt, params, message):
+    generator = Generator(Decoder.from_hf(_hf()))
+    with pytest.raises(ValueError, match=message):
+        generator.generate([prompt], params)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0}, "top_p")])
+def test_bad_sampling_params_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_models_outside_the_llama_family_are_refused_by_name():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="this model is 'gpt2'"):
+        Decoder.from_hf(gpt2)
+
+
+def test_the_compiled_decode_step_gives_the_eager_tokens_and_records_its_timings():
+    hf = _hf()
+    prompts = _prompts(5, seed=11)
+    params = SamplingParams(max_new_tokens=6)
+    eager = Generator(Decoder.from_hf(hf), max_batch_size=4)
+    compiled = Generator(Decoder.from_hf(hf), max_batch_size=4, compile=True)
+    torch._dynamo.reset()
+    expected = [c.token_ids for c in eager.generate(prompts, params)]
+    assert [c.token_ids for c in compiled.generate(prompts, params)] == expected
+    first, second = compiled.timings  # batches of 4 and 1
+    assert (first.batch_size, second.batch_size) == (4, 1)
+    assert first.prompt_tokens == sum(len(p) for p in prompts[:4]) and first.new_tokens == 4 * 6
+    assert first.prefill_s > 0 and len(first.step_s) == 5 and all(s > 0 for s in first.step_s)
+    torch._dynamo.reset()
