@@ -145,3 +145,29 @@ def test_the_compiled_decode_step_gives_the_eager_tokens_and_records_its_timings
     assert first.prompt_tokens == sum(len(p) for p in prompts[:4]) and first.new_tokens == 4 * 6
     assert first.prefill_s > 0 and len(first.step_s) == 5 and all(s > 0 for s in first.step_s)
     torch._dynamo.reset()
+
+
+def test_pydoc_lm_holds_out_its_prompts_trains_from_a_seed_and_is_kept_in_the_cache(monkeypatch):
+    """The recipe at toy size (the real one trains for minutes, once): the held-out sentences are never trained
+    on, two trainings from the seed give the same weights, and a second build reads the cache."""
+    from overdrive.workloads import pydoc_lm
+
+    train, held_out = pydoc_lm.split()
+    assert held_out and not set(train) & set(held_out)
+    monkeypatch.setattr(pydoc_lm, "STEPS", 2)
+    monkeypatch.setattr(pydoc_lm, "SHAPE", {**pydoc_lm.SHAPE, "hidden_size": 32, "intermediate_size": 64,
+                                             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})
+    lines: list[str] = []
+    first = pydoc_lm.build_pydoc_lm(log=lines.append)
+    assert any("training the tokenizer and the model" in line for line in lines)
+    lines.clear()
+    second = pydoc_lm.build_pydoc_lm(log=lines.append)
+    assert not lines and second.facts == first.facts  # from the cache
+    for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert 1 < first.facts["held_out_perplexity"] < 2 * len(first.tokenizer)
+    prompt = held_out[0][:30]
+    assert first.tokenizer.decode(first.tokenizer(prompt)["input_ids"]) == prompt  # byte-level: lossless
+    (completion,) = Generator(Decoder.from_hf(first.model), first.tokenizer).generate(
+        [prompt], SamplingParams(max_new_tokens=4))
+    assert completion.text is not None and completion.completion_tokens == 4

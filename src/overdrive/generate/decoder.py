@@ -126,10 +126,9 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         keys.index_copy_(2, slots, k.to(keys.dtype))
         values.index_copy_(2, slots, v.to(values.dtype))
-        repeat = self.num_heads // self.num_kv_heads
-        k_all = keys.to(q.dtype).repeat_interleave(repeat, dim=1) if repeat > 1 else keys.to(q.dtype)
-        v_all = values.to(q.dtype).repeat_interleave(repeat, dim=1) if repeat > 1 else values.to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        # Query head h reads key/value head h // (heads / kv_heads), as Hugging Face's repeat_kv pairs them.
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

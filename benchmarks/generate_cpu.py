@@ -1,0 +1,118 @@
+"""Token generation on the CPU: overdrive's engine against Hugging Face `generate`, side by side in one run.
+
+A random-weight Llama of a real shape (speed only: no accuracy claim rests on random weights), the same
+prompts (random token ids of a fixed length), greedy, the same number of new tokens, the same batch for
+every entry. Entries are timed in interleaved repeats; each figure is the median with its range.
+
+Per entry and batch size: time to first token (TTFT, the prefill), decode tokens/s in total (new tokens
+after the first over the decode time) and per sequence, and the tokens' agreement with Hugging Face eager
+fp32 (the reference). Hugging Face's decode time is its whole `generate` less a one-token `generate`.
+
+    .venv/bin/python benchmarks/generate_cpu.py [--shape llama-150m] [--batch-sizes 1,16] [--prompt-tokens 128]
+        [--new-tokens 64] [--repeats 3] [--entries hf-eager,overdrive-eager,overdrive-compiled]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+
+SHAPES = {  # Llama shapes; parameters counted with untied embeddings
+    "llama-150m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                       num_attention_heads=12, num_key_value_heads=4),
+    "llama-tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=4),
+}
+
+
+def build(shape: str):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_entry(model, prompts: torch.Tensor, new: int) -> dict:
+    mask = torch.ones_like(prompts)
+    started = time.perf_counter()
+    model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    ttft = time.perf_counter() - started
+    started = time.perf_counter()
+    out = model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False)
+    total = time.perf_counter() - started
+    b = prompts.shape[0]
+    return {"ttft_s": ttft, "decode_s": max(total - ttft, 1e-9), "decode_tokens": b * (new - 1),
+            "tokens": out[:, prompts.shape[1]:].tolist()}
+
+
+def overdrive_entry(generator, prompts: torch.Tensor, new: int) -> dict:
+    from overdrive.generate import SamplingParams
+
+    completions = generator.generate(prompts.tolist(), SamplingParams(max_new_tokens=new))
+    (t,) = generator.timings
+    return {"ttft_s": t.prefill_s, "decode_s": sum(t.step_s), "decode_tokens": t.new_tokens - t.batch_size,
+            "tokens": [c.token_ids for c in completions]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-150m", choices=sorted(SHAPES))
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--entries", default="hf-eager,overdrive-eager,overdrive-compiled")
+    args = parser.parse_args()
+
+    from overdrive.generate import Decoder, Generator
+
+    model = build(args.shape)
+    params = sum(p.numel() for p in model.parameters())
+    decoder = Decoder.from_hf(model)
+    entries = {
+        "hf-eager": lambda x: hf_entry(model, x, args.new_tokens),
+        "overdrive-eager": (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
+            Generator(decoder, max_batch_size=1024)),
+        "overdrive-compiled": (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
+            Generator(decoder, max_batch_size=1024, compile=True)),
+    }
+    chosen = args.entries.split(",")
+    print(f"generate_cpu {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · torch {torch.__version__} · "
+          f"{torch.get_num_threads()} threads · {args.shape} ({params / 1e6:.0f} M parameters, random weights, fp32) · "
+          f"prompts {args.prompt_tokens} tokens · {args.new_tokens} new · greedy")
+    g = torch.Generator().manual_seed(1)
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        prompts = torch.randint(1, SHAPES[args.shape]["vocab_size"], (b, args.prompt_tokens), generator=g)
+        with torch.no_grad():
+            for name in chosen:  # warm-up (compiles) outside the timed repeats
+                entries[name](prompts[:, :8].contiguous())
+                entries[name](prompts)
+            runs = {name: [] for name in chosen}
+            for _ in range(args.repeats):
+                for name in chosen:
+                    runs[name].append(entries[name](prompts))
+        reference = runs[chosen[0]][0]["tokens"]
+        print(f"\nbatch {b}: entry | TTFT ms | decode tokens/s total | per sequence | vs {chosen[0]} | token agreement")
+        base = None
+        for name in chosen:
+            rates = [r["decode_tokens"] / r["decode_s"] for r in runs[name]]
+            ttft = statistics.median(r["ttft_s"] for r in runs[name]) * 1e3
+            rate = statistics.median(rates)
+            base = base or rate
+            tokens = runs[name][0]["tokens"]
+            agree = sum(a == c for x, y in zip(reference, tokens) for a, c in zip(x, y)) / sum(len(x) for x in reference)
+            print(f"  {name:20s} | {ttft:8.1f} | {rate:8.1f} [{min(rates):.1f}, {max(rates):.1f}] | {rate / b:7.1f} | "
+                  f"{rate / base:5.2f}× | {agree:.4f}")
+
+
+if __name__ == "__main__":
+    main()
