@@ -24,8 +24,7 @@ def test_training_sentences_never_include_an_evaluation_sentence():
     assert all(40 <= len(s) <= 300 for s in training)
 
 
-def test_digits_cnn_training_split_is_apart_from_the_test_images(tmp_path, monkeypatch):
-    monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))
+def test_digits_cnn_training_split_is_apart_from_the_test_images():
     w = create_workload("digits-cnn")
     assert len(w.train_samples) == 1437 and w.train_labels.shape == (1437,)
     test = {tuple(x.flatten().tolist()) for x in w.samples}
@@ -34,13 +33,13 @@ def test_digits_cnn_training_split_is_apart_from_the_test_images(tmp_path, monke
 
 
 def test_digits_cnn_has_real_test_accuracy(tmp_path, monkeypatch):
-    monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("OVERDRIVE_CACHE", str(tmp_path))
     w = create_workload("digits-cnn")  # trains (seeded) into the empty cache
     assert len(w.samples) == 360 and w.labels.shape == (360,)
     with torch.no_grad():
         acc = w.task_metric(w.model(torch.stack(list(w.samples))))["accuracy_pct"]
     assert acc >= 97.0
-    assert list(tmp_path.glob("digits_cnn_*.pt"))
+    assert list(tmp_path.glob("digits-cnn/*/digits_cnn.pt"))
     again = create_workload("digits-cnn")  # loads the cache: identical weights
     for a, b in zip(w.model.state_dict().values(), again.model.state_dict().values()):
         torch.testing.assert_close(a, b)

@@ -2,19 +2,19 @@
 
 The data (1,797 images, 10 classes) ships with scikit-learn. The split is stratified,
 20% held out (360 images), `random_state=0`. Training is seeded and runs once (a few
-seconds on a CPU); the weights are cached under `$OVERDRIVE_CACHE_DIR` (default
-`~/.cache/overdrive`). The task metric is top-1 accuracy on the held-out split.
+seconds on a CPU); the weights are kept in overdrive's cache (`$OVERDRIVE_CACHE`, default
+`~/.cache/overdrive`; `files.cache`). The task metric is top-1 accuracy on the held-out split.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from overdrive.core.workload import Workload, logits_fidelity
+from overdrive.files.cache import cached
 
 SEED = 0
 NUM_EPOCHS = 40
@@ -41,10 +41,6 @@ class DigitsCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x).flatten(1))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("OVERDRIVE_CACHE_DIR", Path.home() / ".cache" / "overdrive"))
 
 
 def load_digits_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,19 +78,17 @@ def train_digits_cnn(x_train: torch.Tensor, y_train: torch.Tensor, *, num_epochs
 
 
 def build_digits_cnn() -> Workload:
-    """Build `digits-cnn`, training and caching the model on first use."""
+    """Build `digits-cnn`, training it on first use and keeping the weights in overdrive's cache (`files.cache`)."""
     x_train, y_train, x_test, y_test = load_digits_split()
-    path = cache_dir() / f"digits_cnn_seed{SEED}_v{CACHE_VERSION}.pt"
+
+    def train(folder: Path) -> dict:
+        torch.save(train_digits_cnn(x_train, y_train).state_dict(), folder / "digits_cnn.pt")
+        return {}
+
+    entry = cached("digits-cnn", {"seed": SEED, "version": CACHE_VERSION, "epochs": NUM_EPOCHS}, train)
     model = DigitsCNN()
-    try:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        model.eval()
-    except (FileNotFoundError, RuntimeError, EOFError):
-        model = train_digits_cnn(x_train, y_train)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(model.state_dict(), tmp)
-        tmp.replace(path)
+    model.load_state_dict(torch.load(entry.folder / "digits_cnn.pt", map_location="cpu", weights_only=True))
+    model.eval()
     return Workload(
         name="digits-cnn",
         model=model,
