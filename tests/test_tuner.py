@@ -246,3 +246,27 @@ def test_variants_each_get_a_row_and_the_kept_one_composes_with_roofline_and_aud
         assert 0 < row.measurement.roofline["fraction"] and row.measurement.roofline["dtype"] == "float32"
     assert all(r.measurement.roofline for r in result.rows if r.measurement is not None)
     assert "float32 GEMM" in result.peaks
+
+
+class _Same(ForwardWrapper):
+    def forward(self, *args):
+        return self.inner(*args)
+
+
+def test_the_headline_is_timed_for_a_figure_not_a_decision(conv_workload):
+    """The plan's gain is what a user quotes and `bench` re-measures: it gets `HEADLINE_ROUNDS` clean rounds at
+    least (a decision may stop at 4, whose deviation can read a fifth of the machine's), never past `max_rounds`."""
+    from overdrive.core.gain import HEADLINE_ROUNDS
+
+    _technique("t-same", _Same)
+    try:
+        full = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-same"], guard=Guard(min_gain=0)).run()
+        capped = Tuner(workload=conv_workload, device=CPU, batch_size=8, techniques=["t-same"], guard=Guard(min_gain=0),
+                       min_rounds=2, max_rounds=3).run()
+    finally:
+        unregister("t-same")
+    trial, plan = _row(full, "t-same"), full.rows[-1]
+    assert plan.phase == "plan" and plan.steps == ["t-same"], [(r.label, r.reason) for r in full.rows]
+    assert plan.gain.rounds >= HEADLINE_ROUNDS or plan.gain.busy, plan.gain
+    assert trial.gain.rounds < plan.gain.rounds or plan.gain.busy  # the decision stopped sooner
+    assert capped.rows[-1].gain.rounds <= 3

@@ -33,6 +33,13 @@ BETWEEN_PROCESSES_SD = 0.05
 # The fewest interleaved rounds a second look at a figure times (`overdrive bench`, the report's sweep): the
 # headline's prediction interval is for a new measurement of this many rounds (`Gain.predict_rounds`).
 RECHECK_ROUNDS = 4
+# ... and times on until its gain's 99% interval is no wider than this (high / low), up to 3 × RECHECK_ROUNDS rounds.
+RECHECK_WIDTH = 1.2
+# The fewest clean rounds behind a headline (the plan against the baseline): a comparison that stops at its first
+# decision may stop after 4 rounds, whose standard deviation can come out a fifth of the machine's (2-core VM: rounds
+# scatter 0.06-0.15 in log ratio; one 4-round headline read 0.025 and printed [1.53, 2.13], and bench in a fresh process
+# measured 1.38×). Eight rounds give the deviation 7 degrees of freedom.
+HEADLINE_ROUNDS = 2 * RECHECK_ROUNDS
 
 
 @dataclass(kw_only=True)

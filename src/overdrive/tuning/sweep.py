@@ -13,7 +13,7 @@ import torch
 from overdrive.core.devices import resolve_device
 from overdrive.core.errors import ConfigError, arg, one_line
 from overdrive.core.flops import count_flops_per_sample, layer_flop_share
-from overdrive.core.gain import RECHECK_ROUNDS, Gain, compare
+from overdrive.core.gain import RECHECK_ROUNDS, RECHECK_WIDTH, Gain, compare
 from overdrive.core.measure import (
     TIMING_ROWS,
     Measurement,
@@ -28,7 +28,6 @@ from overdrive.techniques.compose import build
 from overdrive.workloads import Workload, create_workload
 
 DEFAULT_TEXT_SAMPLES = 512
-RECHECK_WIDTH = 1.2  # `bench` times a plan until its gain's 99% interval is no wider than this (high / low)
 _UNSET = object()
 
 
