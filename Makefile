@@ -18,7 +18,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/overdrive optimize minilm --overwrite
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/minilm_cpu.py

@@ -1,0 +1,80 @@
+"""Weight-only int8 for the decoder: the layer's arithmetic, both kernels, the per-layer search against the
+KL budget, and a tied LM head quantized without touching the embedding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from overdrive.generate import Decoder, Generator, SamplingParams
+from overdrive.generate.fidelity import judge_generation
+from overdrive.generate.quantize import (Int8WeightLinear, copy_decoder, linear_names, mean_kl, pick_kernel,
+                                         quantize_int8_weights, search_int8_layers)
+from tests.test_generate import _hf, _prompts
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("kernel", ["int8pack", "dequantize"])
+def test_the_int8_layer_is_the_float_layer_to_int8_rounding(kernel):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True)
+    layer = Int8WeightLinear(linear, kernel)
+    assert layer.weight_int8.dtype == torch.int8 and layer.weight_int8.shape == (48, 64) and layer.scale.shape == (48,)
+    x = torch.randn(3, 5, 64)
+    got, want = layer(x), linear(x)
+    assert got.shape == (3, 5, 48)
+    # each weight moves by at most half a step (absmax / 254 of its row): the output by at most Σ|x|·step/2
+    bound = (x.abs() @ (linear.weight.abs().amax(1, keepdim=True) / 254).expand(-1, 64).T)
+    assert ((got - want).abs() <= bound + 1e-5).all()
+    other = Int8WeightLinear(linear, "dequantize" if kernel == "int8pack" else "int8pack")
+    torch.testing.assert_close(layer(x), other(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        Int8WeightLinear(linear, "int4")
+
+
+def test_quantizing_every_layer_keeps_greedy_tokens_on_a_peaked_model_and_names_are_checked():
+    decoder = Decoder.from_hf(_hf())
+    int8 = copy_decoder(decoder)
+    names = quantize_int8_weights(int8)
+    assert names == linear_names(decoder) and not linear_names(int8)
+    fid = judge_generation(Generator(decoder, max_batch_size=8), Generator(int8, max_batch_size=8), _prompts(8),
+                           max_new_tokens=8)
+    assert fid.mean_kl < 0.05 and fid.breaks(max_diverged_share=0.25) is None, fid
+    with pytest.raises(KeyError, match="not linear layers"):
+        quantize_int8_weights(copy_decoder(decoder), ["model.norm"])
+
+
+def test_the_search_keeps_the_budget_and_takes_everything_when_it_is_loose():
+    decoder = Decoder.from_hf(_hf())
+    texts = _prompts(6, seed=5)
+    none, sensitivity, kl = search_int8_layers(decoder, texts, max_mean_kl=0.0)
+    assert none == [] and kl == 0.0 and set(sensitivity) == set(linear_names(decoder))
+    everything, _, kl_all = search_int8_layers(decoder, texts, max_mean_kl=1.0)
+    assert everything == linear_names(decoder) and kl_all > 0
+    budget = sorted(sensitivity.values())[len(sensitivity) // 2]  # about half the layers' worth
+    some, _, kl_some = search_int8_layers(decoder, texts, max_mean_kl=budget)
+    assert 0 < len(some) < len(everything) and kl_some <= budget
+    trial = copy_decoder(decoder)
+    quantize_int8_weights(trial, some)
+    assert mean_kl(decoder, trial, texts) == pytest.approx(kl_some)
+    assert min(sensitivity, key=sensitivity.get) in some  # the least sensitive goes first
+
+
+def test_a_tied_head_is_quantized_apart_from_the_embedding():
+    decoder = Decoder.from_hf(_hf(tie_word_embeddings=True))
+    assert decoder.lm_head.weight is decoder.model.embed_tokens.weight
+    embedding = decoder.model.embed_tokens.weight.detach().clone()
+    int8 = copy_decoder(decoder)
+    assert int8.lm_head.weight is int8.model.embed_tokens.weight
+    quantize_int8_weights(int8, ["lm_head"])
+    assert isinstance(int8.lm_head, Int8WeightLinear) and torch.equal(int8.model.embed_tokens.weight, embedding)
+    out = Generator(int8).generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_pick_kernel_times_both_on_the_shapes_given():
+    choice, timings = pick_kernel([(32, 16)], repeats=2)
+    assert choice in ("int8pack", None) and set(timings) == {"float", "int8pack"}
+    assert all(t > 0 for t in timings.values())
