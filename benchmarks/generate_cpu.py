@@ -10,6 +10,9 @@ fp32 (the reference). Hugging Face's decode time is its whole `generate` less a 
 
     .venv/bin/python benchmarks/generate_cpu.py [--shape llama-150m] [--batch-sizes 1,16] [--prompt-tokens 128]
         [--new-tokens 64] [--repeats 3] [--entries hf-eager,overdrive-eager,overdrive-compiled]
+
+Entries: hf-eager, overdrive-eager, overdrive-compiled, and every linear layer in each low-precision form of
+`generate/quantize.py`: overdrive-int8-weight[-compiled], overdrive-fp16-weight, overdrive-int8-rowwise[-compiled].
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from overdrive.generate import Decoder, Generator
+    from overdrive.generate.quantize import FORMS, copy_decoder, quantize_linears
 
     model = build(args.shape)
     params = sum(p.numel() for p in model.parameters())
@@ -85,6 +89,14 @@ def main() -> None:
         "overdrive-compiled": (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
             Generator(decoder, max_batch_size=1024, compile=True)),
     }
+    for form in FORMS:  # every linear layer in the form (speed only: random weights judge nothing)
+        converted = copy_decoder(decoder)
+        quantize_linears(converted, form=form)
+        entries[f"overdrive-{form}"] = (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
+            Generator(converted, max_batch_size=1024))
+        if form != "fp16-weight":  # FBGEMM's packed weights are opaque to torch.compile
+            entries[f"overdrive-{form}-compiled"] = (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
+                Generator(converted, max_batch_size=1024, compile=True))
     chosen = args.entries.split(",")
     print(f"generate_cpu {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · torch {torch.__version__} · "
           f"{torch.get_num_threads()} threads · {args.shape} ({params / 1e6:.0f} M parameters, random weights, fp32) · "

@@ -1,10 +1,12 @@
 """pydoc-lm, the built-in LM of issue 32: its held-out perplexity, and overdrive's engine against Hugging Face
 `generate` on it: greedy tokens for 64 held-out prompts (each sentence's first six words), each prompt alone and
-in batches of 16 of mixed lengths, counted equal or not; a few continuations printed.
+in batches of 16 of mixed lengths, counted equal or not; a few continuations printed. Then weight-only int8
+(`generate/quantize.py`) on every linear layer and on the layers its per-layer search keeps, judged by the
+generation guard (`generate/fidelity.py`).
 
 Trains pydoc-lm first when the cache does not hold it (about 11 minutes on 2 cores).
 
-    .venv/bin/python benchmarks/pydoc_lm_cpu.py [--prompts 64] [--new-tokens 24]
+    .venv/bin/python benchmarks/pydoc_lm_cpu.py [--prompts 64] [--new-tokens 24] [--int8-kl 1e-3]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--int8-kl", type=float, default=1e-3, help="the int8 search's mean-KL budget, nats per token")
     args = parser.parse_args()
     lm = build_pydoc_lm()
     print(facts_line(lm.facts))
@@ -51,6 +54,39 @@ def main() -> None:
           f"{sum(c.token_ids == r for c, r in zip(batched, reference))} / {len(prompts)}")
     for prompt, completion in list(zip(prompts, batched))[:4]:
         print(f"  {prompt!r} → {completion.text!r}")
+    int8_section(lm, generator, prompts, args)
+
+
+def int8_section(lm, reference, prompts: list[str], args) -> None:
+    """Weight-only int8 judged by the generation guard: every linear layer, then the layers the per-layer search
+    keeps within --int8-kl (its calibration: held-out sentences apart from the prompts and the perplexity text)."""
+    from overdrive.generate.fidelity import judge_generation
+    from overdrive.generate.quantize import copy_decoder, linear_names, quantize_linears, search_layers
+
+    tok = lm.tokenizer
+    ids = [tok(s)["input_ids"] for s in lm.held_out]
+    calibration = [x for x in ids[args.prompts:args.prompts + 32] if len(x) >= 2]
+    held_out = [x for x in ids[args.prompts + 32:args.prompts + 160] if len(x) >= 2]
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    started = time.perf_counter()
+    searched, sensitivity, kl = search_layers(reference.model, calibration, max_mean_kl=args.int8_kl)
+    search_s = time.perf_counter() - started
+    every = linear_names(reference.model)
+    print(f"\nweight-only int8 (per-channel absmax), judged on {len(prompt_ids)} prompts × {args.new_tokens} greedy tokens, "
+          f"KL along the reference's path, perplexity on {len(held_out)} held-out sentences "
+          f"({sum(map(len, held_out))} tokens)")
+    print(f"search: {len(searched)} of {len(every)} layers within mean KL {args.int8_kl} on {len(calibration)} calibration "
+          f"sentences ({kl:.2e}), {search_s:.0f} s; most sensitive: "
+          + ", ".join(f"{n} {sensitivity[n]:.1e}" for n in sorted(sensitivity, key=sensitivity.get)[-3:]))
+    print("layers | greedy prompts changed (beyond near ties / all) | mean KL | max KL | perplexity (fp32 → int8)")
+    for label, names in (("every linear", every), ("searched", searched)):
+        model = copy_decoder(reference.model)
+        quantize_linears(model, names)
+        fid = judge_generation(reference, Generator(model, tok, max_batch_size=16), prompt_ids,
+                               max_new_tokens=args.new_tokens, held_out=held_out)
+        print(f"  {label} ({len(names)}) | {fid.diverged_beyond_ties} / {fid.diverged} of {fid.prompts} | "
+              f"{fid.mean_kl:.2e} | {fid.max_kl:.2e} | {fid.perplexity_reference:.2f} → {fid.perplexity:.2f} "
+              f"({fid.perplexity_change:+.2%})")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Weight-only int8 for the decoder: the layer's arithmetic, both kernels, the per-layer search against the
-KL budget, and a tied LM head quantized without touching the embedding."""
+"""Low-precision weights for the decoder: each form's arithmetic, its rows independent of their batch-mates,
+the per-layer search against the KL budget, and a tied LM head converted without touching the embedding."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch import nn
 
 from overdrive.generate import Decoder, Generator, SamplingParams
 from overdrive.generate.fidelity import judge_generation
-from overdrive.generate.quantize import (Int8WeightLinear, copy_decoder, linear_names, mean_kl, pick_kernel,
-                                         quantize_int8_weights, search_int8_layers)
+from overdrive.generate.quantize import (FORMS, Int8WeightLinear, convert_linear, copy_decoder, linear_names, mean_kl,
+                                         pick_form, quantize_linears, search_layers)
 from tests.test_generate import _hf, _prompts
 
 pytest.importorskip("transformers")
@@ -37,27 +37,27 @@ def test_the_int8_layer_is_the_float_layer_to_int8_rounding(kernel):
 def test_quantizing_every_layer_keeps_greedy_tokens_on_a_peaked_model_and_names_are_checked():
     decoder = Decoder.from_hf(_hf())
     int8 = copy_decoder(decoder)
-    names = quantize_int8_weights(int8)
+    names = quantize_linears(int8)
     assert names == linear_names(decoder) and not linear_names(int8)
     fid = judge_generation(Generator(decoder, max_batch_size=8), Generator(int8, max_batch_size=8), _prompts(8),
                            max_new_tokens=8)
     assert fid.mean_kl < 0.05 and fid.breaks(max_diverged_share=0.25) is None, fid
     with pytest.raises(KeyError, match="not linear layers"):
-        quantize_int8_weights(copy_decoder(decoder), ["model.norm"])
+        quantize_linears(copy_decoder(decoder), ["model.norm"])
 
 
 def test_the_search_keeps_the_budget_and_takes_everything_when_it_is_loose():
     decoder = Decoder.from_hf(_hf())
     texts = _prompts(6, seed=5)
-    none, sensitivity, kl = search_int8_layers(decoder, texts, max_mean_kl=0.0)
+    none, sensitivity, kl = search_layers(decoder, texts, max_mean_kl=0.0)
     assert none == [] and kl == 0.0 and set(sensitivity) == set(linear_names(decoder))
-    everything, _, kl_all = search_int8_layers(decoder, texts, max_mean_kl=1.0)
+    everything, _, kl_all = search_layers(decoder, texts, max_mean_kl=1.0)
     assert everything == linear_names(decoder) and kl_all > 0
     budget = sorted(sensitivity.values())[len(sensitivity) // 2]  # about half the layers' worth
-    some, _, kl_some = search_int8_layers(decoder, texts, max_mean_kl=budget)
+    some, _, kl_some = search_layers(decoder, texts, max_mean_kl=budget)
     assert 0 < len(some) < len(everything) and kl_some <= budget
     trial = copy_decoder(decoder)
-    quantize_int8_weights(trial, some)
+    quantize_linears(trial, some)
     assert mean_kl(decoder, trial, texts) == pytest.approx(kl_some)
     assert min(sensitivity, key=sensitivity.get) in some  # the least sensitive goes first
 
@@ -68,13 +68,36 @@ def test_a_tied_head_is_quantized_apart_from_the_embedding():
     embedding = decoder.model.embed_tokens.weight.detach().clone()
     int8 = copy_decoder(decoder)
     assert int8.lm_head.weight is int8.model.embed_tokens.weight
-    quantize_int8_weights(int8, ["lm_head"])
+    quantize_linears(int8, ["lm_head"])
     assert isinstance(int8.lm_head, Int8WeightLinear) and torch.equal(int8.model.embed_tokens.weight, embedding)
     out = Generator(int8).generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))[0]
     assert len(out.token_ids) == 4
 
 
-def test_pick_kernel_times_both_on_the_shapes_given():
-    choice, timings = pick_kernel([(32, 16)], repeats=2)
-    assert choice in ("int8pack", None) and set(timings) == {"float", "int8pack"}
+@pytest.mark.parametrize("form", FORMS)
+def test_each_form_is_close_to_the_float_layer_and_its_rows_do_not_depend_on_their_batch_mates(form):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True)
+    layer = convert_linear(linear, form)
+    x = torch.randn(16, 64)
+    x[3] *= 50  # one loud row: a shared activation scale would crush the others
+    got, want = layer(x), linear(x)
+    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.999
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])
+    assert torch.equal(alone, got) or torch.allclose(alone, got, rtol=1e-6, atol=1e-6)
+    assert layer(x[None]).shape == (1, 16, 48)
+
+
+def test_forms_are_checked():
+    with pytest.raises(ValueError, match="form must be one of"):
+        convert_linear(nn.Linear(4, 4), "int4")
+    with pytest.raises(ValueError, match="CPU kernel for float32"):
+        convert_linear(nn.Linear(4, 4).to(torch.bfloat16), "fp16-weight")
+
+
+def test_pick_form_times_every_form_on_the_shapes_given():
+    choice, timings = pick_form([(32, 16)], repeats=2)
+    assert choice in (*FORMS, None) and set(timings) == {"float32", *FORMS}
     assert all(t > 0 for t in timings.values())
+    if choice is not None:
+        assert timings[choice] == min(timings[f] for f in FORMS) < timings["float32"]

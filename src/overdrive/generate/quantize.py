@@ -1,17 +1,24 @@
-"""Weight-only int8 for a decoder's linear layers, searched per layer against the generation guard.
+"""Low-precision weights for a decoder's linear layers, searched per layer against the generation guard.
 
 Decoding at small batch reads every weight once per token and does little arithmetic with it, so its
-speed is set by the bytes of weights read (the decode roofline): int8 weights read a quarter of fp32's.
-Each `nn.Linear` chosen becomes an `Int8WeightLinear`: its weight [out, in] rounded to int8 with one
-symmetric scale per output channel (absmax / 127, as gpt-fast's and torchao's int8 weight-only forms),
-the activations staying in the model's dtype. Which layers is a search (`search_int8_layers`): each
-layer's sensitivity is the mean KL divergence of the next-token distributions along held-out text when
-that layer alone is quantized (`fidelity.sequence_logits`), and layers are taken from the least
-sensitive while the whole model's KL stays within the budget.
+speed is set by the bytes of weights read (the decode roofline). Each `nn.Linear` chosen is replaced by
+one of three forms (`FORMS`), each computing every row from that row alone (a sequence's tokens do not
+depend on its batch-mates):
 
-Kernels: `torch.ops.aten._weight_int8pack_mm` (x [M, in] float, weight int8 [out, in], scales [out]) where
-it is faster than reading fp32 (`KERNELS`, chosen by `pick_kernel` on the layer shapes at hand), else the
-weight dequantized per call (`x @ (q · s)ᵀ`: no faster than fp32, but exact to the same figures).
+- `int8-weight`: weight-only int8, the weight [out, in] rounded with one symmetric scale per output
+  channel (absmax / 127, as gpt-fast's and torchao's int8 weight-only forms), activations in the
+  model's dtype; kernel `torch.ops.aten._weight_int8pack_mm`, or the weight dequantized per call.
+- `fp16-weight`: weight-only fp16 through FBGEMM's packed fp16 GEMM (`quantized.linear_dynamic_fp16`,
+  CPU only; fp32 activations and accumulation). Opaque to torch.compile (a packed weight object).
+- `int8-rowwise`: int8 weights as above and int8 activations with one scale per row, quantized at
+  each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`.
+  A per-tensor activation scale (FBGEMM's `quantize_dynamic`) is not offered: it makes each row's
+  answer depend on the others in its call (batch-mates, and in prefill the prompt's later tokens).
+
+Which layers is a search (`search_layers`): each layer's sensitivity is the mean KL divergence of the
+next-token distributions along held-out text when that layer alone is converted
+(`fidelity.sequence_logits`); layers are taken from the least sensitive while the whole model's KL
+stays within the budget. Which form is fastest depends on the CPU and the batch (`pick_form`).
 """
 
 from __future__ import annotations
@@ -25,7 +32,15 @@ from torch import nn
 
 from overdrive.generate.decoder import Decoder
 
-KERNELS = ("int8pack", "dequantize")
+FORMS = ("int8-weight", "fp16-weight", "int8-rowwise")
+KERNELS = ("int8pack", "dequantize")  # of int8-weight
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [R, C], scale float32 [R]): each row of `w` rounded with its own symmetric scale, absmax / 127."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
 class Int8WeightLinear(nn.Module):
@@ -35,9 +50,8 @@ class Int8WeightLinear(nn.Module):
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
-        self.register_buffer("weight_int8", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        q, scale = _int8_rows(linear.weight)
+        self.register_buffer("weight_int8", q)
         self.register_buffer("scale", scale.to(linear.weight.dtype))
         self.bias = linear.bias
         self.in_features, self.out_features, self.kernel = linear.in_features, linear.out_features, kernel
@@ -54,19 +68,83 @@ class Int8WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
+class Fp16WeightLinear(nn.Module):
+    """y = x · fp16(W)ᵀ + b through FBGEMM's packed fp16 GEMM; x float32 [..., in] on the CPU → y [..., out].
+
+    Raises:
+        ValueError: a layer not on the CPU or not in float32.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
+            raise ValueError("fp16-weight is FBGEMM's CPU kernel for float32 layers; this layer is "
+                             f"{linear.weight.dtype} on {linear.weight.device.type}")
+        self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach(), None)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8RowwiseLinear(nn.Module):
+    """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
+    per row, from that row alone), int32 accumulation (`torch._int_mm`); x [..., in] → y [..., out] in x's dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        q, scale = _int8_rows(linear.weight)
+        self.register_buffer("weight_t", q.t().contiguous())  # [in, out], as _int_mm takes it
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        qx, sx = _int8_rows(rows)
+        y = torch._int_mm(qx, self.weight_t).float() * sx[:, None] * self.scale[None, :]
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def convert_linear(linear: nn.Linear, form: str, kernel: str = "int8pack") -> nn.Module:
+    """`linear` in `form` (one of `FORMS`; `kernel` for int8-weight).
+
+    Raises:
+        ValueError: an unknown form, or one that cannot hold this layer (`Fp16WeightLinear`).
+    """
+    if form == "int8-weight":
+        return Int8WeightLinear(linear, kernel)
+    if form == "fp16-weight":
+        return Fp16WeightLinear(linear)
+    if form == "int8-rowwise":
+        return Int8RowwiseLinear(linear)
+    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+
+
 def linear_names(model: nn.Module) -> list[str]:
     """The qualified names of `model`'s `nn.Linear` layers, in module order."""
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantize_int8_weights(model: nn.Module, names: Iterable[str] | None = None, *, kernel: str = "int8pack") -> list[str]:
-    """Replaces the named `nn.Linear` layers of `model` (all of them by default) by `Int8WeightLinear`, in place.
+def quantize_linears(model: nn.Module, names: Iterable[str] | None = None, *, form: str = "int8-weight",
+                     kernel: str = "int8pack") -> list[str]:
+    """Replaces the named `nn.Linear` layers of `model` (all of them by default) by their `form`, in place.
 
     Returns:
         The names replaced, in module order.
 
     Raises:
         KeyError: a name that is not an `nn.Linear` of the model.
+        ValueError: see `convert_linear`.
     """
     order = linear_names(model)
     chosen = order if names is None else list(names)
@@ -76,7 +154,7 @@ def quantize_int8_weights(model: nn.Module, names: Iterable[str] | None = None, 
     for name in chosen:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, Int8WeightLinear(getattr(owner, child), kernel))
+        setattr(owner, child, convert_linear(getattr(owner, child), form, kernel))
     return [n for n in order if n in set(chosen)]
 
 
@@ -103,10 +181,10 @@ def mean_kl(reference: Decoder, candidate: Decoder, texts: Sequence[Sequence[int
     return total / max(count, 1)
 
 
-def search_int8_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, max_mean_kl: float,
-                       kernel: str = "int8pack", progress: Callable[[str], None] = lambda _: None
-                       ) -> tuple[list[str], dict[str, float], float]:
-    """The layers to hold in int8: each linear layer's sensitivity (mean KL with it alone in int8), then
+def search_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, max_mean_kl: float, form: str = "int8-weight",
+                  kernel: str = "int8pack", progress: Callable[[str], None] = lambda _: None
+                  ) -> tuple[list[str], dict[str, float], float]:
+    """The layers to hold in `form`: each linear layer's sensitivity (mean KL with it alone converted), then
     layers from the least sensitive, added while the whole model's mean KL stays ≤ `max_mean_kl` (each
     addition measured, not summed: errors of layers compound).
 
@@ -119,9 +197,9 @@ def search_int8_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, ma
     sensitivity: dict[str, float] = {}
     for name in linear_names(reference):
         trial = copy_decoder(reference)
-        quantize_int8_weights(trial, [name], kernel=kernel)
+        quantize_linears(trial, [name], form=form, kernel=kernel)
         sensitivity[name] = mean_kl(reference, trial, texts, reference_logits)
-        progress(f"int8 sensitivity {name}: {sensitivity[name]:.2e}")
+        progress(f"{form} sensitivity {name}: {sensitivity[name]:.2e}")
     chosen: list[str] = []
     kl = 0.0
     order = sorted(sensitivity, key=sensitivity.get)
@@ -130,7 +208,7 @@ def search_int8_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, ma
     while at < len(order):
         batch = order[at:at + step]
         trial = copy_decoder(reference)
-        quantize_int8_weights(trial, chosen + batch, kernel=kernel)
+        quantize_linears(trial, chosen + batch, form=form, kernel=kernel)
         trial_kl = mean_kl(reference, trial, texts, reference_logits)
         if trial_kl <= max_mean_kl:
             chosen += batch
@@ -143,26 +221,26 @@ def search_int8_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, ma
     return names, sensitivity, kl
 
 
-def pick_kernel(shapes: Iterable[tuple[int, int]], rows: int = 1, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", repeats: int = 20) -> tuple[str | None, dict[str, float]]:
-    """Which kernel reads int8 weights faster than the float layer reads its own, timed on `shapes`
-    [(out, in)] at `rows` rows: ("int8pack" or None, {kernel: seconds summed over the shapes}). None: neither
-    beats the float weights here (weight-only int8 then saves memory, not time)."""
-    timings: dict[str, float] = {"float": 0.0, "int8pack": 0.0}
+def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[str] = FORMS,
+              repeats: int = 20) -> tuple[str | None, dict[str, float]]:
+    """Which form runs the float32 CPU layers of `shapes` [(out, in)] fastest at `rows` rows, timed here:
+    (the fastest form, or None when none beats float32; {"float32" or form: seconds per call summed over
+    the shapes}, inf for a form this machine cannot run)."""
+    timings: dict[str, float] = {"float32": 0.0, **{f: 0.0 for f in forms}}
     for out_f, in_f in shapes:
-        linear = nn.Linear(in_f, out_f, bias=False).to(device=device, dtype=dtype)
-        packed = Int8WeightLinear(linear, "int8pack")
-        x = torch.randn(rows, in_f, device=device, dtype=dtype)
-        for label, layer in (("float", linear), ("int8pack", packed)):
-            with torch.inference_mode():
-                try:
+        linear = nn.Linear(in_f, out_f, bias=False)
+        x = torch.randn(rows, in_f)
+        for label in timings:
+            try:
+                layer = linear if label == "float32" else convert_linear(linear, label)
+                with torch.inference_mode():
                     for _ in range(3):
                         layer(x)
-                except RuntimeError:
-                    timings[label] = float("inf")
-                    continue
-                started = time.perf_counter()
-                for _ in range(repeats):
-                    layer(x)
+                    started = time.perf_counter()
+                    for _ in range(repeats):
+                        layer(x)
                 timings[label] += (time.perf_counter() - started) / repeats
-    return ("int8pack" if timings["int8pack"] < timings["float"] else None), timings
+            except (RuntimeError, ValueError):
+                timings[label] = float("inf")
+    best = min(forms, key=timings.get) if forms else None
+    return (best if best is not None and timings[best] < timings["float32"] else None), timings
