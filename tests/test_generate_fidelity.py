@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from overdrive.generate import Decoder, Generator
-from overdrive.generate.fidelity import GenerationFidelity, judge_generation, perplexity, sequence_logits
+from overdrive.generate.fidelity import (GenerationFidelity, batch_invariance, judge_generation, perplexity,
+                                         sequence_logits)
 from tests.test_generate import _hf, _prompts
 
 pytest.importorskip("transformers")
@@ -93,3 +94,25 @@ def test_sequence_logits_are_the_decoders_and_perplexity_is_their_likelihood(ref
     assert perplexity(reference.model, [ids]) == pytest.approx(math.exp(float(nll)), rel=1e-5)
     with pytest.raises(ValueError, match="at least one text"):
         perplexity(reference.model, [[5]])
+
+
+class _PerTensorInt8(torch.nn.Module):
+    """FBGEMM's dynamic int8 linear: one activation scale for the whole call, shared by every row in it."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.inner = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear},
+                                                            dtype=torch.qint8)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_form_whose_rows_share_an_activation_scale_is_caught_by_the_batch_probe(reference):
+    assert batch_invariance(reference, _prompts(8), max_new_tokens=10).breaks() is None
+    shared = _copy(reference.model)
+    for block in shared.model.layers:
+        block.mlp.down_proj = _PerTensorInt8(block.mlp.down_proj)
+    shared.lm_head = _PerTensorInt8(shared.lm_head)
+    probe = batch_invariance(Generator(shared, max_batch_size=8), _prompts(8), max_new_tokens=10)
+    assert probe.differ_beyond_ties and "depends on its batch-mates" in probe.breaks(), probe

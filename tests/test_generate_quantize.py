@@ -101,3 +101,13 @@ def test_pick_form_times_every_form_on_the_shapes_given():
     assert all(t > 0 for t in timings.values())
     if choice is not None:
         assert timings[choice] == min(timings[f] for f in FORMS) < timings["float32"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_decoder_in_each_form_gives_a_prompt_the_same_tokens_alone_and_in_a_batch(form):
+    from overdrive.generate.fidelity import batch_invariance
+
+    decoder = copy_decoder(Decoder.from_hf(_hf()))
+    quantize_linears(decoder, form=form)
+    probe = batch_invariance(Generator(decoder, max_batch_size=8), _prompts(8), max_new_tokens=10)
+    assert probe.breaks() is None, probe

@@ -150,3 +150,45 @@ def judge_generation(reference: Generator, candidate: Generator, prompts: Sequen
     return GenerationFidelity(prompts=len(prompts), tokens=sum(len(c.token_ids) for c in ours), diverged=diverged,
                               diverged_beyond_ties=beyond, first_divergence=first, mean_kl=float(kl.mean()),
                               max_kl=float(kl.max()), near_tie=near_tie, perplexity_reference=ppl_ref, perplexity=ppl)
+
+
+@dataclass
+class BatchInvariance:
+    """Whether each prompt's greedy continuation alone equals its continuation inside a batch of mixed lengths.
+
+    Attributes:
+        prompts: prompts probed; differ: those whose two continuations differ anywhere;
+        differ_beyond_ties: of those, the ones whose first differing step had a top-2 margin above `near_tie` in
+            the model's own logits along the prompt-alone path (a near tie may flip with summation order).
+    """
+
+    prompts: int
+    differ: list[int]
+    differ_beyond_ties: list[int]
+    near_tie: float = NEAR_TIE_MARGIN
+
+    def breaks(self) -> str | None:
+        if not self.differ_beyond_ties:
+            return None
+        return (f"{len(self.differ_beyond_ties)} of {self.prompts} prompts get other greedy tokens in a batch than alone "
+                f"(prompts {self.differ_beyond_ties[:5]}): a sequence's answer depends on its batch-mates")
+
+
+def batch_invariance(generator: Generator, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16,
+                     near_tie: float = NEAR_TIE_MARGIN) -> BatchInvariance:
+    """Each of `prompts` (≥ 2, of mixed lengths for the probe to mean anything) generated alone and in one batch
+    (greedy, `max_new_tokens`), compared token by token (`BatchInvariance`)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    alone = [generator.generate([p], params)[0].token_ids for p in prompts]
+    together = [c.token_ids for c in generator.generate(list(prompts), params)]
+    differ, beyond = [], []
+    for i, (ids, a, b) in enumerate(zip(prompts, alone, together)):
+        at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None:
+            continue
+        differ.append(i)
+        logits = sequence_logits(generator.model, list(ids) + a)[len(ids) - 1 + at]
+        top2 = torch.topk(logits, 2).values
+        if float(top2[0] - top2[1]) > near_tie:
+            beyond.append(i)
+    return BatchInvariance(prompts=len(prompts), differ=differ, differ_beyond_ties=beyond, near_tie=near_tie)
