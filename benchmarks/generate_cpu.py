@@ -6,7 +6,9 @@ every entry. Entries are timed in interleaved repeats; each figure is the median
 
 Per entry and batch size: time to first token (TTFT, the prefill), decode tokens/s in total (new tokens
 after the first over the decode time) and per sequence, and the tokens' agreement with Hugging Face eager
-fp32 (the reference). Hugging Face's decode time is its whole `generate` less a one-token `generate`.
+fp32 (the reference). Hugging Face's decode time is its whole `generate` less a one-token `generate`. The decode
+roofline (`generate/roofline.py`): bytes read per decode step (weights at their storage dtype, the KV cache's slots)
+× steps/s against the measured copy bandwidth.
 
     .venv/bin/python benchmarks/generate_cpu.py [--shape llama-150m] [--batch-sizes 1,16] [--prompt-tokens 128]
         [--new-tokens 64] [--repeats 3] [--entries hf-eager,overdrive-eager,overdrive-compiled]
@@ -54,7 +56,7 @@ def hf_entry(model, prompts: torch.Tensor, new: int) -> dict:
     total = time.perf_counter() - started
     b = prompts.shape[0]
     return {"ttft_s": ttft, "decode_s": max(total - ttft, 1e-9), "decode_tokens": b * (new - 1),
-            "tokens": out[:, prompts.shape[1]:].tolist()}
+            "tokens": out[:, prompts.shape[1]:].tolist(), "slots": prompts.shape[1] + new}
 
 
 def overdrive_entry(generator, prompts: torch.Tensor, new: int) -> dict:
@@ -63,7 +65,7 @@ def overdrive_entry(generator, prompts: torch.Tensor, new: int) -> dict:
     completions = generator.generate(prompts.tolist(), SamplingParams(max_new_tokens=new))
     (t,) = generator.timings
     return {"ttft_s": t.prefill_s, "decode_s": sum(t.step_s), "decode_tokens": t.new_tokens - t.batch_size,
-            "tokens": [c.token_ids for c in completions]}
+            "tokens": [c.token_ids for c in completions], "slots": t.slots}
 
 
 def main() -> None:
@@ -78,10 +80,12 @@ def main() -> None:
 
     from overdrive.generate import Decoder, Generator
     from overdrive.generate.quantize import FORMS, copy_decoder, quantize_linears
+    from overdrive.generate.roofline import decode_roofline
 
     model = build(args.shape)
     params = sum(p.numel() for p in model.parameters())
     decoder = Decoder.from_hf(model)
+    models = {}  # entry -> the decoder whose bytes it reads (Hugging Face's: the same fp32 weights)
     entries = {
         "hf-eager": lambda x: hf_entry(model, x, args.new_tokens),
         "overdrive-eager": (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
@@ -92,6 +96,7 @@ def main() -> None:
     for form in FORMS:  # every linear layer in the form (speed only: random weights judge nothing)
         converted = copy_decoder(decoder)
         quantize_linears(converted, form=form)
+        models[f"overdrive-{form}"] = models[f"overdrive-{form}-compiled"] = converted
         entries[f"overdrive-{form}"] = (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
             Generator(converted, max_batch_size=1024))
         if form != "fp16-weight":  # FBGEMM's packed weights are opaque to torch.compile
@@ -113,7 +118,8 @@ def main() -> None:
                 for name in chosen:
                     runs[name].append(entries[name](prompts))
         reference = runs[chosen[0]][0]["tokens"]
-        print(f"\nbatch {b}: entry | TTFT ms | decode tokens/s total | per sequence | vs {chosen[0]} | token agreement")
+        print(f"\nbatch {b}: entry | TTFT ms | decode tokens/s total | per sequence | vs {chosen[0]} | token agreement | "
+              "decode roofline")
         base = None
         for name in chosen:
             rates = [r["decode_tokens"] / r["decode_s"] for r in runs[name]]
@@ -122,8 +128,10 @@ def main() -> None:
             base = base or rate
             tokens = runs[name][0]["tokens"]
             agree = sum(a == c for x, y in zip(reference, tokens) for a, c in zip(x, y)) / sum(len(x) for x in reference)
+            point = decode_roofline(models.get(name, decoder), batch_size=b, slots=runs[name][0]["slots"],
+                                    cache_dtype=torch.float32, steps_per_s=rate / b)
             print(f"  {name:20s} | {ttft:8.1f} | {rate:8.1f} [{min(rates):.1f}, {max(rates):.1f}] | {rate / b:7.1f} | "
-                  f"{rate / base:5.2f}× | {agree:.4f}")
+                  f"{rate / base:5.2f}× | {agree:.4f} | {point.describe()}")
 
 
 if __name__ == "__main__":

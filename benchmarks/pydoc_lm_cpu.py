@@ -22,7 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--int8-kl", type=float, default=1e-3, help="the int8 search's mean-KL budget, nats per token")
+    parser.add_argument("--int8-kl", type=float, default=1e-3, help="the per-layer searches' mean-KL budget, nats per token")
     args = parser.parse_args()
     lm = build_pydoc_lm()
     print(facts_line(lm.facts))
@@ -58,36 +58,39 @@ def main() -> None:
 
 
 def int8_section(lm, reference, prompts: list[str], args) -> None:
-    """Weight-only int8 judged by the generation guard: every linear layer, then the layers the per-layer search
-    keeps within --int8-kl (its calibration: held-out sentences apart from the prompts and the perplexity text)."""
-    from overdrive.generate.fidelity import judge_generation
-    from overdrive.generate.quantize import copy_decoder, linear_names, quantize_linears, search_layers
+    """Each low-precision form of `generate/quantize.py` judged by the generation guard: on every linear layer,
+    then on the layers its per-layer search keeps within --int8-kl (its calibration: held-out sentences apart from
+    the prompts and from the perplexity text); and the batch-invariance probe on the searched model."""
+    from overdrive.generate.fidelity import batch_invariance, judge_generation
+    from overdrive.generate.quantize import FORMS, copy_decoder, linear_names, quantize_linears, search_layers
 
     tok = lm.tokenizer
     ids = [tok(s)["input_ids"] for s in lm.held_out]
     calibration = [x for x in ids[args.prompts:args.prompts + 32] if len(x) >= 2]
     held_out = [x for x in ids[args.prompts + 32:args.prompts + 160] if len(x) >= 2]
     prompt_ids = [tok(p)["input_ids"] for p in prompts]
-    started = time.perf_counter()
-    searched, sensitivity, kl = search_layers(reference.model, calibration, max_mean_kl=args.int8_kl)
-    search_s = time.perf_counter() - started
     every = linear_names(reference.model)
-    print(f"\nweight-only int8 (per-channel absmax), judged on {len(prompt_ids)} prompts × {args.new_tokens} greedy tokens, "
+    print(f"\nlow-precision weights, judged on {len(prompt_ids)} prompts × {args.new_tokens} greedy tokens (batches of 16), "
           f"KL along the reference's path, perplexity on {len(held_out)} held-out sentences "
-          f"({sum(map(len, held_out))} tokens)")
-    print(f"search: {len(searched)} of {len(every)} layers within mean KL {args.int8_kl} on {len(calibration)} calibration "
-          f"sentences ({kl:.2e}), {search_s:.0f} s; most sensitive: "
-          + ", ".join(f"{n} {sensitivity[n]:.1e}" for n in sorted(sensitivity, key=sensitivity.get)[-3:]))
-    print("layers | greedy prompts changed (beyond near ties / all) | mean KL | max KL | perplexity (fp32 → int8)")
-    for label, names in (("every linear", every), ("searched", searched)):
-        model = copy_decoder(reference.model)
-        quantize_linears(model, names)
-        fid = judge_generation(reference, Generator(model, tok, max_batch_size=16), prompt_ids,
-                               max_new_tokens=args.new_tokens, held_out=held_out)
-        print(f"  {label} ({len(names)}) | {fid.diverged_beyond_ties} / {fid.diverged} of {fid.prompts} | "
-              f"{fid.mean_kl:.2e} | {fid.max_kl:.2e} | {fid.perplexity_reference:.2f} → {fid.perplexity:.2f} "
-              f"({fid.perplexity_change:+.2%})")
-
+          f"({sum(map(len, held_out))} tokens); searches calibrate on {len(calibration)} other sentences")
+    print("form | layers | greedy prompts changed (beyond near ties / all) | mean KL | max KL | perplexity (fp32 → form)"
+          " | batch probe")
+    for form in FORMS:
+        started = time.perf_counter()
+        searched, sensitivity, _ = search_layers(reference.model, calibration, max_mean_kl=args.int8_kl, form=form)
+        search_s = time.perf_counter() - started
+        worst = sorted(sensitivity, key=sensitivity.get)[-2:]
+        for label, names in ((f"every linear ({len(every)})", every),
+                             (f"searched ({len(searched)}; {search_s:.0f} s; most sensitive "
+                              + ", ".join(f"{n} {sensitivity[n]:.1e}" for n in worst) + ")", searched)):
+            model = copy_decoder(reference.model)
+            quantize_linears(model, names, form=form)
+            candidate = Generator(model, tok, max_batch_size=16)
+            fid = judge_generation(reference, candidate, prompt_ids, max_new_tokens=args.new_tokens, held_out=held_out)
+            probe = batch_invariance(candidate, prompt_ids[:16], max_new_tokens=args.new_tokens)
+            print(f"  {form} | {label} | {fid.diverged_beyond_ties} / {fid.diverged} of {fid.prompts} | {fid.mean_kl:.2e} | "
+                  f"{fid.max_kl:.2e} | {fid.perplexity_reference:.2f} → {fid.perplexity:.2f} ({fid.perplexity_change:+.2%}) | "
+                  f"{len(probe.differ_beyond_ties)} / {len(probe.differ)} of {probe.prompts} differ", flush=True)
 
 if __name__ == "__main__":
     main()

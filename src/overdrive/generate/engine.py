@@ -71,10 +71,11 @@ class BatchTimings:
     """Where one batch's time went, in seconds: `prefill_s` from the prompts to the first token of every
     sequence (the time to first token), `step_s` each decode step after it (the inter-token latency: one
     token for every sequence still running); `prompt_tokens` the prompts' own tokens (padding apart),
-    `new_tokens` the tokens produced."""
+    `new_tokens` the tokens produced; `slots` the KV cache's length."""
 
     batch_size: int
     prompt_tokens: int
+    slots: int = 0  # the KV cache's slots per sequence (what each decode step's attention reads)
     prefill_s: float = 0.0
     step_s: list[float] = field(default_factory=list)
     new_tokens: int = 0
@@ -172,6 +173,7 @@ class Generator:
         if self.compiled:
             slots = min(self.model.config.max_positions, -(-slots // self.SLOT_ROUNDING) * self.SLOT_ROUNDING)
         cache = KVCache(self.model.config, b, slots, device=dev, dtype=self.cache_dtype)
+        timings.slots = slots
         pad = torch.tensor([longest - len(p) for p in prompts], device=dev)  # [B] left padding
         tokens = torch.zeros((b, longest), dtype=torch.long, device=dev)
         for row, ids in enumerate(prompts):

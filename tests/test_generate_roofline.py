@@ -1,0 +1,53 @@
+"""The decode roofline: the bytes a decode step reads (weights at their storage dtype, the embedding only when
+tied to the head, the KV cache's slots) and the share of the bandwidth limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overdrive.generate import Decoder, Generator, SamplingParams
+from overdrive.generate.quantize import copy_decoder, quantize_linears
+from overdrive.generate.roofline import decode_roofline, kv_bytes_per_step, weight_bytes_per_step
+from tests.test_generate import _hf
+
+pytest.importorskip("transformers")
+
+
+def _expected_fp32(decoder: Decoder) -> int:
+    c = decoder.config
+    per_layer = (c.hidden_size * c.num_heads * c.head_dim * 2 + c.hidden_size * c.num_kv_heads * c.head_dim * 2
+                 + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)  # q, o, k, v; MLP; two norms
+    return 4 * (c.num_layers * per_layer + c.hidden_size + c.vocab_size * c.hidden_size) + 4 * (c.head_dim // 2)  # + inv_freq
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_step_reads_every_weight_once_and_the_embedding_only_as_the_head(tied):
+    decoder = Decoder.from_hf(_hf(tie_word_embeddings=tied))
+    assert weight_bytes_per_step(decoder) == _expected_fp32(decoder)
+
+
+def test_low_precision_weights_are_counted_at_their_storage_dtype():
+    decoder = Decoder.from_hf(_hf())
+    fp32 = weight_bytes_per_step(decoder)
+    for form, low, high in (("int8-weight", 0.25, 0.32), ("int8-rowwise", 0.25, 0.32), ("fp16-weight", 0.5, 0.55)):
+        converted = copy_decoder(decoder)
+        quantize_linears(converted, form=form)
+        assert low * fp32 <= weight_bytes_per_step(converted) <= high * fp32, form
+
+
+def test_the_kv_cache_and_the_share():
+    decoder = Decoder.from_hf(_hf())
+    c = decoder.config
+    assert kv_bytes_per_step(decoder, batch_size=3, slots=10, dtype=torch.float32) == \
+        2 * c.num_layers * 3 * c.num_kv_heads * 10 * c.head_dim * 4
+    generator = Generator(decoder)
+    generator.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5))
+    (t,) = generator.timings
+    assert t.slots == 8
+    point = decode_roofline(decoder, batch_size=1, slots=t.slots, cache_dtype=torch.float32, steps_per_s=100.0,
+                            peak_bytes_per_s=1e10)
+    assert point.achieved_bytes_per_s == (point.weight_bytes + point.kv_bytes) * 100.0
+    assert point.share == pytest.approx(point.achieved_bytes_per_s / 1e10) and "of the bandwidth limit" in point.describe()
+    measured = decode_roofline(decoder, batch_size=1, slots=8, cache_dtype=torch.float32, steps_per_s=1.0)
+    assert measured.peak_bytes_per_s > 1e8  # this machine's copy bandwidth, measured
