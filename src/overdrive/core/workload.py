@@ -384,10 +384,18 @@ class BatchingPolicy:
 
     sort_by_length: bool = False
 
+    @classmethod
+    def deployed(cls, workload: Workload) -> BatchingPolicy:
+        """How `run` and `serve` batch this workload's rows whatever the plan holds, which is what a
+        plan is measured against: text sorted by token length (`run` sorts each chunk of records,
+        `serve` batches requests of one length bucket), anything else in arrival order. Timing text
+        in data order would credit the plan with padding that no deployment of it pads."""
+        return cls(sort_by_length=workload.is_text)
+
     def order(self, workload: Workload, indices: list[int]) -> list[int]:
         """Positions 0..len(indices)-1 in the order they are cut into batches (indices may repeat)."""
         positions = list(range(len(indices)))
         length = workload.bucket_length
-        if self.sort_by_length and length is not None:
-            positions.sort(key=lambda p: length(workload.samples[indices[p]]))
+        if self.sort_by_length and length is not None:  # longest first, ties in order: as `run` cuts a chunk
+            positions.sort(key=lambda p: -length(workload.samples[indices[p]]))
         return positions

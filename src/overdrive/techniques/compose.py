@@ -28,13 +28,13 @@ def build(workload: Workload, steps: list[TechniqueConfig], device: torch.device
             parameters, FLOPs and metrics before and after, the fine-tune).
 
     Returns:
-        (model ready to call, batching policy).
+        (model ready to call, batching policy: `BatchingPolicy.deployed` as the steps change it).
 
     Raises:
         RuntimeError: a technique is unsupported here or its transform failed (message says which).
     """
     model = eval_mode(copy.deepcopy(workload.model).to(device))
-    policy = BatchingPolicy()
+    policy = BatchingPolicy.deployed(workload)
     for i, step in enumerate(steps):
         technique = technique_for(step)
         reason = technique.unsupported_reason(workload, device, step) or conflict(steps[:i], step)

@@ -125,6 +125,12 @@ class Technique:
         """Subclass hook: a reason this technique does not apply (no such layers, no support here)."""
         return None
 
+    def redundancy(self, workload: Workload) -> str | None:
+        """Subclass hook: why trying this would measure nothing, because the baseline already does
+        what it does (`BatchingPolicy.deployed`). Unlike `applicability`, a plan that holds it still
+        builds; the tuner only does not try it."""
+        return None
+
     def apply(self, model: nn.Module, config: TechniqueConfig, *, workload: Workload, device: torch.device) -> nn.Module:
         return model
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overdrive.core.workload import BatchingPolicy
+
 DEFAULT_TIME_BUDGET_S = 420.0
 
 # Seconds a technique's build and warm-up take before its first timed pass, when nothing was measured
@@ -142,17 +144,19 @@ class Signals:
     params_m: float  # parameters, millions
     pass_s: float  # one baseline pass over the timing rows, seconds
     compare_s: float  # one comparison against the baseline, seconds (measured once one ran)
-    padding: float | None = None  # text: the share of padding tokens in batches cut in data order
+    padding: float | None = None  # the share of padding tokens in the baseline's batches (`padding_share`)
     shares: dict[tuple, float | None] = field(default_factory=dict)  # layer types -> share of FLOPs
     peaks: dict[str, float | None] = field(default_factory=dict)  # dtype -> measured GEMM FLOP/s
 
 
 def padding_share(workload, indices: list[int], batch_size: int) -> float | None:
-    """The share of the tokens in batches of `batch_size` cut in `indices`' order that are padding
-    (each batch padded to its longest row); None for a workload without lengths."""
+    """The share of the tokens in the baseline's batches of `batch_size` that are padding (each batch
+    padded to its longest row; cut in `BatchingPolicy.deployed`'s order: text sorted by length, the rest
+    in `indices`' order); None for a workload without lengths."""
     if workload.bucket_length is None:
         return None
-    lengths = [workload.bucket_length(workload.samples[i]) for i in indices]
+    order = BatchingPolicy.deployed(workload).order(workload, indices)
+    lengths = [workload.bucket_length(workload.samples[indices[p]]) for p in order]
     padded = real = 0
     for start in range(0, len(lengths), batch_size):
         chunk = lengths[start:start + batch_size]

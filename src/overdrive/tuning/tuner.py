@@ -269,7 +269,8 @@ class Tuner:
 
     def _skip_reason(self, name: str) -> str | None:
         technique = get_technique(name)
-        reason = technique.unsupported_reason(self.workload, self.device, self._step(name))
+        reason = technique.unsupported_reason(self.workload, self.device, self._step(name)) or \
+            technique.redundancy(self.workload)
         if reason:
             return f"skipped: {reason}"
         if self.guard.lossless_only and not technique.lossless:

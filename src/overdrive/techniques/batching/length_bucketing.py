@@ -22,7 +22,10 @@ class LengthBucketing(Technique):
     """Sort samples by length before cutting batches, so each batch pads only to the longest of
     similar-length neighbours; outputs are returned in input order. Text is sorted by token count;
     tensor rows with a varying dimension (a dict example's `input_ids`) by their size there, which
-    is the real token count of rows cut at their attention mask (`signature.cut_padding`)."""
+    is the real token count of rows cut at their attention mask (`signature.cut_padding`).
+
+    Text is already timed sorted (`BatchingPolicy.deployed`: `run` and `serve` always batch text by
+    length), so the tuner does not try it there; a plan that holds it still builds."""
 
     config_cls = LengthBucketingConfig
     exportable = True  # survives export to ONNX / OpenVINO
@@ -33,6 +36,12 @@ class LengthBucketing(Technique):
     def applicability(self, workload: Workload, device: torch.device) -> str | None:
         if workload.bucket_length is None:
             return "not applicable: inputs have a fixed shape (no padding to save)"
+        return None
+
+    def redundancy(self, workload: Workload) -> str | None:
+        if workload.is_text:
+            return ("the baseline is already batched by length, as `run` and `serve` batch text whatever the plan "
+                    "holds (nothing to gain from it)")
         return None
 
     def batching(self, policy: BatchingPolicy, config) -> BatchingPolicy:
