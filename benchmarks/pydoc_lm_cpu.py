@@ -2,11 +2,14 @@
 `generate` on it: greedy tokens for 64 held-out prompts (each sentence's first six words), each prompt alone and
 in batches of 16 of mixed lengths, counted equal or not; a few continuations printed. Then weight-only int8
 (`generate/quantize.py`) on every linear layer and on the layers its per-layer search keeps, judged by the
-generation guard (`generate/fidelity.py`).
+generation guard (`generate/fidelity.py`). Then speculative decoding by prompt lookup (`generate/speculative.py`)
+against plain greedy decoding, each prompt alone (batch 1), overdrive's engine eager and compiled beside Hugging
+Face `generate` with and without `prompt_lookup_num_tokens`: tokens/s, tokens equal to plain greedy, acceptance.
 
 Trains pydoc-lm first when the cache does not hold it (about 11 minutes on 2 cores).
 
     .venv/bin/python benchmarks/pydoc_lm_cpu.py [--prompts 64] [--new-tokens 24] [--int8-kl 1e-3]
+        [--sections equality,int8,speculative] [--spec-tokens 64] [--draft-tokens 4]
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from overdrive.generate import Decoder, Generator, SamplingParams
+from overdrive.generate import Decoder, Generator, PromptLookup, SamplingParams
 from overdrive.workloads.pydoc_lm import build_pydoc_lm, facts_line
 
 
@@ -23,13 +26,24 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--int8-kl", type=float, default=1e-3, help="the per-layer searches' mean-KL budget, nats per token")
+    parser.add_argument("--sections", default="equality,int8,speculative")
+    parser.add_argument("--spec-tokens", type=int, default=64, help="new tokens per prompt in the speculative section")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="prompt lookup's draft tokens per verification")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     lm = build_pydoc_lm()
     print(facts_line(lm.facts))
     tok, hf = lm.tokenizer, lm.model
     hf.generation_config.pad_token_id = tok.eos_token_id
     hf.generation_config.eos_token_id = None  # no early stop on either side: every prompt runs its max tokens
     prompts = [" ".join(s.split()[:6]) for s in lm.held_out[:args.prompts]]
+    generator = Generator(Decoder.from_hf(hf), tok, max_batch_size=16)
+    if "speculative" in sections:
+        speculative_section(lm, prompts, args)
+    if "equality" not in sections:
+        if "int8" in sections:
+            int8_section(lm, generator, prompts, args)
+        return
     started = time.perf_counter()
     reference = []
     for prompt in prompts:
@@ -37,7 +51,6 @@ def main() -> None:
         out = hf.generate(**ids, max_new_tokens=args.new_tokens, do_sample=False)
         reference.append(out[0, ids["input_ids"].shape[1]:].tolist())
     hf_s = time.perf_counter() - started
-    generator = Generator(Decoder.from_hf(hf), tok, max_batch_size=16)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     started = time.perf_counter()
     alone = [generator.generate([p], params)[0].token_ids for p in prompts]
@@ -54,7 +67,68 @@ def main() -> None:
           f"{sum(c.token_ids == r for c, r in zip(batched, reference))} / {len(prompts)}")
     for prompt, completion in list(zip(prompts, batched))[:4]:
         print(f"  {prompt!r} → {completion.text!r}")
-    int8_section(lm, generator, prompts, args)
+    if "int8" in sections:
+        int8_section(lm, generator, prompts, args)
+
+
+def speculative_section(lm, prompts: list[str], args) -> None:
+    """Each prompt alone, greedy, --spec-tokens new tokens, no early stop; entries interleaved over 2 rounds (the
+    faster round counts); a warm-up prompt first for each (compilation apart). Equality is against overdrive's plain
+    eager greedy tokens (and Hugging Face's plain greedy ones against it)."""
+    import torch
+
+    tok, hf = lm.tokenizer, lm.model
+    n = args.spec_tokens
+    ids = [tok(p)["input_ids"] for p in prompts]
+    decoder = Decoder.from_hf(hf)
+    lookup = PromptLookup(num_tokens=args.draft_tokens)
+    engines = {
+        "overdrive, eager": Generator(decoder, tok),
+        f"overdrive, eager, prompt lookup k={lookup.num_tokens}": Generator(decoder, tok, speculative=lookup),
+        "overdrive, compiled decode step": Generator(decoder, tok, compile=True),
+        f"overdrive, compiled, prompt lookup k={lookup.num_tokens}": Generator(decoder, tok, compile=True, speculative=lookup),
+    }
+    params = SamplingParams(max_new_tokens=n)
+
+    def run_hf(lookup_tokens):
+        out = []
+        for x in ids:
+            t = torch.tensor([x])
+            extra = {"prompt_lookup_num_tokens": lookup_tokens} if lookup_tokens else {}
+            y = hf.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=n, do_sample=False, **extra)
+            out.append(y[0, len(x):].tolist())
+        return out, None
+
+    def run_ours(generator):
+        out, drafted, kept = [], 0, 0
+        for x in ids:
+            out.append(generator.generate([x], params)[0].token_ids)
+            drafted += sum(t.drafted for t in generator.timings)
+            kept += sum(t.accepted for t in generator.timings)
+        return out, (kept, drafted)
+
+    entries = {"Hugging Face generate, eager": lambda: run_hf(0),
+               f"Hugging Face generate, prompt lookup {lookup.num_tokens}": lambda: run_hf(lookup.num_tokens)}
+    entries.update({name: (lambda g=g: run_ours(g)) for name, g in engines.items()})
+    for name, g in engines.items():  # warm-up: compilation, the allocator
+        g.generate([ids[0]], params)
+    best: dict[str, float] = {}
+    results = {}
+    for _ in range(2):
+        for name, fn in entries.items():
+            started = time.perf_counter()
+            results[name] = fn()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - started)
+    plain = results["overdrive, eager"][0]
+    base = best["Hugging Face generate, eager"]
+    print(f"\nspeculative decoding by prompt lookup: {len(ids)} held-out prompts, each alone, {n} new tokens, greedy, fp32;"
+          " the faster of 2 interleaved rounds")
+    print("| entry | tokens/s | vs HF eager | prompts equal to plain greedy | drafts accepted |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (out, acceptance) in results.items():
+        rate = f"{acceptance[0]} / {acceptance[1]} ({acceptance[0] / max(acceptance[1], 1):.0%})" if acceptance else "—"
+        print(f"| {name} | {len(ids) * n / best[name]:.1f} | {base / best[name]:.2f}× | "
+              f"{sum(a == b for a, b in zip(out, plain))} / {len(ids)} | {rate} |", flush=True)
 
 
 def int8_section(lm, reference, prompts: list[str], args) -> None:

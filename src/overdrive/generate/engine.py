@@ -9,6 +9,12 @@ Prefill runs every prompt's tokens in one forward; a decode step runs one token 
 sampling draws from its own `torch.Generator` seeded by the request, so a seeded request gives the same
 tokens alone or in a batch.
 
+With `speculative` (`generate.speculative.PromptLookup`), each greedy prompt runs alone: a forward over its
+last token and k drafted ones keeps the drafts the model agrees with and its own next token (1 to k + 1
+tokens per forward), so the tokens are greedy decoding's own. Rows of a batch would accept different
+counts and leave the shared cache slot, so speculation is for batch 1, where a decode step is bound by
+reading the weights and a forward over k + 1 tokens costs about what one over a single token does.
+
 Sampling follows Hugging Face's order: temperature, then top-k, then top-p (nucleus sampling,
 Holtzman et al., 2020).
 """
@@ -24,6 +30,7 @@ import torch
 
 from overdrive.core.devices import synchronize
 from overdrive.generate.decoder import Decoder, KVCache
+from overdrive.generate.speculative import PromptLookup, accepted
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,9 @@ class BatchTimings:
     """Where one batch's time went, in seconds: `prefill_s` from the prompts to the first token of every
     sequence (the time to first token), `step_s` each decode step after it (the inter-token latency: one
     token for every sequence still running); `prompt_tokens` the prompts' own tokens (padding apart),
-    `new_tokens` the tokens produced; `slots` the KV cache's length."""
+    `new_tokens` the tokens produced; `slots` the KV cache's length. With speculative decoding, `drafted` and
+    `accepted` count the draft tokens proposed and kept (the acceptance rate is accepted / drafted), and a
+    forward that kept n tokens adds n entries of its time / n to `step_s`."""
 
     batch_size: int
     prompt_tokens: int
@@ -79,6 +88,8 @@ class BatchTimings:
     prefill_s: float = 0.0
     step_s: list[float] = field(default_factory=list)
     new_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -109,13 +120,16 @@ class Generator:
         compile: compile the decode step with torch.compile (fixed shapes: the cache's slots are rounded up to a
             multiple of `SLOT_ROUNDING`, so batches of similar lengths share one graph; CUDA graphs on a GPU
             through mode "reduce-overhead"). Prefill stays eager (its length varies).
+        speculative: draft tokens to verify (`PromptLookup`): greedy requests only, one prompt at a time.
     """
 
     SLOT_ROUNDING = 128
 
     def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16,
-                 cache_dtype: torch.dtype | None = None, compile: bool = False):
+                 cache_dtype: torch.dtype | None = None, compile: bool = False,
+                 speculative: PromptLookup | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
+        self.speculative = speculative
         self.max_batch_size = max_batch_size
         self.compiled = compile
         self._decode = model
@@ -145,8 +159,9 @@ class Generator:
         """Completions for `prompts` (text or token ids), in their order; `params` one for all or one per prompt.
 
         Raises:
-            ValueError: an empty or out-of-vocabulary prompt, a text prompt without a tokenizer, or a prompt plus
-                max_new_tokens longer than the model's positions.
+            ValueError: an empty or out-of-vocabulary prompt, a text prompt without a tokenizer, a prompt plus
+                max_new_tokens longer than the model's positions, or a sampled request to a speculative generator
+                (its drafts are verified exactly under greedy decoding only).
         """
         encoded = [self.encode(p) for p in prompts]
         per_request = [params] * len(encoded) if isinstance(params, SamplingParams) else list(params)
@@ -156,8 +171,16 @@ class Generator:
             if len(ids) + p.max_new_tokens > self.model.config.max_positions:
                 raise ValueError(f"a prompt of {len(ids)} tokens plus {p.max_new_tokens} new ones exceeds the "
                                  f"model's {self.model.config.max_positions} positions")
+        if self.speculative is not None and any(p.temperature != 0 for p in per_request):
+            raise ValueError("speculative decoding here keeps greedy decoding's tokens only: give temperature 0, or a "
+                             "Generator without `speculative` for sampled requests")
         out: list[Completion] = []
         self.timings = []
+        if self.speculative is not None:
+            for ids, p in zip(encoded, per_request):
+                self.timings.append(BatchTimings(batch_size=1, prompt_tokens=len(ids)))
+                out.append(self._speculate(ids, p, self.timings[-1]))
+            return out
         for first in range(0, len(encoded), self.max_batch_size):
             out += self._batch(encoded[first:first + self.max_batch_size], per_request[first:first + self.max_batch_size])
         return out
@@ -215,6 +238,52 @@ class Generator:
             for c, q in zip(done, params):
                 c.text = self._text(c, q)
         return done
+
+    def _speculate(self, ids: list[int], q: SamplingParams, timings: BatchTimings) -> Completion:
+        """One greedy prompt with drafted tokens verified k + 1 at a time (the module docstring)."""
+        dev, k = self.device, self.speculative.num_tokens
+        synchronize(dev)
+        started = time.perf_counter()
+        n = len(ids)
+        slots = n + q.max_new_tokens + k  # a verification writes k slots past its last token (drafts or filler)
+        if self.compiled:
+            slots = -(-slots // self.SLOT_ROUNDING) * self.SLOT_ROUNDING
+        cache = KVCache(self.model.config, 1, slots, device=dev, dtype=self.cache_dtype)
+        timings.slots = slots
+        slot = torch.arange(slots, device=dev)
+        query = slot[:n]
+        mask = (slot[None, None, :] <= query[None, :, None])[:, None]  # [1, 1, T, S]
+        logits = self.model(torch.tensor([ids], device=dev), query[None], cache, query, mask, last_only=True)
+        c = Completion(prompt_tokens=n, token_ids=[int(logits[0, 0].argmax())])
+        timings.new_tokens = 1
+        self._finish_if_done(c, q)
+        now = time.perf_counter()
+        timings.prefill_s, started = now - started, now
+        at_last = n  # the slot of the last chosen token, which is not in the cache yet
+        while c.finish_reason is None:
+            draft = self.speculative.draft(ids + c.token_ids)[:k]
+            feed = [c.token_ids[-1]] + draft + [0] * (k - len(draft))  # always k + 1 tokens: one compiled shape
+            at = slot[at_last:at_last + k + 1]
+            mask = (slot[None, :] <= at[:, None])[None, None]  # [1, 1, k + 1, S]
+            logits = self._decode(torch.tensor([feed], device=dev), at[None], cache, at, mask)  # [1, k + 1, V]
+            new = accepted(draft, logits[0].argmax(-1).cpu().tolist())
+            kept = 0
+            for token in new:
+                c.token_ids.append(token)
+                kept += 1
+                self._finish_if_done(c, q)
+                if c.finish_reason is not None:
+                    break
+            timings.drafted += len(draft)
+            timings.accepted += min(kept, len(new) - 1)
+            timings.new_tokens += kept
+            now = time.perf_counter()
+            timings.step_s += [(now - started) / kept] * kept
+            started = now
+            at_last += len(new)
+        if self.tokenizer is not None:
+            c.text = self._text(c, q)
+        return c
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.temperature == 0:
