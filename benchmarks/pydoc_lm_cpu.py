@@ -105,7 +105,7 @@ def speculative_section(lm, prompts: list[str], args) -> None:
             out.append(generator.generate([x], params)[0].token_ids)
             drafted += sum(t.drafted for t in generator.timings)
             kept += sum(t.accepted for t in generator.timings)
-        return out, (kept, drafted)
+        return out, (kept, drafted) if generator.speculative is not None else None
 
     entries = {"Hugging Face generate, eager": lambda: run_hf(0),
                f"Hugging Face generate, prompt lookup {lookup.num_tokens}": lambda: run_hf(lookup.num_tokens)}
