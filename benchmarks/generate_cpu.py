@@ -13,13 +13,15 @@ roofline (`generate/roofline.py`): bytes read per decode step (weights at their 
     .venv/bin/python benchmarks/generate_cpu.py [--shape llama-150m] [--batch-sizes 1,16] [--prompt-tokens 128]
         [--new-tokens 64] [--repeats 3] [--entries hf-eager,overdrive-eager,overdrive-compiled]
 
-Entries: hf-eager, overdrive-eager, overdrive-compiled, and every linear layer in each low-precision form of
+Entries: hf-eager, hf-static-compiled (Hugging Face's static KV cache with its forward under torch.compile,
+fullgraph, as its docs set it up), overdrive-eager, overdrive-compiled, and every linear layer in each low-precision form of
 `generate/quantize.py`: overdrive-int8-weight[-compiled], overdrive-fp16-weight, overdrive-int8-rowwise[-compiled].
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import statistics
 import time
@@ -83,11 +85,15 @@ def main() -> None:
     from overdrive.generate.roofline import decode_roofline
 
     model = build(args.shape)
+    static = copy.deepcopy(model)
+    static.generation_config.cache_implementation = "static"
+    static.forward = torch.compile(static.forward, fullgraph=True)
     params = sum(p.numel() for p in model.parameters())
     decoder = Decoder.from_hf(model)
     models = {}  # entry -> the decoder whose bytes it reads (Hugging Face's: the same fp32 weights)
     entries = {
         "hf-eager": lambda x: hf_entry(model, x, args.new_tokens),
+        "hf-static-compiled": lambda x: hf_entry(static, x, args.new_tokens),
         "overdrive-eager": (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
             Generator(decoder, max_batch_size=1024)),
         "overdrive-compiled": (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
