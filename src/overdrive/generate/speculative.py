@@ -9,8 +9,9 @@ another order than k + 1 forwards over one; the tests count a change only beyond
 
 `PromptLookup` is prompt-lookup decoding (Saxena, 2023; `prompt_lookup_num_tokens` in Hugging Face
 `generate`): the guesses are what followed the latest earlier occurrence of the sequence's last n-gram,
-in the prompt or in what was generated (an overlapping copy, so a repeating period is continued). It needs no second model and pays where answers copy from their
-prompt (summaries, code edits, retrieval) or repeat themselves.
+in the prompt or in what was generated (an overlapping copy, so a repeating period is continued). It
+needs no second model and pays where answers copy from their prompt (summaries, code edits, retrieval)
+or repeat themselves.
 """
 
 from __future__ import annotations
