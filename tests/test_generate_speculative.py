@@ -85,3 +85,26 @@ def test_a_sampled_request_is_refused_not_decoded_another_way():
     generator = Generator(Decoder.from_hf(_hf()), speculative=PromptLookup())
     with pytest.raises(ValueError, match="greedy"):
         generator.generate([[1, 2, 3]], SamplingParams(temperature=0.8, seed=1))
+
+
+def test_bad_requests_are_one_clear_error_before_any_token():
+    """From a new user's trial: float ids were truncated, a float max_new_tokens or draft length failed inside
+    torch, a bare int stop id failed after the first token, a bare stop string was read letter by letter."""
+    import numpy as np
+
+    generator = Generator(Decoder.from_hf(_hf()))
+    for bad, match in ((lambda: generator.generate([[1.7, 2.2]]), "integers"),
+                       (lambda: generator.generate([1, 2, 3]), "list of prompts"),
+                       (lambda: generator.generate("a text"), "list of prompts"),
+                       (lambda: SamplingParams(max_new_tokens=2.5), "max_new_tokens must be an integer"),
+                       (lambda: SamplingParams(stop_token_ids=(1.5,)), "stop_token_ids"),
+                       (lambda: SamplingParams(stop=("",)), "non-empty"),
+                       (lambda: PromptLookup(num_tokens=2.5), "integers"),
+                       (lambda: Generator(generator.model, speculative=PromptLookup), "PromptLookup")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+    assert SamplingParams(stop_token_ids=5).stop_token_ids == (5,) and SamplingParams(stop="END").stop == ("END",)
+    ids = [3, 4, 5]
+    expected = generator.generate([ids], SamplingParams(max_new_tokens=4))[0].token_ids
+    assert generator.generate([np.array(ids)], SamplingParams(max_new_tokens=4))[0].token_ids == expected
+    assert generator.generate([torch.tensor(ids)], SamplingParams(max_new_tokens=4))[0].token_ids == expected

@@ -22,6 +22,7 @@ Holtzman et al., 2020).
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,11 @@ from overdrive.generate.speculative import PromptLookup, accepted
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens. `temperature` 0 is greedy (argmax; top-k/top-p ignored);
-    `seed` seeds the request's own generator (None: a fresh seed from torch's global generator)."""
+    `seed` seeds the request's own generator (None: a fresh seed from torch's global generator);
+    `stop_token_ids` and `stop` take one token id / string or several.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range (named)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -47,6 +52,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self):
+        for name in ("max_new_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        stop_ids = (self.stop_token_ids,) if _is_int(self.stop_token_ids) else tuple(self.stop_token_ids)
+        if not all(_is_int(t) for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers), got {self.stop_token_ids!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
+        object.__setattr__(self, "stop", stop)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -92,6 +109,10 @@ class BatchTimings:
     accepted: int = 0
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """The next token from one row's logits float32 [vocab]."""
     if params.temperature == 0:
@@ -128,6 +149,8 @@ class Generator:
     def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16,
                  cache_dtype: torch.dtype | None = None, compile: bool = False,
                  speculative: PromptLookup | None = None):
+        if speculative is not None and not isinstance(speculative, PromptLookup):
+            raise ValueError(f"speculative must be a PromptLookup (or None), got {speculative!r}")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.speculative = speculative
         self.max_batch_size = max_batch_size
@@ -142,10 +165,26 @@ class Generator:
         self.timings: list[BatchTimings] = []  # the last `generate` call's, one per batch
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt's token ids.
+
+        Raises:
+            ValueError: a text prompt without a tokenizer or that encodes to no token, an empty prompt, ids that
+                are not integers or lie outside the vocabulary.
+        """
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer (or pass token ids)")
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            if not ids:
+                raise ValueError(f"the prompt {prompt!r} encodes to no token")
+            return ids
+        if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a tensor or an array of ids
+            prompt = prompt.tolist()
+        if _is_int(prompt) or not isinstance(prompt, Sequence):
+            raise ValueError(f"a prompt is a string or a sequence of token ids, got {prompt!r} (generate takes a "
+                             "list of prompts: [[1, 2, 3]], not [1, 2, 3])")
+        if not all(_is_int(t) for t in prompt):
+            raise ValueError(f"token ids must be integers, got {[t for t in prompt if not _is_int(t)][:4]}")
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("an empty prompt: give at least one token")
@@ -163,6 +202,8 @@ class Generator:
                 max_new_tokens longer than the model's positions, or a sampled request to a speculative generator
                 (its drafts are verified exactly under greedy decoding only).
         """
+        if isinstance(prompts, str) or _is_int(prompts):
+            raise ValueError(f"generate takes a list of prompts, got {prompts!r}: wrap one prompt in a list")
         encoded = [self.encode(p) for p in prompts]
         per_request = [params] * len(encoded) if isinstance(params, SamplingParams) else list(params)
         if len(per_request) != len(encoded):

@@ -35,6 +35,9 @@ class PromptLookup:
     min_ngram: int = 1
 
     def __post_init__(self):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.num_tokens, self.max_ngram,
+                                                                          self.min_ngram)):
+            raise ValueError(f"PromptLookup takes integers; got {self}")
         if self.num_tokens < 1 or self.min_ngram < 1 or self.max_ngram < self.min_ngram:
             raise ValueError(f"PromptLookup needs num_tokens ≥ 1 and 1 ≤ min_ngram ≤ max_ngram; got {self}")
 
