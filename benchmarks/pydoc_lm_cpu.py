@@ -9,7 +9,7 @@ Face `generate` with and without `prompt_lookup_num_tokens`: tokens/s, tokens eq
 Trains pydoc-lm first when the cache does not hold it (about 11 minutes on 2 cores).
 
     .venv/bin/python benchmarks/pydoc_lm_cpu.py [--prompts 64] [--new-tokens 24] [--int8-kl 1e-3]
-        [--sections equality,int8,speculative] [--spec-tokens 64] [--draft-tokens 4]
+        [--sections equality,int8,speculative,kv-int8] [--spec-tokens 64] [--draft-tokens 4]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--int8-kl", type=float, default=1e-3, help="the per-layer searches' mean-KL budget, nats per token")
-    parser.add_argument("--sections", default="equality,int8,speculative")
+    parser.add_argument("--sections", default="equality,int8,speculative,kv-int8")
     parser.add_argument("--spec-tokens", type=int, default=64, help="new tokens per prompt in the speculative section")
     parser.add_argument("--draft-tokens", type=int, default=4, help="prompt lookup's draft tokens per verification")
     args = parser.parse_args()
@@ -40,6 +40,8 @@ def main() -> None:
     generator = Generator(Decoder.from_hf(hf), tok, max_batch_size=16)
     if "speculative" in sections:
         speculative_section(lm, prompts, args)
+    if "kv-int8" in sections:
+        kv_int8_section(lm, generator, prompts, args)
     if "equality" not in sections:
         if "int8" in sections:
             int8_section(lm, generator, prompts, args)
@@ -69,6 +71,32 @@ def main() -> None:
         print(f"  {prompt!r} → {completion.text!r}")
     if "int8" in sections:
         int8_section(lm, generator, prompts, args)
+
+
+def kv_int8_section(lm, reference, prompts: list[str], args) -> None:
+    """The KV cache in int8 (a float32 scale per token and head) judged by the generation guard against the fp32
+    cache: greedy tokens on the prompts (batches of 16), KL and held-out perplexity with the int8 cache, the batch
+    probe; and the cache's bytes."""
+    import torch
+
+    from overdrive.generate import KVCache
+    from overdrive.generate.fidelity import batch_invariance, judge_generation
+
+    tok = lm.tokenizer
+    ids = [tok(s)["input_ids"] for s in lm.held_out]
+    held_out = [x for x in ids[args.prompts + 32:args.prompts + 160] if len(x) >= 2]
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    candidate = Generator(reference.model, tok, max_batch_size=16, cache_dtype=torch.int8)
+    fid = judge_generation(reference, candidate, prompt_ids, max_new_tokens=args.new_tokens, held_out=held_out)
+    probe = batch_invariance(candidate, prompt_ids[:16], max_new_tokens=args.new_tokens)
+    c = reference.model.config
+    sizes = {d: KVCache(c, 1, 1024, device="cpu", dtype=d).nbytes() for d in (torch.float32, torch.int8)}
+    print(f"\nKV cache in int8 against fp32, {len(prompt_ids)} prompts × {args.new_tokens} greedy tokens, perplexity on "
+          f"{len(held_out)} held-out sentences: {fid.diverged_beyond_ties} / {fid.diverged} prompts changed (beyond near "
+          f"ties / all); mean KL {fid.mean_kl:.2e}, max {fid.max_kl:.2e}; perplexity {fid.perplexity_reference:.2f} → "
+          f"{fid.perplexity:.2f} ({fid.perplexity_change:+.2%}); batch probe {len(probe.differ_beyond_ties)} / "
+          f"{len(probe.differ)} of {probe.prompts} differ; KV bytes per 1,024 slots {sizes[torch.float32] / 2**20:.2f} MiB "
+          f"→ {sizes[torch.int8] / 2**20:.2f} MiB", flush=True)
 
 
 def speculative_section(lm, prompts: list[str], args) -> None:

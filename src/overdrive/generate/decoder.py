@@ -73,17 +73,50 @@ class DecoderConfig:
 class KVCache:
     """Keys and values of every layer, allocated once: `keys[i]`, `values[i]` [B, kv_heads, S, head_dim]
     for batch B and S slots, in `dtype`. A batch's prompts end at the same slot (left padding, masked), so
-    all its sequences write at the same slot each step."""
+    all its sequences write at the same slot each step.
+
+    With `dtype` torch.int8 the cache holds each token's key and value per head in int8 with one float32
+    scale each (`key_scales[i]`, `value_scales[i]` [B, kv_heads, S, 1]: symmetric absmax over head_dim,
+    as per-token KV quantization in vLLM and KIVI's value cache), a quarter of fp32's bytes plus the scales;
+    attention reads them dequantized. A token is quantized on its own, so no row depends on its batch-mates.
+    """
 
     def __init__(self, config: DecoderConfig, batch_size: int, slots: int, *, device: torch.device | str,
                  dtype: torch.dtype):
         shape = (batch_size, config.num_kv_heads, slots, config.head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.quantized = dtype == torch.int8
+        scales = (batch_size, config.num_kv_heads, slots, 1)
+        self.key_scales = [torch.ones(scales, device=device) if self.quantized else None for _ in self.keys]
+        self.value_scales = [torch.ones(scales, device=device) if self.quantized else None for _ in self.keys]
         self.batch_size, self.slots = batch_size, slots
 
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Layer i's (keys, values, key scales, value scales); the scales are None unless int8."""
+        return self.keys[i], self.values[i], self.key_scales[i], self.value_scales[i]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        tensors = (*self.keys, *self.values, *(t for t in (*self.key_scales, *self.value_scales) if t is not None))
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (int8 [..., head_dim], float32 scale [..., 1]): symmetric absmax per vector."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
+    return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def _store(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor,
+           dtype: torch.dtype) -> torch.Tensor:
+    """Writes x [B, kv, T, D] at `slots` and returns the whole cache in `dtype` for attention."""
+    if scales is None:
+        cache.index_copy_(2, slots, x.to(cache.dtype))
+        return cache.to(dtype)
+    q, scale = quantize_per_token(x)
+    cache.index_copy_(2, slots, q)
+    scales.index_copy_(2, slots, scale)
+    return (cache.float() * scales).to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -114,20 +147,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden]; cos/sin [B, 1, T, head_dim]; keys/values the layer's cache [B, kv, S, head_dim],
-        written at `slots` int64 [T]; mask [B, 1, T, S] bool (True: attend)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple, slots: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden]; cos/sin [B, 1, T, head_dim]; kv the layer's cache (`KVCache.layer`: keys and values
+        [B, kv, S, head_dim] and their int8 scales or None), written at `slots` int64 [T]; mask [B, 1, T, S] bool
+        (True: attend)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys.index_copy_(2, slots, k.to(keys.dtype))
-        values.index_copy_(2, slots, v.to(values.dtype))
+        keys, values, key_scales, value_scales = kv
+        keys, values = _store(keys, key_scales, slots, k, q.dtype), _store(values, value_scales, slots, v, q.dtype)
         # Query head h reads key/value head h // (heads / kv_heads), as Hugging Face's repeat_kv pairs them.
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -151,8 +185,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, keys, values, slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, slots, mask)
+    def forward(self, x, cos, sin, kv, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, slots, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -211,7 +245,7 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, head_dim]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], slots, mask)
+            x = layer(x, cos, sin, cache.layer(i), slots, mask)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x)).float()

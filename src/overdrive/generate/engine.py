@@ -137,7 +137,8 @@ class Generator:
         model: the decoder (`Decoder.from_hf(hf_model)`), on its device, in its dtype.
         tokenizer: optional; a Hugging Face tokenizer, for text prompts, text answers and stop strings.
         max_batch_size: prompts per batch (more are run in turn).
-        cache_dtype: the KV cache's dtype (default: the model's).
+        cache_dtype: the KV cache's dtype (default: the model's); torch.int8 holds keys and values in int8 with a
+            float32 scale per token and head (`KVCache`).
         compile: compile the decode step with torch.compile (fixed shapes: the cache's slots are rounded up to a
             multiple of `SLOT_ROUNDING`, so batches of similar lengths share one graph; CUDA graphs on a GPU
             through mode "reduce-overhead"). Prefill stays eager (its length varies).

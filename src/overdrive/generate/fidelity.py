@@ -33,24 +33,27 @@ NEAR_TIE_MARGIN = 0.05
 
 
 @torch.no_grad()
-def sequence_logits(model: Decoder, ids: Sequence[int]) -> torch.Tensor:
-    """The model's next-token logits float32 [T, vocab] at every position of `ids` (one forward, causal)."""
+def sequence_logits(model: Decoder, ids: Sequence[int], cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The model's next-token logits float32 [T, vocab] at every position of `ids` (one forward, causal), its
+    keys and values held in a KV cache of `cache_dtype` (default: the model's; int8 quantizes them as decoding
+    does, so the figures judge the cache too)."""
     device = next(model.parameters()).device
     t = len(ids)
-    cache = KVCache(model.config, 1, t, device=device, dtype=next(model.parameters()).dtype)
+    cache = KVCache(model.config, 1, t, device=device, dtype=cache_dtype or next(model.parameters()).dtype)
     slots = torch.arange(t, device=device)
     mask = (slots[None, :] <= slots[:, None])[None, None]  # [1, 1, T, T]
     tokens = torch.tensor([list(ids)], device=device)
     return model(tokens, slots[None], cache, slots, mask)[0].float().cpu()
 
 
-def perplexity(model: Decoder, texts: Sequence[Sequence[int]]) -> float:
-    """exp(mean negative log-likelihood per predicted token) over token sequences (≥ 2 tokens each)."""
+def perplexity(model: Decoder, texts: Sequence[Sequence[int]], cache_dtype: torch.dtype | None = None) -> float:
+    """exp(mean negative log-likelihood per predicted token) over token sequences (≥ 2 tokens each), with a KV
+    cache of `cache_dtype` (see `sequence_logits`)."""
     nll, count = 0.0, 0
     for ids in texts:
         if len(ids) < 2:
             continue
-        logits = sequence_logits(model, ids)[:-1]
+        logits = sequence_logits(model, ids, cache_dtype)[:-1]
         nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(list(ids[1:])), reduction="sum"))
         count += len(ids) - 1
     if not count:
@@ -132,8 +135,8 @@ def judge_generation(reference: Generator, candidate: Generator, prompts: Sequen
     kls: list[torch.Tensor] = []
     for ids, ref, cand in zip(prompts, ours, theirs):
         path = list(ids) + ref.token_ids
-        ref_logits = sequence_logits(reference.model, path)[len(ids) - 1: len(path) - 1]  # predicts each new token
-        cand_logits = sequence_logits(candidate.model, path)[len(ids) - 1: len(path) - 1]
+        ref_logits = sequence_logits(reference.model, path, reference.cache_dtype)[len(ids) - 1: len(path) - 1]
+        cand_logits = sequence_logits(candidate.model, path, candidate.cache_dtype)[len(ids) - 1: len(path) - 1]
         log_p, log_q = torch.log_softmax(ref_logits, -1), torch.log_softmax(cand_logits, -1)
         kls.append((log_p.exp() * (log_p - log_q)).sum(-1))
         at = next((i for i, (a, b) in enumerate(zip(ref.token_ids, cand.token_ids)) if a != b), None)
@@ -145,8 +148,8 @@ def judge_generation(reference: Generator, candidate: Generator, prompts: Sequen
             top2 = torch.topk(ref_logits[min(at, len(ref_logits) - 1)], 2).values
             beyond += int(float(top2[0] - top2[1]) > near_tie)
     kl = torch.cat(kls) if kls else torch.zeros(1)
-    ppl_ref = perplexity(reference.model, held_out) if held_out else None
-    ppl = perplexity(candidate.model, held_out) if held_out else None
+    ppl_ref = perplexity(reference.model, held_out, reference.cache_dtype) if held_out else None
+    ppl = perplexity(candidate.model, held_out, candidate.cache_dtype) if held_out else None
     return GenerationFidelity(prompts=len(prompts), tokens=sum(len(c.token_ids) for c in ours), diverged=diverged,
                               diverged_beyond_ties=beyond, first_divergence=first, mean_kl=float(kl.mean()),
                               max_kl=float(kl.max()), near_tie=near_tie, perplexity_reference=ppl_ref, perplexity=ppl)

@@ -39,9 +39,11 @@ def weight_bytes_per_step(model: Decoder) -> int:
 
 def kv_bytes_per_step(model: Decoder, *, batch_size: int, slots: int, dtype: torch.dtype) -> int:
     """Bytes of KV cache one decode step reads: keys and values of every layer, every sequence, every slot the
-    attention reads (the engine's attention reads all `slots` of its cache, masked)."""
+    attention reads (the engine's attention reads all `slots` of its cache, masked); an int8 cache adds its
+    float32 scale per token and head (`KVCache`)."""
     c = model.config
-    return 2 * c.num_layers * batch_size * c.num_kv_heads * slots * c.head_dim * torch.empty((), dtype=dtype).element_size()
+    per_vector = c.head_dim * torch.empty((), dtype=dtype).element_size() + (4 if dtype == torch.int8 else 0)
+    return 2 * c.num_layers * batch_size * c.num_kv_heads * slots * per_vector
 
 
 @dataclass
