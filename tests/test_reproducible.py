@@ -42,19 +42,36 @@ def bench_gain(spec: str, plan: Path, out: Path) -> dict:
     return point["gain"]
 
 
+def _outside(measured: dict, gain: dict) -> str | None:
+    """Why bench's figure lies outside the interval optimize printed, or None when inside."""
+    low, high = measured["speedup_interval99"]
+    if low <= gain["ratio"] <= high:
+        return None
+    return (f"optimize printed {measured['speedup_point']:.2f}× [{low:.2f}, {high:.2f}], bench in a fresh process "
+            f"measured {gain['ratio']:.2f}× [{gain['low']:.2f}, {gain['high']:.2f}]")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("factory", ["many_small_ops", "conv_bn", "tiny_block"])
 def test_bench_in_a_fresh_process_lands_inside_the_printed_interval(factory, tmp_path):
+    """The printed interval is a 99% prediction interval: one second look in a hundred lands outside it by
+    design, so three models checked once each would fail a correct interval about one run in thirty (CI did,
+    tiny_block 1.53× [1.27, 1.84] against bench's 1.90×). A miss is looked at once more, in another fresh
+    process, and the test fails when that lands outside too: a correct interval then fails one run in ten
+    thousand, one that holds only 80% of second looks fails one model in twenty-five."""
     spec = f"tests.fixtures.slow_eager:{factory}"
     results = optimize_plan(spec, tmp_path / "opt")
     measured = results["plan"]["measured"]
     assert [s["name"] for s in results["plan"]["techniques"]] == ["onnxruntime"], \
         [r["reason"] for r in results["rows"]]  # what makes eager slow, removed
-    gain = bench_gain(spec, tmp_path / "opt" / factory / "plan.json", tmp_path / "bench")
-    if measured["speedup_uncertain"] and "busy" in measured["speedup_uncertain"] or gain["busy"]:
-        pytest.skip(f"the machine was busy (optimize: {measured['speedup_uncertain']}; bench: {gain['uncertain']}): "
-                    "no figure to check")
-    low, high = measured["speedup_interval99"]
-    assert low <= gain["ratio"] <= high, (
-        f"{factory}: optimize printed {measured['speedup_point']:.2f}× [{low:.2f}, {high:.2f}], bench in a fresh process "
-        f"measured {gain['ratio']:.2f}× [{gain['low']:.2f}, {gain['high']:.2f}]")
+    misses = []
+    for look in range(2):
+        gain = bench_gain(spec, tmp_path / "opt" / factory / "plan.json", tmp_path / f"bench{look}")
+        if measured["speedup_uncertain"] and "busy" in measured["speedup_uncertain"] or gain["busy"]:
+            pytest.skip(f"the machine was busy (optimize: {measured['speedup_uncertain']}; bench: {gain['uncertain']}): "
+                        "no figure to check")
+        miss = _outside(measured, gain)
+        if miss is None:
+            return
+        misses.append(miss)
+    pytest.fail(f"{factory}: both second looks landed outside the printed interval: " + "; ".join(misses))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from overdrive.cli.args import add_workload_args, dynamic_dims, int_list
+from overdrive.cli.args import add_workload_args, dynamic_dims, int_list, positive_int
+from overdrive.core.errors import ConfigError, arg
 
 
 def add_parser(sub) -> None:
@@ -16,9 +17,29 @@ def add_parser(sub) -> None:
     bench.add_argument("--batch-sizes", type=int_list, help="comma-separated batch sizes (default: the plan's)")
     bench.add_argument("--audit", action="store_true",
                        help="also count one forward's host↔device copies, syncs and launches (PyTorch profiler on CUDA)")
+    bench.add_argument("--new-tokens", type=positive_int, help="a generation plan: new tokens per sequence (default: the "
+                                                               "plan's)")
+    bench.add_argument("--prompt-tokens", type=positive_int, help="a generation plan: prompts of this many tokens of "
+                                                                  "held-out text (default: the first six words of each)")
 
 
 def main(args, argv: list[str]) -> int:
+    from overdrive.generate.plan import is_generation_plan
+    from overdrive.generate.workload import is_generation_workload
+
+    if is_generation_workload(args.workload):
+        if not args.plan or not is_generation_plan(args.plan):
+            raise ConfigError(f"{args.workload} is a causal LM: bench it with the plan `overdrive optimize "
+                              f"{args.workload}` wrote ({arg('plan')})")
+        from overdrive.cli.generate import bench_main
+
+        return bench_main(args, args.plan)
+    if args.new_tokens is not None or args.prompt_tokens is not None:
+        raise ConfigError(f"{arg('new_tokens')} and {arg('prompt_tokens')}: only for a causal LM (pydoc-lm)")
+    return _main(args, argv)
+
+
+def _main(args, argv: list[str]) -> int:
     from rich.table import Table
 
     from overdrive.core import devices

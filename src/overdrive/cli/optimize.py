@@ -13,6 +13,7 @@ from overdrive.cli.args import (
     dynamic_dims,
     fraction,
     int_list,
+    positive_int,
     name_list,
     nonnegative,
     nonnegative_int,
@@ -41,6 +42,8 @@ def add_parser(sub) -> None:
                      help="recovery fine-tune steps after pruning (default 300; 0: none)")
     opt.add_argument("--overwrite", action="store_true", help="replace the plan already in OUT/<workload>/")
     opt.add_argument("--sweep-batch-sizes", type=int_list, help="batch sizes for the report's plot (default: 1, B/4, B, 2B)")
+    opt.add_argument("--max-new-tokens", type=positive_int, help="a causal LM (pydoc-lm): new tokens per sequence in "
+                                                                  "the timings (default 32)")
     opt.add_argument("--time-budget", type=nonnegative, default=None, metavar="SECONDS",
                      help=f"seconds optimize may take: candidates are tried by predicted gain per second and those "
                           f"that would not finish are reported untried (default {DEFAULT_TIME_BUDGET_S:.0f}; 0: no limit, "
@@ -48,6 +51,19 @@ def add_parser(sub) -> None:
 
 
 def main(args, argv: list[str]) -> int:
+    from overdrive.generate.workload import is_generation_workload
+
+    if is_generation_workload(args.workload):
+        from overdrive.cli.generate import optimize_main
+
+        args.max_new_tokens = args.max_new_tokens or 32
+        return optimize_main(args, argv)
+    if args.max_new_tokens is not None:
+        raise ConfigError(f"{arg('max_new_tokens', args.max_new_tokens)}: only for a causal LM (pydoc-lm)")
+    return _main(args, argv)
+
+
+def _main(args, argv: list[str]) -> int:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from overdrive.core import devices

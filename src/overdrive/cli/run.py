@@ -37,6 +37,8 @@ def add_parser(sub) -> None:
     run.add_argument("--engine", choices=("local", "ray"), default="local",
                      help="local (default), or ray: Ray Data actors, one model each (needs --plan; ray[data] installed)")
     run.add_argument("--concurrency", type=positive_int, default=1, help="--engine ray: the number of actors (default 1)")
+    run.add_argument("--max-new-tokens", type=positive_int, help="a generation plan: new tokens per prompt unless a record "
+                                                                 "sets max_tokens (default: the plan's)")
     run.add_argument("--max-errors", type=nonnegative_int, help="stop once more records than this fail to read or decode "
                                                                 "(default: no limit; they go to OUTPUT.errors.jsonl)")
 
@@ -56,6 +58,14 @@ def main(args, argv: list[str]) -> int:
                        text_field=args.text_field, num_workers=args.num_workers, chunk_size=args.chunk_size,
                        resume=args.resume, overwrite=args.overwrite, max_errors=args.max_errors,
                        weights=Path(args.weights) if args.weights else None)
+    from overdrive.generate.plan import is_generation_plan
+
+    if args.plan and is_generation_plan(args.plan):
+        from overdrive.cli.generate import run_main
+
+        return run_main(args)
+    if args.max_new_tokens is not None:
+        raise ConfigError(f"{arg('max_new_tokens', args.max_new_tokens)}: only for a generation plan")
     if config.workload is None and config.plan is None:
         raise ConfigError(f"name a workload (e.g. minilm) or give {arg('plan')}")
     console = make_console()

@@ -415,7 +415,7 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
              input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
              text_field: str | None = None, weights: str | Path | None = None, output: str | list[str] | None = None,
              dynamic_dims: dict | None = None, time_budget_s: float | None = None,
-             progress: Progress | None = None) -> OptimizeResult:
+             progress: Progress | None = None, max_new_tokens: int | None = None) -> OptimizeResult:
     """Measure `model` eager in fp32, then with each technique alone, compose the winners in
     canonical order (batching → prune → precision → graph → compile → runtime), roll back any
     step that is not faster or breaks the accuracy budget, and return the plan with the table.
@@ -468,10 +468,15 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             what is left is reported untried with its estimate. None: the default
             (`DEFAULT_TIME_BUDGET_S`); 0: no limit, everything is tried.
         progress: called before each measurement as progress(description, done, expected).
+        max_new_tokens: for a causal LM (`"pydoc-lm"`): greedy tokens per sequence in the timings
+            (default 32).
 
     Returns:
         An OptimizeResult: `.table` (the per-technique rows), `.model` (the optimized module),
-        `.plan`, `.save(folder)`.
+        `.plan`, `.save(folder)`. For a causal LM (`"pydoc-lm"`), a `generate.tune.GenerationResult`:
+        `.rows`, `.plan` (a `GenerationPlan`), `.generator` (`gen.generate(prompts, params)`); of
+        the arguments above it takes device, lossless, techniques, batch_size (default 1),
+        min_gain, out and progress.
 
     Raises:
         ConfigError: an argument that cannot work (unknown technique, batch size, device, ...).
@@ -480,6 +485,23 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             fails the floor against itself).
         DataError: `data` cannot be read or does not suit the model.
     """
+    from overdrive.generate.workload import is_generation_workload
+
+    if is_generation_workload(model):
+        given = {name: value for name, value in (
+            ("example_inputs", example_inputs), ("data", data), ("metric", metric), ("max_accuracy_drop", max_accuracy_drop),
+            ("num_samples", num_samples), ("prune_ratio", prune_ratio), ("finetune_steps", finetune_steps),
+            ("sweep_batch_sizes", sweep_batch_sizes), ("input_shape", input_shape), ("text_field", text_field),
+            ("weights", weights), ("output", output), ("dynamic_dims", dynamic_dims), ("time_budget_s", time_budget_s))
+            if value is not None}
+        if given or min_fidelity != 0.99:
+            raise ConfigError(f"{', '.join(arg(n) for n in given) or arg('min_fidelity')}: not for a causal LM "
+                              f"({model} is judged by its held-out prompts: greedy tokens, KL and perplexity)")
+        return _optimize_generation(model, device=device, lossless=lossless, techniques=techniques,
+                                    batch_size=batch_size, min_gain=min_gain, max_new_tokens=max_new_tokens, out=out,
+                                    progress=progress)
+    if max_new_tokens is not None:
+        raise ConfigError(f"{arg('max_new_tokens', max_new_tokens)}: only for a causal LM (\"pydoc-lm\")")
     return OptimizeJob.prepare(
         model, example_inputs, device=device, data=data, metric=metric, max_accuracy_drop=max_accuracy_drop,
         min_fidelity=min_fidelity, min_gain=min_gain, lossless=lossless, techniques=techniques, batch_size=batch_size,
@@ -487,3 +509,30 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
         sweep_batch_sizes=sweep_batch_sizes, out=out, input_shape=input_shape, input_dtype=input_dtype,
         text_field=text_field, weights=weights, output=output, dynamic_dims=dynamic_dims, time_budget_s=time_budget_s,
     ).run(progress)
+
+
+def _optimize_generation(name: str, *, device, lossless: bool, techniques: list[str] | None, batch_size: int | None,
+                         min_gain: float, max_new_tokens: int | None, out, progress):
+    """`optimize` for a built-in causal LM (`generate.tune.optimize_generation`); the plan and results written to
+    OUT/<name>/ when `out` is given."""
+    from overdrive.generate.tune import EXACT, TECHNIQUES, optimize_generation
+    from overdrive.generate.workload import create_generation_workload
+
+    if lossless:
+        techniques = [t for t in (techniques or TECHNIQUES) if t in EXACT]
+    done = [0]
+
+    def step(description: str) -> None:
+        if progress is not None:
+            progress(description, done[0], len(techniques or TECHNIQUES) + 2)
+            done[0] += 1
+
+    workload = create_generation_workload(name, log=None)
+    result = optimize_generation(workload, device=str(devices.resolve_device(str(device))),
+                                 batch_size=batch_size or 1, new_tokens=max_new_tokens or 32, techniques=techniques,
+                                 min_gain=min_gain, progress=step)
+    if out is not None:
+        folder = Path(out) / name
+        result.plan.save(folder / "plan.json")
+        write_results(folder / "results.json", {**result.to_dict(), "environment": environment()})
+    return result

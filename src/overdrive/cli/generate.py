@@ -1,0 +1,366 @@
+"""The command line for a causal LM (`pydoc-lm`, a generation plan): `optimize`, `bench` and `run` hand over here
+when their workload or plan is a generation one (`generate/workload.py`, `generate/plan.py`).
+
+- optimize: `generate.tune.optimize_generation`, its table (tokens/s, the gain against what each step was added to,
+  the guard's greedy-token, KL and perplexity figures, the batch probe), plan.json and results.json.
+- bench: the baseline and the plan at each batch size, interleaved (`gain.compare`): tokens/s in total and per
+  sequence, time to first token, inter-token latency p50/p99, the decode roofline, weights and KV cache bytes.
+- run: JSONL (or one prompt per line) in, JSONL out in input order (text, token ids, finish reason, token counts),
+  a bad record filed in OUTPUT.errors.jsonl, resumable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import time
+from pathlib import Path
+
+from overdrive.core.errors import ConfigError, arg
+
+# Flags of `optimize` / `bench` that mean nothing for a causal LM, with the value that says "not given".
+ONE_PASS_ONLY = {"num_samples": None, "input_shape": None, "data": None, "text_field": None, "dynamic_dim": None,
+                 "weights": None, "max_accuracy_drop": None, "prune_ratio": None, "finetune_steps": None,
+                 "sweep_batch_sizes": None, "time_budget": None, "audit": False}
+
+
+def refuse_one_pass_flags(args) -> None:
+    given = [name for name, unset in ONE_PASS_ONLY.items() if getattr(args, name, unset) not in (unset, 0.99)]
+    if given:
+        raise ConfigError(f"{', '.join(arg(n) for n in given)}: not for a causal LM (a generation workload is judged "
+                          f"by its own held-out prompts: greedy tokens, KL and perplexity against fp32)")
+
+
+def optimize_main(args, argv: list[str]) -> int:
+    from overdrive.core import devices
+    from overdrive.core.report import environment, make_console, print_table, write_results
+    from overdrive.generate.tune import EXACT, TECHNIQUES, check_techniques, optimize_generation
+    from overdrive.generate.workload import create_generation_workload
+
+    refuse_one_pass_flags(args)
+    if args.min_fidelity != 0.99:
+        raise ConfigError(f"{arg('min_fidelity', args.min_fidelity)}: not for a causal LM (its guard counts greedy "
+                          f"tokens changed, KL and perplexity)")
+    console = make_console()
+    device = devices.resolve_device(args.device)
+    out = Path(args.out) / args.workload
+    if (out / "plan.json").exists() and not args.overwrite:
+        raise ConfigError(f"{out / 'plan.json'} exists (a plan optimize wrote before); pass {arg('overwrite')} to "
+                          f"replace it, or {arg('out')} for another folder")
+    techniques = args.techniques
+    check_techniques(techniques)
+    if args.lossless:
+        techniques = [t for t in (techniques or TECHNIQUES) if t in EXACT]
+    batch = args.batch_size or 1
+    workload = create_generation_workload(args.workload, log=lambda line: console.print(line, highlight=False))
+    console.print(f"[bold]overdrive optimize {workload.name}[/] on {devices.describe(device)}, batch size {batch}, "
+                  f"{args.max_new_tokens} new tokens per sequence (greedy); guard on {min(32, len(workload.prompts))} "
+                  f"held-out prompts, perplexity on {len(workload.held_out)} held-out sentences", highlight=False)
+    started = time.perf_counter()
+    result = optimize_generation(
+        workload, device=str(device), batch_size=batch, new_tokens=args.max_new_tokens, techniques=techniques,
+        min_gain=args.min_gain,
+        progress=lambda what: console.print(f"  measuring {what} ({time.perf_counter() - started:.0f} s)", highlight=False))
+    print_table(console, rows_table(result, title=f"overdrive optimize {workload.name} — {devices.describe(device)}, "
+                                                   f"batch {batch}"))
+    console.print("gain: tokens/s against what the step was added to, interleaved, 99% interval; greedy changed: "
+                  "prompts whose greedy tokens differ from fp32 eager's where fp32's top-2 margin was above the "
+                  "near-tie threshold / anywhere; KL: mean KL(fp32 ‖ candidate) along fp32's own path, nats per token; "
+                  "probe: prompts whose tokens differ alone and in a batch", style="dim", highlight=False, soft_wrap=True)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
+    plan = result.plan
+    for size, figures in plan.measured["batch_sizes"].items():
+        console.print(f"batch {size}: " + describe_figures(figures), highlight=False, soft_wrap=True)
+    console.print(f"plan: [bold]{' + '.join(plan.names) or 'baseline'}[/]", highlight=False)
+    plan.save(out / "plan.json")
+    write_results(out / "results.json", {**result.to_dict(), "environment": environment(),
+                                         "command": "overdrive " + shlex.join(argv)})
+    console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}")
+    sizes = ",".join(str(b) for b in dict.fromkeys((1, batch, 8)))
+    console.print(f"next: overdrive bench {workload.name} --plan {out / 'plan.json'} --batch-sizes {sizes}  ·  "
+                  f"overdrive run {out / 'plan.json'} --input PROMPTS.jsonl --output OUT.jsonl", highlight=False,
+                  soft_wrap=True)
+    return 0
+
+
+def describe_figures(figures: dict) -> str:
+    """One batch size's line of the plan's figures (`GenerationPlan.measured["batch_sizes"][b]`)."""
+    text = f"{figures['tokens_per_s']:,.1f} tokens/s"
+    if "describe" in figures:
+        text += (f" against the baseline's {figures['baseline_tokens_per_s']:,.1f}: {figures['describe']}; time to "
+                 f"first token {figures['ttft_ms_p50']:.1f} ms, inter-token {figures['itl_ms_p50']:.1f} ms (p50)")
+    return text
+
+
+def rows_table(result, *, title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("technique", "status", "tokens/s", "gain [99%]", "greedy changed\nbeyond ties / all", "mean KL",
+                "perplexity", "probe", "why / detail"):
+        table.add_column(col, justify="left" if col in ("technique", "status", "why / detail") else "right")
+    for row in result.rows:
+        fid = row.fidelity or {}
+        change = fid.get("perplexity_change")
+        table.add_row(
+            row.technique, row.status, f"{row.tokens_per_s:,.1f}" if row.tokens_per_s else "",
+            row.gain.describe() if row.gain else "",
+            f"{fid['diverged_beyond_ties']} / {fid['diverged']} of {fid['prompts']}" if fid else "",
+            f"{fid['mean_kl']:.1e}" if fid else "", f"{change:+.2%}" if change is not None else "",
+            f"{len(row.probe['differ_beyond_ties'])} / {len(row.probe['differ'])} of {row.probe['prompts']}"
+            if row.probe else "",
+            "; ".join(x for x in (row.reason, row.detail) if x))
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------- bench
+
+
+def bench_main(args, plan_path: str) -> int:
+    from rich.table import Table
+
+    from overdrive.core import devices
+    from overdrive.core.gain import HEADLINE_ROUNDS, RECHECK_ROUNDS, RECHECK_WIDTH, compare
+    from overdrive.core.report import environment, make_console, print_table, write_results
+    from overdrive.generate.plan import GenerationPlan, build_generator
+    from overdrive.generate.roofline import decode_roofline, kv_bytes_per_step, weight_bytes_per_step
+    from overdrive.generate.tune import DecodeRunner
+    from overdrive.generate.workload import create_generation_workload
+
+    refuse_one_pass_flags(args)
+    plan = GenerationPlan.load(plan_path)
+    if args.workload != plan.workload:
+        raise ConfigError(f"{arg('plan', plan_path)} is a plan for {plan.workload}, not {args.workload}")
+    console = make_console()
+    device = devices.resolve_device(args.device if args.device != "auto" else plan.device)
+    sizes = args.batch_sizes or [plan.batch_size]
+    new_tokens = args.new_tokens or plan.max_new_tokens
+    workload = create_generation_workload(plan.workload, num_prompts=max(32, max(sizes)),
+                                          log=lambda line: console.print(line, highlight=False))
+    prompts = workload.prompts if not args.prompt_tokens else long_prompts(workload, args.prompt_tokens, max(sizes))
+    if len(prompts) < max(sizes):
+        raise ConfigError(f"{arg('batch_sizes', max(sizes))}: the workload holds {len(prompts)} prompts")
+    table = Table(title=f"overdrive bench {workload.name} — {devices.describe(device)}, {new_tokens} new tokens, "
+                        f"prompts of {args.prompt_tokens or 'about 10'} tokens")
+    for col in ("configuration", "batch", "tokens/s\ntotal", "tokens/s\nper sequence", "TTFT ms\np50",
+                "ITL ms\np50 / p99", "% of bandwidth\nlimit", "weights MB\n+ KV MB", "speedup [99%]"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    results = []
+    for b in sizes:
+        with console.status(f"measuring batch {b}"):
+            base = DecodeRunner(build_generator(workload.model, workload.tokenizer, [], device=device, max_batch_size=b),
+                                prompts, batch_size=b, new_tokens=new_tokens)
+            ours = DecodeRunner(build_generator(workload.model, workload.tokenizer, plan.steps, device=device,
+                                                max_batch_size=b), prompts, batch_size=b, new_tokens=new_tokens)
+            base.warm_up(), ours.warm_up()
+            gain = compare(base, ours, min_gain=1.0, min_rounds=RECHECK_ROUNDS, max_rounds=3 * RECHECK_ROUNDS,
+                           max_width=RECHECK_WIDTH) if plan.steps else None
+            if gain is None:
+                base.timed_passes(HEADLINE_ROUNDS // 2)
+        for label, runner in (("baseline (eager fp32)", base), (" + ".join(plan.names) or "plan (= baseline)", ours)):
+            if runner is ours and not plan.steps:
+                continue
+            figures = decode_figures(runner, b)
+            gen = runner.generator
+            slots = gen.timings[-1].slots if gen.timings else 0
+            roof = decode_roofline(gen.model, batch_size=b, slots=slots, cache_dtype=gen.cache_dtype,
+                                   steps_per_s=1 / figures["itl_ms_p50"] * 1e3) if figures["itl_ms_p50"] > 0 else None
+            figures.update(configuration=label, batch_size=b, roofline=roof.to_dict() if roof else None,
+                           weight_bytes=weight_bytes_per_step(gen.model),
+                           kv_cache_bytes=kv_bytes_per_step(gen.model, batch_size=b, slots=slots, dtype=gen.cache_dtype),
+                           gain=gain.to_dict() if gain and runner is ours else None)
+            results.append(figures)
+            table.add_row(label, str(b), f"{figures['tokens_per_s']:,.1f}", f"{figures['tokens_per_s'] / b:,.1f}",
+                          f"{figures['ttft_ms_p50']:.1f}", f"{figures['itl_ms_p50']:.2f} / {figures['itl_ms_p99']:.2f}",
+                          f"{roof.share:.0%}" if roof else "",
+                          f"{figures['weight_bytes'] / 1e6:.1f} + {figures['kv_cache_bytes'] / 1e6:.1f}",
+                          gain.describe() if gain and runner is ours else "1.00×")
+    print_table(console, table)
+    console.print("tokens/s: new tokens over a pass's wall time (prefill included; batch 1 runs two prompts one after "
+                  "the other); TTFT: prefill to the first token; ITL: one decode step (one token per sequence); the "
+                  "bandwidth limit: weights at their storage dtype + the KV cache read per step ÷ the measured copy "
+                  "bandwidth; speedup: interleaved with the baseline at the same batch, 99% interval", style="dim",
+                  highlight=False, soft_wrap=True)
+    for figures in results:
+        if figures["gain"] and figures["gain"]["uncertain"]:
+            console.print(f"[yellow]warning: batch {figures['batch_size']}: the speedup is uncertain: "
+                          f"{figures['gain']['uncertain']}[/]", highlight=False, soft_wrap=True)
+    out = Path(args.out) / workload.name
+    write_results(out / "bench.json", {"workload": workload.name, "device": devices.describe(device),
+                                       "environment": environment(), "plan": plan.to_dict(), "new_tokens": new_tokens,
+                                       "prompt_tokens": args.prompt_tokens, "results": results,
+                                       "units": {"tokens_per_s": "new tokens per second, all sequences",
+                                                 "ttft_ms_p50": "ms", "itl_ms_p50": "ms", "itl_ms_p99": "ms",
+                                                 "weight_bytes": "bytes read per decode step",
+                                                 "kv_cache_bytes": "bytes of KV cache read per decode step"}})
+    console.print(f"wrote {out / 'bench.json'}")
+    return 0
+
+
+def decode_figures(runner, batch_size: int) -> dict:
+    """tokens/s (total), TTFT p50 and ITL p50/p99 in ms, from a `DecodeRunner`'s timed passes and its last pass."""
+    steps = sorted(runner.step_s)
+    ttft = sorted(runner.ttft_s)
+
+    def q(values: list[float], share: float) -> float:
+        return values[min(len(values) - 1, int(share * len(values)))] * 1e3 if values else math.nan
+
+    return {"tokens_per_s": runner.tokens_per_s(), "ttft_ms_p50": q(ttft, 0.5), "itl_ms_p50": q(steps, 0.5),
+            "itl_ms_p99": q(steps, 0.99)}
+
+
+def long_prompts(workload, tokens: int, count: int) -> list[list[int]]:
+    """`count` prompts of `tokens` tokens each, from held-out text run together (real text, no padding).
+
+    Raises:
+        ConfigError: too few held-out tokens, or prompts that leave no room in the model's context."""
+    context = getattr(workload.model.config, "max_position_embeddings", None)
+    if context is not None and tokens >= context:
+        raise ConfigError(f"{arg('prompt_tokens', tokens)}: the model's context holds {context} tokens")
+    stream = [t for ids in workload.held_out + workload.calibration for t in ids]
+    prompts = [stream[i * tokens:(i + 1) * tokens] for i in range(count)]
+    if len(prompts[-1]) < tokens:
+        raise ConfigError(f"{arg('prompt_tokens', tokens)} × {count} prompts exceed the {len(stream)} held-out tokens")
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------------- run
+
+
+PARAM_FIELDS = {"max_tokens": "max_new_tokens", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
+                "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop"}
+
+
+def run_main(args) -> int:
+    """`overdrive run PLAN.json --input prompts.jsonl --output completions.jsonl` for a generation plan."""
+    from overdrive.core import devices
+    from overdrive.core.report import make_console
+    from overdrive.generate.engine import SamplingParams
+    from overdrive.generate.plan import GenerationPlan, build_generator
+    from overdrive.generate.workload import create_generation_workload
+
+    for name, unset in (("workload", None), ("num_workers", None), ("weights", None), ("max_errors", None)):
+        if getattr(args, name) is not unset:
+            raise ConfigError(f"{arg(name, getattr(args, name))}: not for a generation plan")
+    if args.engine != "local":
+        raise ConfigError(f"{arg('engine', args.engine)}: a generation plan runs on the local engine")
+    plan = GenerationPlan.load(args.plan)
+    source, output = Path(args.input), Path(args.output)
+    if output.suffix != ".jsonl":
+        raise ConfigError(f"{arg('output', str(output))}: a generation run writes JSONL (.jsonl)")
+    if not source.is_file():
+        raise ConfigError(f"{arg('input', str(source))}: no such file")
+    errors_path = output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
+    done = set()
+    if output.exists() or errors_path.exists():
+        if args.resume:
+            done = _indices(output) | _indices(errors_path)
+        elif args.overwrite:
+            output.unlink(missing_ok=True)
+            errors_path.unlink(missing_ok=True)
+        else:
+            raise ConfigError(f"{output} exists; pass {arg('overwrite')} to replace it or {arg('resume')} to continue it")
+    console = make_console()
+    device = devices.resolve_device(args.device if args.device != "auto" else plan.device)
+    batch = args.batch_size if isinstance(args.batch_size, int) else plan.batch_size
+    workload = create_generation_workload(plan.workload, log=lambda line: console.print(line, highlight=False))
+    gen = build_generator(workload.model, workload.tokenizer, plan.steps, device=device, max_batch_size=batch)
+    default = {"max_new_tokens": args.max_new_tokens or plan.max_new_tokens}
+    records = list(_read_prompts(source, args.text_field or "prompt"))
+    started, written, failed, tokens = time.perf_counter(), 0, 0, 0
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("a") as out, errors_path.open("a") as errors:
+        pending: list[tuple[int, list[int], SamplingParams, dict]] = []
+
+        def flush() -> None:
+            nonlocal written, tokens
+            if not pending:
+                return
+            completions = gen.generate([p[1] for p in pending], [p[2] for p in pending])
+            for (index, ids, _, record), c in zip(pending, completions):
+                keyed = {"index": index, **({"id": record["id"]} if "id" in record else {})}
+                out.write(json.dumps({**keyed, "text": c.text, "token_ids": c.token_ids,
+                                      "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
+                                      "completion_tokens": c.completion_tokens}) + "\n")
+                written, tokens = written + 1, tokens + c.completion_tokens
+            out.flush()
+            pending.clear()
+
+        for index, record in records:
+            if index in done:
+                continue
+            try:
+                text, params = _request(record, default, args.text_field or "prompt")
+                ids = gen.encode(text)
+                context = getattr(workload.model.config, "max_position_embeddings", None)
+                if context is not None and len(ids) + params.max_new_tokens > context:
+                    raise ValueError(f"the prompt's {len(ids)} tokens + {params.max_new_tokens} new ones exceed the "
+                                     f"model's context of {context}")
+            except (ValueError, TypeError) as exc:
+                flush()  # keep the output in input order
+                errors.write(json.dumps({"index": index, "error": str(exc)}) + "\n")
+                errors.flush()
+                failed += 1
+                continue
+            pending.append((index, ids, params, record))
+            if len(pending) == batch:
+                flush()
+        flush()
+    wall = time.perf_counter() - started
+    if failed == 0 and errors_path.stat().st_size == 0:
+        errors_path.unlink()
+    console.print(f"{written:,} of {len(records) - len(done):,} prompts → {output}; {failed:,} failed"
+                  + (f" (see {errors_path})" if failed else "") + (f"; {len(done):,} done before the resume" if done else ""),
+                  highlight=False)
+    console.print(f"{tokens:,} new tokens in {wall:.1f} s = {tokens / max(wall, 1e-9):,.1f} tokens/s on "
+                  f"{devices.describe(device)}, batches of up to {batch} (plan: {' + '.join(plan.names) or 'baseline'})",
+                  highlight=False)
+    return 0
+
+
+def _indices(path: Path) -> set[int]:
+    """The record indices a (possibly cut-off) JSONL output already holds; a torn last line is dropped."""
+    if not path.exists():
+        return set()
+    lines = path.read_text().split("\n")
+    if lines and lines[-1]:  # a line the interrupted run did not finish
+        path.write_text("\n".join(lines[:-1]) + ("\n" if len(lines) > 1 else ""))
+        lines = lines[:-1]
+    return {json.loads(line)["index"] for line in lines if line}
+
+
+def _read_prompts(path: Path, field: str):
+    """(index, record) for each line: a JSON object from .jsonl, the text itself from any other file; an unreadable
+    line is the string it was, refused by `_request`."""
+    for index, line in enumerate(path.read_text(errors="replace").splitlines()):
+        if path.suffix == ".jsonl":
+            try:
+                yield index, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield index, ValueError(f"not JSON: {exc}")
+        else:
+            yield index, {field: line}
+
+
+def _request(record, default: dict, field: str):
+    """A record's prompt text and `SamplingParams` (its own max_tokens, temperature, top_p, top_k, seed, stop).
+
+    Raises:
+        ValueError: not an object, no text in `field`, a bad parameter (`SamplingParams`)."""
+    from overdrive.generate.engine import SamplingParams
+
+    if isinstance(record, Exception):
+        raise ValueError(str(record))
+    if not isinstance(record, dict):
+        raise ValueError(f"a record is a JSON object with a {field!r} field, got {type(record).__name__}")
+    text = record.get(field)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"no prompt text in field {field!r}")
+    unknown = sorted(set(record) - set(PARAM_FIELDS) - {field, "id"})
+    if unknown:
+        raise ValueError(f"unknown fields {unknown}; known: {field}, id, {', '.join(PARAM_FIELDS)}")
+    params = dict(default)
+    params.update({PARAM_FIELDS[k]: v for k, v in record.items() if k in PARAM_FIELDS})
+    return text, SamplingParams(**params)

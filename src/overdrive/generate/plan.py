@@ -1,0 +1,114 @@
+"""A generation plan: the steps `optimize` kept for a causal LM, saved as JSON, rebuilt into a `Generator` by
+`bench`, `run` and `overdrive.load`.
+
+Steps, each a dict with its "name" and settings, applied in this order whatever order they are listed in:
+`bf16` (the decoder's weights and activations in bfloat16), one weight form (`int8-weight`, `int8-rowwise`,
+`fp16-weight`: the "layers" it holds, `generate/quantize.py`), `kv-int8` (the KV cache in int8),
+`compile-decode` (torch.compile of the decode step), `prompt-lookup` (speculative decoding, "num_tokens" drafted).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from overdrive.core.errors import ConfigError, arg
+from overdrive.generate.quantize import FORMS
+
+KIND = "generation"
+STEP_NAMES = ("bf16", *FORMS, "kv-int8", "compile-decode", "prompt-lookup")
+
+
+@dataclass
+class GenerationPlan:
+    """What `optimize` chose for a causal LM.
+
+    Attributes:
+        workload: the generation workload's name (`generate.workload`).
+        device: "cpu" or "cuda[:N]".
+        batch_size: sequences decoded together (the batch the plan was chosen at).
+        max_new_tokens: new tokens per sequence in the timings.
+        steps: the kept steps (module docstring).
+        measured: the plan's figures against the baseline (tokens/s, the gain and its interval, the guard's).
+    """
+
+    workload: str
+    device: str
+    batch_size: int
+    max_new_tokens: int
+    steps: list[dict] = field(default_factory=list)
+    measured: dict = field(default_factory=dict)
+    kind: str = KIND
+
+    @property
+    def names(self) -> list[str]:
+        return [s["name"] for s in self.steps]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GenerationPlan:
+        """Raises: ConfigError for a plan that is not a generation plan or names an unknown step."""
+        if data.get("kind") != KIND:
+            raise ConfigError(f"not a generation plan (kind {data.get('kind')!r})")
+        unknown = [s.get("name") for s in data.get("steps", []) if s.get("name") not in STEP_NAMES]
+        if unknown:
+            raise ConfigError(f"the plan names unknown generation steps {unknown}; known: {', '.join(STEP_NAMES)}")
+        forms = [s["name"] for s in data.get("steps", []) if s["name"] in FORMS]
+        if len(forms) > 1:
+            raise ConfigError(f"a plan holds one weight form, this one holds {forms}")
+        fields = {k: data[k] for k in ("workload", "device", "batch_size", "max_new_tokens", "steps", "measured") if k in data}
+        return cls(**fields)
+
+    @classmethod
+    def load(cls, path: str | Path) -> GenerationPlan:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{arg('plan', str(path))}: no such file")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{arg('plan', str(path))} is not JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+
+def is_generation_plan(path: str | Path) -> bool:
+    """Whether the JSON file at `path` is a generation plan (False for anything unreadable: its own loader says why)."""
+    try:
+        return json.loads(Path(path).read_text()).get("kind") == KIND
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | torch.device = "cpu",
+                    max_batch_size: int = 16):
+    """A `Generator` for `hf_model` (a Llama-family Hugging Face causal LM) with `steps` applied (the module
+    docstring). The Hugging Face model is left as it was.
+
+    Raises:
+        ValueError: a model `Decoder.from_hf` does not take; KeyError: a weight form naming layers the model lacks.
+    """
+    from overdrive.generate import Decoder, Generator, PromptLookup
+    from overdrive.generate.quantize import quantize_linears
+
+    by_name = {s["name"]: s for s in steps}
+    decoder = Decoder.from_hf(hf_model).to(device)
+    if "bf16" in by_name:
+        decoder = decoder.to(torch.bfloat16)
+        decoder.inv_freq = decoder.inv_freq.float()
+    for form in FORMS:
+        if form in by_name:
+            quantize_linears(decoder, by_name[form]["layers"], form=form)
+    lookup = by_name.get("prompt-lookup")
+    return Generator(decoder, tokenizer, max_batch_size=max_batch_size,
+                     cache_dtype=torch.int8 if "kv-int8" in by_name else None,
+                     compile="compile-decode" in by_name,
+                     speculative=PromptLookup(num_tokens=lookup.get("num_tokens", 4)) if lookup else None)

@@ -1,0 +1,331 @@
+"""`overdrive optimize` for a causal LM: each generation technique measured and guarded, the winners composed into
+a `GenerationPlan`.
+
+The flow, as for one-pass models: the baseline is overdrive's engine on the fp32 model, eager (`Generator`);
+each technique is added in turn to the steps kept so far and timed against them in interleaved rounds
+(`gain.compare`, through `DecodeRunner`) at the plan's batch size; it is kept when the low end of its gain's 99%
+interval is at least `min_gain` and the generation guard passes. The guard (`generate/fidelity.py`) runs every
+candidate against the fp32 eager reference on held-out prompts: greedy tokens (a change where the reference's
+top-2 margin is above the near-tie threshold counts; exact techniques may change none, lossy ones a share
+`max_diverged_share`), mean KL along the reference's path (`max_mean_kl`), held-out perplexity
+(`max_perplexity_change`), and the batch-invariance probe (a prompt alone and in a batch of mixed lengths must get
+the same tokens). The plan's own gain over the baseline is then timed for a figure (`gain.HEADLINE_ROUNDS`), at
+the plan's batch size and at the other one measured (1 or `batch_size`).
+
+Techniques, in the order tried (`TECHNIQUES`): `compile-decode`; one weight form, the one `quantize.pick_form`
+times fastest at the plan's batch (the others reported untried with those timings), its layers searched
+(`quantize.search_layers`); `kv-int8`; `bf16`; `prompt-lookup` (batch 1 only). `draft-model` and
+`int4-weight` are reported untried with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from overdrive.core.devices import settle_host_allocator
+from overdrive.core.gain import HEADLINE_ROUNDS, RECHECK_ROUNDS, RECHECK_WIDTH, Gain, compare
+from overdrive.core.interference import LoadMeter
+from overdrive.core.measure import Runner
+from overdrive.generate.engine import Generator, SamplingParams
+from overdrive.generate.plan import GenerationPlan, build_generator
+from overdrive.generate.quantize import FORMS, linear_names, pick_form, search_layers
+from overdrive.generate.workload import GenerationWorkload
+
+TECHNIQUES = ("compile-decode", "weight-only", "kv-int8", "bf16", "prompt-lookup", "draft-model", "int4-weight")
+EXACT = {"compile-decode", "prompt-lookup"}  # may change no greedy token beyond near ties
+
+
+class DecodeRunner(Runner):
+    """A `Generator` timed the way `gain.compare` times a model (settling, stretches, the load read around each).
+
+    A pass generates `new_tokens` greedy tokens (no stop token: every pass is the same work) for `prompts`: in
+    one batch, or at `batch_size` 1 each prompt alone. Every pass of two runners compared holds the same tokens,
+    so the ratio of pass times is the ratio of tokens/s. The time to first token and the decode steps of the
+    last timed pass's batches are kept (`ttft_s`, `step_s`).
+
+    Args:
+        generator: the candidate, warmed up by the caller or by `warm_up`.
+        prompts: token-id prompts (the first `batch_size` are used, or the first `alone` ones at batch 1).
+        batch_size: sequences per batch; 1 runs `alone` prompts one after another.
+        new_tokens: greedy tokens per sequence.
+    """
+
+    def __init__(self, generator: Generator, prompts: list[list[int]], *, batch_size: int, new_tokens: int,
+                 alone: int = 2):
+        if batch_size < 1 or not prompts:
+            raise ValueError(f"need batch_size ≥ 1 and at least one prompt (got {batch_size}, {len(prompts)})")
+        settle_host_allocator()
+        self.generator, self.batch_size, self.new_tokens = generator, batch_size, new_tokens
+        self.batches = [[p] for p in prompts[:alone]] if batch_size == 1 else [prompts[:batch_size]]
+        self.params = SamplingParams(max_new_tokens=new_tokens)
+        self.tokens_per_pass = sum(len(b) for b in self.batches) * new_tokens
+        self.latencies_s: list[float] = []
+        self.pass_s: list[float] = []
+        self.pass_preempted: list[bool] = []
+        self.meter = LoadMeter()
+        self.settle_passes = 0
+        self._settled: dict[float, tuple[float, int]] = {}
+        self.ttft_s: list[float] = []
+        self.step_s: list[float] = []
+
+    @torch.no_grad()
+    def warm_up(self) -> float:
+        """Two untimed passes (compilation, the allocator); returns their seconds."""
+        started = time.perf_counter()
+        for _ in range(2):
+            self._pass(timed=False)
+        return time.perf_counter() - started
+
+    def _pass(self, *, timed: bool) -> tuple[float, list[float], None]:
+        started = time.perf_counter()
+        ttft, steps = [], []
+        for batch in self.batches:
+            self.generator.generate(batch, self.params)
+            ttft += [t.prefill_s for t in self.generator.timings]
+            steps += [s for t in self.generator.timings for s in t.step_s]
+        seconds = time.perf_counter() - started
+        self.ttft_s, self.step_s = ttft, steps
+        return seconds, [seconds], None
+
+    def tokens_per_s(self) -> float:
+        """Tokens per second over the timed passes (their median)."""
+        passes = sorted(self.pass_s) or [math.inf]
+        return self.tokens_per_pass / passes[len(passes) // 2]
+
+
+@dataclass
+class GuardBudget:
+    """What a generation candidate may change against the fp32 reference (`GenerationFidelity.breaks`): lossy
+    techniques a share of prompts with a greedy token changed beyond near ties, a mean KL in nats per token and a
+    relative held-out perplexity increase; exact ones (`EXACT`) no greedy token beyond near ties and a mean KL
+    under `exact_kl` (summation order apart)."""
+
+    max_diverged_share: float = 0.125
+    max_mean_kl: float = 0.01
+    max_perplexity_change: float = 0.01
+    exact_kl: float = 1e-4
+
+    def breaks(self, name: str, fidelity) -> str | None:
+        if name in EXACT:
+            return fidelity.breaks(max_diverged_share=0.0, max_mean_kl=self.exact_kl)
+        return fidelity.breaks(max_diverged_share=self.max_diverged_share, max_mean_kl=self.max_mean_kl,
+                               max_perplexity_change=self.max_perplexity_change)
+
+
+@dataclass
+class GenerationRow:
+    """One row of the generation table. `status`: "baseline", "kept", "rejected" or "untried"; `gain` against what
+    the step was added to (the plan row: against the baseline); `tokens_per_s` at the plan's batch size."""
+
+    technique: str
+    status: str
+    reason: str = ""
+    steps: list[dict] = field(default_factory=list)
+    tokens_per_s: float | None = None
+    gain: Gain | None = None
+    fidelity: dict | None = None
+    probe: dict | None = None
+    detail: str = ""
+    setup_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"technique": self.technique, "status": self.status, "reason": self.reason, "steps": self.steps,
+                "tokens_per_s": self.tokens_per_s, "gain": self.gain.to_dict() if self.gain else None,
+                "fidelity": self.fidelity, "probe": self.probe, "detail": self.detail, "setup_s": self.setup_s}
+
+
+@dataclass
+class GenerationResult:
+    """`optimize`'s answer for a causal LM: the table's rows, the plan, and its generator (ready to use)."""
+
+    rows: list[GenerationRow]
+    plan: GenerationPlan
+    generator: Generator
+    workload: GenerationWorkload
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"kind": "generation", "workload": self.workload.name, "rows": [r.to_dict() for r in self.rows],
+                "plan": self.plan.to_dict(), "warnings": self.warnings, "facts": self.workload.facts}
+
+
+def check_techniques(techniques: list[str] | None) -> None:
+    """Raises: ConfigError naming the entries of `techniques` that are not generation techniques."""
+    from overdrive.core.errors import ConfigError, arg
+
+    unknown = [t for t in techniques or [] if t not in TECHNIQUES + FORMS]
+    if unknown:
+        raise ConfigError(f"{arg('techniques', unknown)}: not generation techniques; known: "
+                          f"{', '.join(TECHNIQUES + FORMS)}")
+
+
+def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", batch_size: int = 1,
+                        other_batch_size: int | None = 8, new_tokens: int = 32, techniques: list[str] | None = None,
+                        budget: GuardBudget = GuardBudget(), min_gain: float = 1.02, guard_prompts: int = 32,
+                        guard_tokens: int = 24, search_kl: float | None = None,
+                        progress: Callable[[str], None] = lambda _: None) -> GenerationResult:
+    """Measures each technique of `TECHNIQUES` (or the named ones) on `workload`, keeps those faster by `min_gain`
+    within `budget`, and times the plan against the baseline.
+
+    Args:
+        batch_size: sequences decoded together in the timings the decisions take (1: one user's latency).
+        other_batch_size: a second batch size the plan is timed at against the baseline (None: none).
+        new_tokens: greedy tokens per sequence in the timings.
+        guard_prompts, guard_tokens: the guard's prompts and greedy tokens per prompt.
+        search_kl: the per-layer search's mean-KL budget (default: half of `budget.max_mean_kl`).
+
+    Raises:
+        ConfigError: an unknown technique name, a batch size above the workload's prompts.
+    """
+    from overdrive.core.errors import ConfigError, arg
+    from overdrive.generate.fidelity import batch_invariance, judge_generation
+
+    check_techniques(techniques)
+    wanted = list(TECHNIQUES) if techniques is None else list(techniques)
+    if batch_size > len(workload.prompts):
+        raise ConfigError(f"{arg('batch_size', batch_size)} exceeds the workload's {len(workload.prompts)} prompts")
+    sizes = [batch_size] + ([other_batch_size] if other_batch_size and other_batch_size != batch_size
+                            and other_batch_size <= len(workload.prompts) else [])
+    hf, tok = workload.model, workload.tokenizer
+    judge_prompts = workload.prompts[:guard_prompts]
+
+    def generator(steps: list[dict], batch: int = 16) -> Generator:
+        return build_generator(hf, tok, steps, device=device, max_batch_size=batch)
+
+    reference = generator([])
+    progress("baseline")
+    base = {b: DecodeRunner(generator([], b), workload.prompts, batch_size=b, new_tokens=new_tokens) for b in sizes}
+    for runner in base.values():
+        runner.warm_up()
+    rows = [GenerationRow(technique="baseline (eager fp32, overdrive's engine)", status="baseline")]
+    current: list[dict] = []
+    current_runner = base[batch_size]
+
+    def try_step(name: str, step: dict) -> None:
+        nonlocal current, current_runner
+        steps = current + [step]
+        progress(f"{name}")
+        started = time.perf_counter()
+        try:
+            candidate = generator(steps)
+            fid = judge_generation(reference, candidate, judge_prompts, max_new_tokens=guard_tokens,
+                                   held_out=workload.held_out)
+            probe = batch_invariance(candidate, judge_prompts[:8], max_new_tokens=guard_tokens // 2)
+            runner = DecodeRunner(generator(steps, batch_size), workload.prompts, batch_size=batch_size,
+                                  new_tokens=new_tokens)
+            setup = time.perf_counter() - started + runner.warm_up()
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:  # a form this machine cannot run
+            rows.append(GenerationRow(technique=name, status="rejected", steps=steps,
+                                      reason=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+            return
+        breaks = budget.breaks(name, fid) or probe.breaks()
+        row = GenerationRow(technique=name, status="rejected", steps=steps, fidelity=fid.to_dict(),
+                            probe={"prompts": probe.prompts, "differ": probe.differ,
+                                   "differ_beyond_ties": probe.differ_beyond_ties}, setup_s=setup)
+        rows.append(row)
+        if breaks:
+            row.reason = breaks
+            return
+        progress(f"{name} vs " + (" + ".join(s["name"] for s in current) or "baseline"))
+        gain = compare(current_runner, runner, min_gain=min_gain)
+        row.gain, row.tokens_per_s = gain, runner.tokens_per_s()
+        if gain.busy:
+            row.reason = f"uncertain: {gain.uncertain}"
+        elif gain.low < min_gain:
+            row.reason = f"not faster by {min_gain}× at the 99% interval's low end ({gain.describe()})"
+        else:
+            row.status, current, current_runner = "kept", steps, runner
+        if name == "prompt-lookup":
+            drafted = sum(t.drafted for t in runner.generator.timings)
+            row.detail = f"drafts accepted {sum(t.accepted for t in runner.generator.timings)} / {drafted} (last pass)"
+
+    for name in wanted:
+        if name == "weight-only" or name in FORMS:
+            forms = [name] if name in FORMS else list(FORMS)
+            shapes = [tuple(m.weight.shape) for n, m in reference.model.named_modules()
+                      if n in set(linear_names(reference.model))]
+            best, timings = pick_form(shapes, rows=batch_size, forms=forms)
+            timed = ", ".join(f"{f} {t * 1e3:.2f} ms" for f, t in timings.items())
+            for form in forms:
+                if form != best:
+                    rows.append(GenerationRow(technique=form, status="untried", reason=(
+                        f"its layers ran slower at {batch_size} rows than "
+                        + (f"{best}'s" if best else "float32's") + f" ({timed}, summed over the layer shapes)")))
+            if best is None:
+                continue
+            started = time.perf_counter()
+            progress(f"{best}: per-layer search")
+            try:
+                layers, sensitivity, kl = search_layers(reference.model, workload.calibration, form=best,
+                                                        max_mean_kl=search_kl or budget.max_mean_kl / 2)
+            except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+                rows.append(GenerationRow(technique=best, status="rejected", reason=f"failed: {exc}"[:200]))
+                continue
+            if not layers:
+                rows.append(GenerationRow(technique=best, status="rejected", reason="no layer fits the search's KL budget"))
+                continue
+            try_step(best, {"name": best, "layers": layers})
+            rows[-1].detail = (f"{len(layers)} of {len(sensitivity)} linear layers, search KL {kl:.2e}, "
+                               f"{time.perf_counter() - started:.0f} s; " + rows[-1].detail).rstrip("; ")
+        elif name == "prompt-lookup":
+            if batch_size != 1:
+                rows.append(GenerationRow(technique=name, status="untried", reason=(
+                    f"verifies one sequence at a time: a plan at batch {batch_size} cannot use it (try --batch-size 1)")))
+            else:
+                try_step(name, {"name": name, "num_tokens": 4})
+        elif name == "draft-model":
+            rows.append(GenerationRow(technique=name, status="untried", reason=(
+                "not built yet: a draft derived from the target (layers dropped, then distilled) is future work; "
+                "prompt-lookup is the speculative decoding offered")))
+        elif name == "int4-weight":
+            rows.append(GenerationRow(technique=name, status="untried", reason=(
+                "no int4 weight-only kernel is wired for this device (torchao's int4 needs CUDA)")))
+        else:
+            try_step(name, {"name": name})
+
+    plan = GenerationPlan(workload=workload.name, device=device, batch_size=batch_size, max_new_tokens=new_tokens,
+                          steps=current)
+    final = generator(current)
+    warnings: list[str] = []
+    measured: dict = {"batch_sizes": {}}
+    for b in sizes:
+        progress(f"plan vs baseline at batch {b}")
+        runner = current_runner if b == batch_size else DecodeRunner(generator(current, b), workload.prompts,
+                                                                       batch_size=b, new_tokens=new_tokens)
+        if runner is not current_runner:
+            runner.warm_up()
+        if not current:
+            measured["batch_sizes"][str(b)] = {"tokens_per_s": _timed_alone(base[b])}
+            continue
+        gain = compare(base[b], runner, min_gain=min_gain, min_rounds=HEADLINE_ROUNDS, max_rounds=3 * RECHECK_ROUNDS,
+                       max_width=RECHECK_WIDTH)
+        gain.predict_rounds = RECHECK_ROUNDS
+        measured["batch_sizes"][str(b)] = {
+            "tokens_per_s": runner.tokens_per_s(), "baseline_tokens_per_s": base[b].tokens_per_s(),
+            "gain": gain.to_dict(), "describe": gain.describe(),
+            "ttft_ms_p50": _p50(runner.ttft_s) * 1e3, "itl_ms_p50": _p50(runner.step_s) * 1e3}
+        if gain.uncertain:
+            warnings.append(f"the plan's gain at batch {b} is uncertain: {gain.uncertain}")
+    head = measured["batch_sizes"][str(batch_size)]
+    if "gain" in head:
+        measured.update(speedup_point=head["gain"]["ratio"], speedup_interval99=head["gain"]["interval"],
+                        speedup_uncertain=head["gain"]["uncertain"], speedup_vs_baseline=head["gain"]["quoted"])
+    plan.measured = measured
+    if not workload.real_weights:
+        warnings.append("random weights: the guard's figures say nothing about accuracy")
+    return GenerationResult(rows=rows, plan=plan, generator=final, workload=workload, warnings=warnings)
+
+
+def _timed_alone(runner: DecodeRunner) -> float:
+    runner.timed_passes(2)
+    return runner.tokens_per_s()
+
+
+def _p50(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else math.nan

@@ -1,0 +1,107 @@
+"""`overdrive optimize / bench / run` on a causal LM, as a user runs them, with pydoc-lm's recipe at toy size (the
+real model trains for minutes, once): the table and plan, a plan's figures per batch size, and a JSONL run whose
+completions equal the plan's generator's own, in input order, with bad records filed and a resume that adds
+nothing twice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from overdrive import cli
+from overdrive.generate import SamplingParams
+from overdrive.generate.plan import GenerationPlan, build_generator, is_generation_plan
+
+
+@pytest.fixture
+def toy_pydoc_lm(monkeypatch):
+    """pydoc-lm trained for 2 steps at a toy shape (the same as test_generate's, so the cache holds one)."""
+    from overdrive.workloads import pydoc_lm
+
+    monkeypatch.setattr(pydoc_lm, "STEPS", 2)
+    monkeypatch.setattr(pydoc_lm, "SHAPE", {**pydoc_lm.SHAPE, "hidden_size": 32, "intermediate_size": 64,
+                                             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})
+    return pydoc_lm.build_pydoc_lm(log=None)
+
+
+def test_optimize_writes_a_generation_plan_with_every_row_judged_or_said_why_not(toy_pydoc_lm, tmp_path, capsys):
+    code = cli.main(["optimize", "pydoc-lm", "--device", "cpu", "--techniques", "kv-int8,bf16,draft-model,int4-weight",
+                     "--max-new-tokens", "6", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    plan_path = tmp_path / "pydoc-lm" / "plan.json"
+    assert is_generation_plan(plan_path)
+    plan = GenerationPlan.load(plan_path)
+    assert plan.batch_size == 1 and plan.max_new_tokens == 6 and set(plan.names) <= {"kv-int8", "bf16"}
+    rows = {r["technique"]: r for r in json.loads((tmp_path / "pydoc-lm" / "results.json").read_text())["rows"]}
+    for name in ("kv-int8", "bf16"):  # judged by the guard on real held-out prompts, then timed or refused
+        fid = rows[name]["fidelity"]
+        assert fid is None or (fid["prompts"] == 32 and fid["perplexity_reference"] > 1), rows[name]
+        assert rows[name]["status"] in ("kept", "rejected") and (rows[name]["status"] == "kept" or rows[name]["reason"])
+    assert rows["draft-model"]["status"] == rows["int4-weight"]["status"] == "untried"
+    assert rows["draft-model"]["reason"] and rows["int4-weight"]["reason"]
+    assert "greedy changed" in printed and "overdrive bench pydoc-lm --plan" in printed
+    assert cli.main(["optimize", "pydoc-lm", "--device", "cpu", "--out", str(tmp_path)]) == 2  # no silent overwrite
+    assert "exists" in capsys.readouterr().err
+
+
+def test_bench_times_a_plan_against_the_baseline_at_each_batch_size(toy_pydoc_lm, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=4, steps=[{"name": "kv-int8"}]).save(plan_path)
+    code = cli.main(["bench", "pydoc-lm", "--plan", str(plan_path), "--device", "cpu", "--batch-sizes", "1,3",
+                     "--new-tokens", "5", "--prompt-tokens", "12", "--out", str(tmp_path)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    results = json.loads((tmp_path / "pydoc-lm" / "bench.json").read_text())["results"]
+    assert [(r["configuration"], r["batch_size"]) for r in results] == [
+        ("baseline (eager fp32)", 1), ("kv-int8", 1), ("baseline (eager fp32)", 3), ("kv-int8", 3)]
+    for r in results:
+        assert r["tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and 0 < r["itl_ms_p50"] <= r["itl_ms_p99"]
+        assert r["roofline"]["share"] > 0 and r["weight_bytes"] > 0
+    base, plan = results[2], results[3]
+    assert plan["kv_cache_bytes"] < base["kv_cache_bytes"] / 2  # int8 with a scale per vector against fp32
+    assert plan["gain"]["rounds"] >= 4 and plan["gain"]["low"] <= plan["gain"]["ratio"] <= plan["gain"]["high"]
+
+
+def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_resumes(toy_pydoc_lm, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=3, max_new_tokens=5, steps=[{"name": "kv-int8"}]).save(plan_path)
+    records = [{"prompt": "A list is"}, "not json", {"prompt": "The dictionary", "max_tokens": 2, "id": "b"},
+               {"prompt": ""}, {"prompt": "Return the", "temperature": 0.8, "seed": 3}, {"prompt": "x", "colour": 1},
+               {"prompt": "An iterator"}, {"prompt": "When the"}]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    out = tmp_path / "completions.jsonl"
+    assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu"]) == 0
+    assert "5 of 8 prompts" in capsys.readouterr().out
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["index"] for x in lines] == [0, 2, 4, 6, 7] and lines[1]["id"] == "b"
+    errors = [json.loads(x) for x in out.with_name("completions.errors.jsonl").read_text().splitlines()]
+    assert [e["index"] for e in errors] == [1, 3, 5] and "unknown fields ['colour']" in errors[2]["error"]
+    gen = build_generator(toy_pydoc_lm.model, toy_pydoc_lm.tokenizer, [{"name": "kv-int8"}])
+    for line in lines:  # each the plan's generator's own answer for that prompt alone (batch-invariant)
+        record = records[line["index"]]
+        params = SamplingParams(max_new_tokens=record.get("max_tokens", 5), temperature=record.get("temperature", 0.0),
+                                seed=record.get("seed"))
+        (alone,) = gen.generate([record["prompt"]], params)
+        assert line["token_ids"] == alone.token_ids and line["text"] == alone.text
+        assert line["completion_tokens"] == len(alone.token_ids) and line["finish_reason"] == alone.finish_reason
+    full = out.read_text()
+    out.write_text(full.splitlines(keepends=True)[0] + full.splitlines()[1][:10])  # cut off mid-line
+    assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu"]) == 2
+    assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu",
+                     "--resume"]) == 0
+    assert sorted(out.read_text().splitlines()) == sorted(full.splitlines())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["optimize", "pydoc-lm", "--data", "x.txt"], "--data: not for a causal LM"),
+    (["optimize", "minilm", "--max-new-tokens", "5"], "only for a causal LM"),
+    (["bench", "pydoc-lm"], "bench it with the plan"),
+    (["optimize", "pydoc-lm", "--techniques", "fp8-magic"], "not generation techniques"),
+])
+def test_flags_that_do_not_fit_a_causal_lm_are_refused_in_one_line(toy_pydoc_lm, argv, message, tmp_path, capsys):
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
