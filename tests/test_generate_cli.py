@@ -16,11 +16,11 @@ from overdrive.generate.plan import GenerationPlan, build_generator, is_generati
 
 @pytest.fixture
 def toy_pydoc_lm(monkeypatch):
-    """pydoc-lm trained for 2 steps at a toy shape (the same as test_generate's, so the cache holds one)."""
+    """pydoc-lm trained for 2 steps at a toy shape (not test_generate's, whose test reads its cache entry as new)."""
     from overdrive.workloads import pydoc_lm
 
     monkeypatch.setattr(pydoc_lm, "STEPS", 2)
-    monkeypatch.setattr(pydoc_lm, "SHAPE", {**pydoc_lm.SHAPE, "hidden_size": 32, "intermediate_size": 64,
+    monkeypatch.setattr(pydoc_lm, "SHAPE", {**pydoc_lm.SHAPE, "hidden_size": 32, "intermediate_size": 48,
                                              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})
     return pydoc_lm.build_pydoc_lm(log=None)
 
@@ -105,3 +105,28 @@ def test_flags_that_do_not_fit_a_causal_lm_are_refused_in_one_line(toy_pydoc_lm,
     assert cli.main([*argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_candidate_that_fails_in_an_unforeseen_way_is_a_rejected_row_from_python(toy_pydoc_lm, monkeypatch):
+    """optimize("pydoc-lm") from Python; a technique whose guard raises (here: a stand-in for Dynamo's recompile-limit
+    error, which is not a RuntimeError) is reported as failed, and the others are still measured."""
+    import overdrive
+    from overdrive.generate import fidelity
+
+    class Unforeseen(Exception):
+        pass
+
+    judge = fidelity.judge_generation
+
+    def flaky(reference, candidate, *args, **kwargs):
+        if candidate.cache_dtype == __import__("torch").int8:
+            raise Unforeseen("recompile limit")
+        return judge(reference, candidate, *args, **kwargs)
+
+    monkeypatch.setattr(fidelity, "judge_generation", flaky)
+    result = overdrive.optimize("pydoc-lm", device="cpu", techniques=["kv-int8", "bf16"], max_new_tokens=4)
+    rows = {r.technique: r for r in result.rows}
+    assert rows["kv-int8"].status == "rejected" and "Unforeseen: recompile limit" in rows["kv-int8"].reason
+    assert rows["bf16"].fidelity is not None and "kv-int8" not in result.plan.names
+    with pytest.raises(overdrive.ConfigError, match="--data|data"):
+        overdrive.optimize("pydoc-lm", data="x.txt")

@@ -68,6 +68,8 @@ def optimize_main(args, argv: list[str]) -> int:
                   "prompts whose greedy tokens differ from fp32 eager's where fp32's top-2 margin was above the "
                   "near-tie threshold / anywhere; KL: mean KL(fp32 ‖ candidate) along fp32's own path, nats per token; "
                   "probe: prompts whose tokens differ alone and in a batch", style="dim", highlight=False, soft_wrap=True)
+    for line in reasons_in_full(result):
+        console.print(f"  {line}", highlight=False, soft_wrap=True)
     for warning in result.warnings:
         console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
     plan = result.plan
@@ -111,8 +113,25 @@ def rows_table(result, *, title: str):
             f"{fid['mean_kl']:.1e}" if fid else "", f"{change:+.2%}" if change is not None else "",
             f"{len(row.probe['differ_beyond_ties'])} / {len(row.probe['differ'])} of {row.probe['prompts']}"
             if row.probe else "",
-            "; ".join(x for x in (row.reason, row.detail) if x))
+            _short("; ".join(x for x in (row.reason, row.detail) if x)))
     return table
+
+
+SHORT = 48  # characters of a reason the table shows; the whole of it is printed below the table
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= SHORT else text[:SHORT - 1].rstrip() + "…"
+
+
+def reasons_in_full(result) -> list[str]:
+    """"why, a, b: reason" for each reason the table cut short, rows with the same reason on one line."""
+    grouped: dict[str, list[str]] = {}
+    for row in result.rows:
+        text = "; ".join(x for x in (row.reason, row.detail) if x)
+        if len(text) > SHORT:
+            grouped.setdefault(text, []).append(row.technique)
+    return [f"why, {', '.join(names)}: {text}" for text, names in grouped.items()]
 
 
 # ---------------------------------------------------------------------------------------------------- bench

@@ -130,6 +130,9 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+RECOMPILE_LIMIT = 64
+
+
 class Generator:
     """Generates continuations with a `Decoder`.
 
@@ -158,6 +161,9 @@ class Generator:
         self.compiled = compile
         self._decode = model
         if compile:
+            # Dynamo keeps its graphs per code object, so every compiled Generator in a process (each batch size,
+            # slot count, dtype and cache dtype a tuner tries) counts against one recompile limit (8 by default).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
             self._decode = torch.compile(model, dynamic=False, fullgraph=True, mode=mode)
         reference = next(model.parameters())

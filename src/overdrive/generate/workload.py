@@ -55,9 +55,17 @@ def create_generation_workload(spec: str, *, num_prompts: int = 32, log=None) ->
     """
     if spec != "pydoc-lm":
         raise ConfigError(f"unknown generation workload {spec!r}; expected one of {', '.join(GENERATION_WORKLOADS)}")
+    import transformers
+
     from overdrive.workloads.pydoc_lm import build_pydoc_lm
 
-    lm = build_pydoc_lm(log=log)
+    bar = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" on stderr: not the user's business
+    try:
+        lm = build_pydoc_lm(log=log)
+    finally:
+        if bar:
+            transformers.utils.logging.enable_progress_bar()
     tok = lm.tokenizer
     sentences = list(lm.held_out)
     ids = [tok(s)["input_ids"] for s in sentences]

@@ -143,13 +143,7 @@ def build_pydoc_lm(*, log=print) -> PydocLM:
         return trained.facts
 
     entry = cached("pydoc-lm", key, make)
-    bar = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()  # "Loading weights" on stderr: not the user's business
-    try:
-        model = transformers.LlamaForCausalLM.from_pretrained(entry.folder / "model").eval()
-    finally:
-        if bar:
-            transformers.utils.logging.enable_progress_bar()
+    model = transformers.LlamaForCausalLM.from_pretrained(entry.folder / "model").eval()
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(entry.folder / "tokenizer")
     return PydocLM(model, tokenizer, split()[1], dict(entry.meta))
 
