@@ -83,7 +83,7 @@ def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_res
     for line in lines:  # each the plan's generator's own answer for that prompt alone (batch-invariant)
         record = records[line["index"]]
         params = SamplingParams(max_new_tokens=record.get("max_tokens", 5), temperature=record.get("temperature", 0.0),
-                                seed=record.get("seed"))
+                                seed=record.get("seed"), stop_token_ids=toy_pydoc_lm.tokenizer.eos_token_id)
         (alone,) = gen.generate([record["prompt"]], params)
         assert line["token_ids"] == alone.token_ids and line["text"] == alone.text
         assert line["completion_tokens"] == len(alone.token_ids) and line["finish_reason"] == alone.finish_reason

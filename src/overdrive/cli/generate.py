@@ -164,7 +164,7 @@ def bench_main(args, plan_path: str) -> int:
     table = Table(title=f"overdrive bench {workload.name} — {devices.describe(device)}, {new_tokens} new tokens, "
                         f"prompts of {args.prompt_tokens or 'about 10'} tokens")
     for col in ("configuration", "batch", "tokens/s\ntotal", "tokens/s\nper sequence", "TTFT ms\np50",
-                "ITL ms\np50 / p99", "% of bandwidth\nlimit", "weights MB\n+ KV MB", "speedup [99%]"):
+                "ITL ms\np50 / p99", "% of bandwidth\nlimit (forwards)", "weights MB\n+ KV MB", "speedup [99%]"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     results = []
     for b in sizes:
@@ -184,8 +184,9 @@ def bench_main(args, plan_path: str) -> int:
             figures = decode_figures(runner, b)
             gen = runner.generator
             slots = gen.timings[-1].slots if gen.timings else 0
+            forwards = runner.forwards_per_s()  # not tokens: a speculative forward keeps several per weight read
             roof = decode_roofline(gen.model, batch_size=b, slots=slots, cache_dtype=gen.cache_dtype,
-                                   steps_per_s=1 / figures["itl_ms_p50"] * 1e3) if figures["itl_ms_p50"] > 0 else None
+                                   steps_per_s=forwards) if math.isfinite(forwards) else None
             figures.update(configuration=label, batch_size=b, roofline=roof.to_dict() if roof else None,
                            weight_bytes=weight_bytes_per_step(gen.model),
                            kv_cache_bytes=kv_bytes_per_step(gen.model, batch_size=b, slots=slots, dtype=gen.cache_dtype),
@@ -199,8 +200,8 @@ def bench_main(args, plan_path: str) -> int:
     print_table(console, table)
     console.print("tokens/s: new tokens over a pass's wall time (prefill included; batch 1 runs two prompts one after "
                   "the other); TTFT: prefill to the first token; ITL: one decode step (one token per sequence); the "
-                  "bandwidth limit: weights at their storage dtype + the KV cache read per step ÷ the measured copy "
-                  "bandwidth; speedup: interleaved with the baseline at the same batch, 99% interval", style="dim",
+                  "bandwidth limit: decode forwards/s × (weights at their storage dtype + the KV cache each reads) ÷ "
+                  "the measured copy bandwidth (a speculative forward keeps several tokens for one read); speedup: interleaved with the baseline at the same batch, 99% interval", style="dim",
                   highlight=False, soft_wrap=True)
     for figures in results:
         if figures["gain"] and figures["gain"]["uncertain"]:
@@ -284,9 +285,15 @@ def run_main(args) -> int:
     console = make_console()
     device = devices.resolve_device(args.device if args.device != "auto" else plan.device)
     batch = args.batch_size if isinstance(args.batch_size, int) else plan.batch_size
+    setup_started = time.perf_counter()
     workload = create_generation_workload(plan.workload, log=lambda line: console.print(line, highlight=False))
     gen = build_generator(workload.model, workload.tokenizer, plan.steps, device=device, max_batch_size=batch)
+    gen.generate([workload.prompts[0]] * batch, SamplingParams(max_new_tokens=2))  # compiles, as serving would first
+    setup_s = time.perf_counter() - setup_started
     default = {"max_new_tokens": args.max_new_tokens or plan.max_new_tokens}
+    eos = getattr(workload.tokenizer, "eos_token_id", None)
+    if eos is not None:  # a completion ends at the end of its text, as Hugging Face's generate ends it
+        default["stop_token_ids"] = (eos,)
     records = list(_read_prompts(source, args.text_field or "prompt"))
     started, written, failed, tokens = time.perf_counter(), 0, 0, 0
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -334,7 +341,8 @@ def run_main(args) -> int:
                   + (f" (see {errors_path})" if failed else "") + (f"; {len(done):,} done before the resume" if done else ""),
                   highlight=False)
     console.print(f"{tokens:,} new tokens in {wall:.1f} s = {tokens / max(wall, 1e-9):,.1f} tokens/s on "
-                  f"{devices.describe(device)}, batches of up to {batch} (plan: {' + '.join(plan.names) or 'baseline'})",
+                  f"{devices.describe(device)}, batches of up to {batch} (plan: {' + '.join(plan.names) or 'baseline'}); set-up "
+                  f"before that {setup_s:.1f} s (model, warm-up)",
                   highlight=False)
     return 0
 

@@ -46,7 +46,7 @@ class DecodeRunner(Runner):
     A pass generates `new_tokens` greedy tokens (no stop token: every pass is the same work) for `prompts`: in
     one batch, or at `batch_size` 1 each prompt alone. Every pass of two runners compared holds the same tokens,
     so the ratio of pass times is the ratio of tokens/s. The time to first token and the decode steps of the
-    last timed pass's batches are kept (`ttft_s`, `step_s`).
+    last timed pass's batches are kept (`ttft_s`, `step_s`, `accepted`).
 
     Args:
         generator: the candidate, warmed up by the caller or by `warm_up`.
@@ -72,6 +72,13 @@ class DecodeRunner(Runner):
         self._settled: dict[float, tuple[float, int]] = {}
         self.ttft_s: list[float] = []
         self.step_s: list[float] = []
+        self.accepted = 0  # draft tokens speculative decoding kept in the last pass
+
+    def forwards_per_s(self) -> float:
+        """Decode forwards per second in the last pass (each reads every weight once): a forward that kept n
+        tokens by speculation added n entries to `step_s`, so the forwards are its entries less the drafts kept."""
+        busy = sum(self.step_s)
+        return (len(self.step_s) - self.accepted) / busy if busy > 0 else math.nan
 
     @torch.no_grad()
     def warm_up(self) -> float:
@@ -83,13 +90,14 @@ class DecodeRunner(Runner):
 
     def _pass(self, *, timed: bool) -> tuple[float, list[float], None]:
         started = time.perf_counter()
-        ttft, steps = [], []
+        ttft, steps, accepted = [], [], 0
         for batch in self.batches:
             self.generator.generate(batch, self.params)
             ttft += [t.prefill_s for t in self.generator.timings]
             steps += [s for t in self.generator.timings for s in t.step_s]
+            accepted += sum(t.accepted for t in self.generator.timings)
         seconds = time.perf_counter() - started
-        self.ttft_s, self.step_s = ttft, steps
+        self.ttft_s, self.step_s, self.accepted = ttft, steps, accepted
         return seconds, [seconds], None
 
     def tokens_per_s(self) -> float:
