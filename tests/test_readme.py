@@ -98,6 +98,7 @@ def test_list_example_runs():
     result = subprocess.run([sys.executable, "-m", "overdrive", "list"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and "prune-heads" in result.stdout and "minilm" in result.stdout, result.stderr
+    assert "pydoc-lm" in result.stdout and "prompt-lookup" in result.stdout
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ ONE_PASS_ONLY = {"num_samples": None, "input_shape": None, "data": None, "text_f
 
 
 def refuse_one_pass_flags(args) -> None:
-    given = [name for name, unset in ONE_PASS_ONLY.items() if getattr(args, name, unset) not in (unset, 0.99)]
+    given = [name for name, unset in ONE_PASS_ONLY.items() if getattr(args, name, unset) != unset]
     if given:
         raise ConfigError(f"{', '.join(arg(n) for n in given)}: not for a causal LM (a generation workload is judged "
                           f"by its own held-out prompts: greedy tokens, KL and perplexity against fp32)")
@@ -173,7 +173,8 @@ def bench_main(args, plan_path: str) -> int:
                                 prompts, batch_size=b, new_tokens=new_tokens)
             ours = DecodeRunner(build_generator(workload.model, workload.tokenizer, plan.steps, device=device,
                                                 max_batch_size=b), prompts, batch_size=b, new_tokens=new_tokens)
-            base.warm_up(), ours.warm_up()
+            base.warm_up()
+            ours.warm_up()
             gain = compare(base, ours, min_gain=1.0, min_rounds=RECHECK_ROUNDS, max_rounds=3 * RECHECK_ROUNDS,
                            max_width=RECHECK_WIDTH) if plan.steps else None
             if gain is None:

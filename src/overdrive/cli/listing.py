@@ -27,4 +27,12 @@ def main(args, argv: list[str]) -> int:
     for t in list_techniques():
         techniques.add_row(t.name, t.stage.name.lower(), ", ".join(t.devices), "yes" if t.lossless else "no", t.description)
     console.print(techniques)
+    from overdrive.generate.tune import DESCRIPTIONS
+
+    generation = Table(title="generation techniques (a causal LM: pydoc-lm; tried in this order)")
+    for col in ("name", "what it does"):
+        generation.add_column(col)
+    for name, description in DESCRIPTIONS.items():
+        generation.add_row(name, description)
+    console.print(generation)
     return 0

@@ -37,6 +37,18 @@ from overdrive.generate.quantize import FORMS, linear_names, pick_form, search_l
 from overdrive.generate.workload import GenerationWorkload
 
 TECHNIQUES = ("compile-decode", "weight-only", "kv-int8", "bf16", "prompt-lookup", "draft-model", "int4-weight")
+DESCRIPTIONS = {
+    "compile-decode": "the decode step under torch.compile (fixed shapes; CUDA graphs on a GPU); exact",
+    "weight-only": "one weight-only form, the fastest at the plan's batch, on the layers a per-layer KL search keeps",
+    "int8-weight": "weight-only int8, a scale per output channel (aten._weight_int8pack_mm)",
+    "int8-rowwise": "int8 weights and int8 activations with a scale per row, quantized per call (torch._int_mm)",
+    "fp16-weight": "fp16 weights packed for FBGEMM, fp32 arithmetic",
+    "kv-int8": "the KV cache in int8, a float32 scale per token and head",
+    "bf16": "weights, activations and the KV cache in bfloat16",
+    "prompt-lookup": "speculative decoding with n-gram drafts from the prompt, verified greedily; batch 1; exact",
+    "draft-model": "speculative decoding with a draft derived from the target (not built yet)",
+    "int4-weight": "int4 weight-only (not wired: torchao's kernel needs CUDA)",
+}
 EXACT = {"compile-decode", "prompt-lookup"}  # may change no greedy token beyond near ties
 
 

@@ -45,6 +45,9 @@ BUILTIN: dict[str, tuple[Callable[[], Workload], str]] = {
 def list_workloads() -> dict[str, str]:
     """Built-in workload names with a one-line description (torchvision names are extra)."""
     return {name: desc for name, (_, desc) in BUILTIN.items()} | {
+        "pydoc-lm": "a causal LM (LlamaForCausalLM, 11 M parameters, byte-level BPE) trained here on CPython's docs "
+                    "(once, ~11 min on 2 cores; real weights); optimize / bench / run generate with it "
+                    "(docs/generate.md); `python -m overdrive.workloads.pydoc_lm` prints its held-out perplexity",
         "<torchvision name>": "any torchvision classifier, e.g. resnet50 (random weights: speed only)",
         "package.module:factory": "your factory returning a Workload or (model, example_input)",
         "<file>.pt / .pt2": "a TorchScript or torch.export archive",
