@@ -12,6 +12,7 @@ import pytest
 from overdrive import cli
 from overdrive.generate import SamplingParams
 from overdrive.generate.plan import GenerationPlan, build_generator, is_generation_plan
+from tests.conftest import requires_cuda
 
 
 @pytest.fixture
@@ -130,3 +131,25 @@ def test_a_candidate_that_fails_in_an_unforeseen_way_is_a_rejected_row_from_pyth
     assert rows["bf16"].fidelity is not None and "kv-int8" not in result.plan.names
     with pytest.raises(overdrive.ConfigError, match="--data|data"):
         overdrive.optimize("pydoc-lm", data="x.txt")
+
+
+@requires_cuda
+def test_optimize_bench_and_run_a_generation_plan_on_cuda(toy_pydoc_lm, tmp_path, capsys):
+    """The whole generation path on a GPU: the compiled decode step (CUDA graphs), bf16 and the int8 KV cache judged
+    against fp32 on the GPU, the plan benched and run there, and the run's tokens equal to the plan's own."""
+    assert cli.main(["optimize", "pydoc-lm", "--device", "cuda", "--techniques", "compile-decode,kv-int8,bf16",
+                     "--max-new-tokens", "6", "--out", str(tmp_path)]) == 0, capsys.readouterr().err
+    plan_path = tmp_path / "pydoc-lm" / "plan.json"
+    plan = GenerationPlan.load(plan_path)
+    rows = {r["technique"]: r for r in json.loads((tmp_path / "pydoc-lm" / "results.json").read_text())["rows"]}
+    assert rows["compile-decode"]["fidelity"]["diverged_beyond_ties"] == 0, rows["compile-decode"]
+    assert cli.main(["bench", "pydoc-lm", "--plan", str(plan_path), "--device", "cuda", "--batch-sizes", "1,4",
+                     "--out", str(tmp_path)]) == 0
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps({"prompt": p}) for p in ("A list is", "The dictionary", "Return the")))
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cuda"]) == 0
+    gen = build_generator(toy_pydoc_lm.model, toy_pydoc_lm.tokenizer, plan.steps, device="cuda")
+    params = SamplingParams(max_new_tokens=plan.max_new_tokens, stop_token_ids=toy_pydoc_lm.tokenizer.eos_token_id)
+    expected = [gen.generate([p], params)[0].token_ids for p in ("A list is", "The dictionary", "Return the")]  # batch 1
+    assert [json.loads(x)["token_ids"] for x in out.read_text().splitlines()] == expected
