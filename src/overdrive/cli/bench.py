@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 
 def main(args, argv: list[str]) -> int:
     from overdrive.generate.plan import is_generation_plan
-    from overdrive.generate.workload import is_generation_workload
+    from overdrive.workloads.generation import is_generation_workload
 
     if is_generation_workload(args.workload):
         if not args.plan or not is_generation_plan(args.plan):

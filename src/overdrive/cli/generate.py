@@ -36,7 +36,7 @@ def optimize_main(args, argv: list[str]) -> int:
     from overdrive.core import devices
     from overdrive.core.report import environment, make_console, print_table, write_results
     from overdrive.generate.tune import EXACT, TECHNIQUES, check_techniques, optimize_generation
-    from overdrive.generate.workload import create_generation_workload
+    from overdrive.workloads.generation import create_generation_workload
 
     refuse_one_pass_flags(args)
     if args.min_fidelity != 0.99:
@@ -146,7 +146,7 @@ def bench_main(args, plan_path: str) -> int:
     from overdrive.generate.plan import GenerationPlan, build_generator
     from overdrive.generate.roofline import decode_roofline, kv_bytes_per_step, weight_bytes_per_step
     from overdrive.generate.tune import DecodeRunner
-    from overdrive.generate.workload import create_generation_workload
+    from overdrive.workloads.generation import create_generation_workload
 
     refuse_one_pass_flags(args)
     plan = GenerationPlan.load(plan_path)
@@ -260,7 +260,7 @@ def run_main(args) -> int:
     from overdrive.core.report import make_console
     from overdrive.generate.engine import SamplingParams
     from overdrive.generate.plan import GenerationPlan, build_generator
-    from overdrive.generate.workload import create_generation_workload
+    from overdrive.workloads.generation import create_generation_workload
 
     for name, unset in (("workload", None), ("num_workers", None), ("weights", None), ("max_errors", None)):
         if getattr(args, name) is not unset:

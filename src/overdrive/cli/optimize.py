@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
 
 
 def main(args, argv: list[str]) -> int:
-    from overdrive.generate.workload import is_generation_workload
+    from overdrive.workloads.generation import is_generation_workload
 
     if is_generation_workload(args.workload):
         from overdrive.cli.generate import optimize_main

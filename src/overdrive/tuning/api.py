@@ -485,7 +485,7 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             fails the floor against itself).
         DataError: `data` cannot be read or does not suit the model.
     """
-    from overdrive.generate.workload import is_generation_workload
+    from overdrive.workloads.generation import is_generation_workload
 
     if is_generation_workload(model):
         given = {name: value for name, value in (
@@ -516,7 +516,7 @@ def _optimize_generation(name: str, *, device, lossless: bool, techniques: list[
     """`optimize` for a built-in causal LM (`generate.tune.optimize_generation`); the plan and results written to
     OUT/<name>/ when `out` is given."""
     from overdrive.generate.tune import EXACT, TECHNIQUES, optimize_generation
-    from overdrive.generate.workload import create_generation_workload
+    from overdrive.workloads.generation import create_generation_workload
 
     if lossless:
         techniques = [t for t in (techniques or TECHNIQUES) if t in EXACT]
