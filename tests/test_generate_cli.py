@@ -70,16 +70,17 @@ def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_res
     GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=3, max_new_tokens=5, steps=[{"name": "kv-int8"}]).save(plan_path)
     records = [{"prompt": "A list is"}, "not json", {"prompt": "The dictionary", "max_tokens": 2, "id": "b"},
                {"prompt": ""}, {"prompt": "Return the", "temperature": 0.8, "seed": 3}, {"prompt": "x", "colour": 1},
-               {"prompt": "An iterator"}, {"prompt": "When the"}]
+               {"prompt": "An iterator"}, {"prompt": "When the"}, "", {"prompt": 123}, {"prompt": "Now", "stop": 5}]
     source = tmp_path / "prompts.jsonl"
     source.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
     out = tmp_path / "completions.jsonl"
     assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu"]) == 0
-    assert "5 of 8 prompts" in capsys.readouterr().out
+    assert "5 of 10 prompts" in capsys.readouterr().out  # the blank line is no record
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["index"] for x in lines] == [0, 2, 4, 6, 7] and lines[1]["id"] == "b"
     errors = [json.loads(x) for x in out.with_name("completions.errors.jsonl").read_text().splitlines()]
-    assert [e["index"] for e in errors] == [1, 3, 5] and "unknown fields ['colour']" in errors[2]["error"]
+    assert [e["index"] for e in errors] == [1, 3, 5, 9, 10] and "unknown fields ['colour']" in errors[2]["error"]
+    assert "must be a string, got int" in errors[3]["error"] and "stop must be a string or a list" in errors[4]["error"]
     gen = build_generator(toy_pydoc_lm.model, toy_pydoc_lm.tokenizer, [{"name": "kv-int8"}])
     for line in lines:  # each the plan's generator's own answer for that prompt alone (batch-invariant)
         record = records[line["index"]]
@@ -153,3 +154,15 @@ def test_optimize_bench_and_run_a_generation_plan_on_cuda(toy_pydoc_lm, tmp_path
     params = SamplingParams(max_new_tokens=plan.max_new_tokens, stop_token_ids=toy_pydoc_lm.tokenizer.eos_token_id)
     expected = [gen.generate([p], params)[0].token_ids for p in ("A list is", "The dictionary", "Return the")]  # batch 1
     assert [json.loads(x)["token_ids"] for x in out.read_text().splitlines()] == expected
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"steps": ["kv-int8"]}, "a list of objects"), ({"batch_size": 0}, "batch_size is a positive integer"),
+    ({"max_new_tokens": "8"}, "max_new_tokens is a positive integer"), ({"steps": [{"name": "bogus"}]}, "unknown"),
+    ({"kind": "embedding"}, "not a generation plan")])
+def test_a_hand_edited_generation_plan_is_refused_by_name(change, message):
+    from overdrive.core.errors import ConfigError
+
+    plan = {**GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=4).to_dict(), **change}
+    with pytest.raises(ConfigError, match=message):
+        GenerationPlan.from_dict(plan)

@@ -360,9 +360,11 @@ def _indices(path: Path) -> set[int]:
 
 
 def _read_prompts(path: Path, field: str):
-    """(index, record) for each line: a JSON object from .jsonl, the text itself from any other file; an unreadable
-    line is the string it was, refused by `_request`."""
+    """(index, record) for each line that is not blank (index: its line number from 0): a JSON object from .jsonl,
+    the text itself from any other file; a line that is not JSON is a ValueError, refused by `_request`."""
     for index, line in enumerate(path.read_text(errors="replace").splitlines()):
+        if not line.strip():  # a blank line is no record (its index is kept: indices are line numbers)
+            continue
         if path.suffix == ".jsonl":
             try:
                 yield index, json.loads(line)
@@ -383,9 +385,13 @@ def _request(record, default: dict, field: str):
         raise ValueError(str(record))
     if not isinstance(record, dict):
         raise ValueError(f"a record is a JSON object with a {field!r} field, got {type(record).__name__}")
-    text = record.get(field)
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"no prompt text in field {field!r}")
+    if field not in record:
+        raise ValueError(f"no field {field!r} (the prompt)")
+    text = record[field]
+    if not isinstance(text, str):
+        raise ValueError(f"the prompt ({field!r}) must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"an empty prompt in field {field!r}")
     unknown = sorted(set(record) - set(PARAM_FIELDS) - {field, "id"})
     if unknown:
         raise ValueError(f"unknown fields {unknown}; known: {field}, id, {', '.join(PARAM_FIELDS)}")

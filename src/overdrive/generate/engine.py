@@ -56,9 +56,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not (_is_int(self.stop_token_ids) or isinstance(self.stop_token_ids, Sequence)):
+            raise ValueError(f"stop_token_ids must be a token id or a list of them, got {self.stop_token_ids!r}")
         stop_ids = (self.stop_token_ids,) if _is_int(self.stop_token_ids) else tuple(self.stop_token_ids)
         if not all(_is_int(t) for t in stop_ids):
             raise ValueError(f"stop_token_ids must be token ids (integers), got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, (str, Sequence)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")

@@ -59,7 +59,14 @@ class GenerationPlan:
         """Raises: ConfigError for a plan that is not a generation plan or names an unknown step."""
         if data.get("kind") != KIND:
             raise ConfigError(f"not a generation plan (kind {data.get('kind')!r})")
-        unknown = [s.get("name") for s in data.get("steps", []) if s.get("name") not in STEP_NAMES]
+        steps = data.get("steps", [])
+        if not isinstance(steps, list) or not all(isinstance(s, dict) for s in steps):
+            raise ConfigError(f"a generation plan's steps are a list of objects with a \"name\", got {steps!r:.120}")
+        for name in ("batch_size", "max_new_tokens"):
+            value = data.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"a generation plan's {name} is a positive integer, got {value!r}")
+        unknown = [s.get("name") for s in steps if s.get("name") not in STEP_NAMES]
         if unknown:
             raise ConfigError(f"the plan names unknown generation steps {unknown}; known: {', '.join(STEP_NAMES)}")
         forms = [s["name"] for s in data.get("steps", []) if s["name"] in FORMS]
