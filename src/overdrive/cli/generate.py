@@ -34,9 +34,8 @@ def refuse_one_pass_flags(args) -> None:
 
 def optimize_main(args, argv: list[str]) -> int:
     from overdrive.core import devices
-    from overdrive.core.report import environment, make_console, print_table, write_results
-    from overdrive.generate.tune import EXACT, TECHNIQUES, check_techniques, optimize_generation
-    from overdrive.workloads.generation import create_generation_workload
+    from overdrive.core.report import make_console, print_table
+    from overdrive.tuning.generation import optimize_builtin_lm
 
     refuse_one_pass_flags(args)
     if args.min_fidelity != 0.99:
@@ -48,20 +47,16 @@ def optimize_main(args, argv: list[str]) -> int:
     if (out / "plan.json").exists() and not args.overwrite:
         raise ConfigError(f"{out / 'plan.json'} exists (a plan optimize wrote before); pass {arg('overwrite')} to "
                           f"replace it, or {arg('out')} for another folder")
-    techniques = args.techniques
-    check_techniques(techniques)
-    if args.lossless:
-        techniques = [t for t in (techniques or TECHNIQUES) if t in EXACT]
     batch = args.batch_size or 1
-    workload = create_generation_workload(args.workload, log=lambda line: console.print(line, highlight=False))
-    console.print(f"[bold]overdrive optimize {workload.name}[/] on {devices.describe(device)}, batch size {batch}, "
-                  f"{args.max_new_tokens} new tokens per sequence (greedy); guard on {min(32, len(workload.prompts))} "
-                  f"held-out prompts, perplexity on {len(workload.held_out)} held-out sentences", highlight=False)
+    console.print(f"[bold]overdrive optimize {args.workload}[/] on {devices.describe(device)}, batch size {batch}, "
+                  f"{args.max_new_tokens} new tokens per sequence (greedy); judged on held-out prompts and sentences", highlight=False)
     started = time.perf_counter()
-    result = optimize_generation(
-        workload, device=str(device), batch_size=batch, new_tokens=args.max_new_tokens, techniques=techniques,
-        min_gain=args.min_gain,
-        progress=lambda what: console.print(f"  measuring {what} ({time.perf_counter() - started:.0f} s)", highlight=False))
+    result = optimize_builtin_lm(
+        args.workload, device=device, lossless=args.lossless, techniques=args.techniques, batch_size=batch,
+        min_gain=args.min_gain, max_new_tokens=args.max_new_tokens, out=args.out,
+        progress=lambda what: console.print(f"  measuring {what} ({time.perf_counter() - started:.0f} s)", highlight=False),
+        log=lambda line: console.print(line, highlight=False), command="overdrive " + shlex.join(argv))
+    workload = result.workload
     print_table(console, rows_table(result, title=f"overdrive optimize {workload.name} — {devices.describe(device)}, "
                                                    f"batch {batch}"))
     console.print("gain: tokens/s against what the step was added to, interleaved, 99% interval; greedy changed: "
@@ -76,9 +71,6 @@ def optimize_main(args, argv: list[str]) -> int:
     for size, figures in plan.measured["batch_sizes"].items():
         console.print(f"batch {size}: " + describe_figures(figures), highlight=False, soft_wrap=True)
     console.print(f"plan: [bold]{' + '.join(plan.names) or 'baseline'}[/]", highlight=False)
-    plan.save(out / "plan.json")
-    write_results(out / "results.json", {**result.to_dict(), "environment": environment(),
-                                         "command": "overdrive " + shlex.join(argv)})
     console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}")
     sizes = ",".join(str(b) for b in dict.fromkeys((1, batch, 8)))
     console.print(f"next: overdrive bench {workload.name} --plan {out / 'plan.json'} --batch-sizes {sizes}  ·  "

@@ -232,11 +232,11 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         progress(f"{name}")
         started = time.perf_counter()
         try:
-            candidate = generator(steps)
+            candidate = generator(steps, max(16, batch_size))  # judged, probed and timed: one build, one compile
             fid = judge_generation(reference, candidate, judge_prompts, max_new_tokens=guard_tokens,
                                    held_out=workload.held_out)
             probe = batch_invariance(candidate, judge_prompts[:8], max_new_tokens=guard_tokens // 2)
-            runner = DecodeRunner(generator(steps, batch_size), workload.prompts, batch_size=batch_size,
+            runner = DecodeRunner(candidate, workload.prompts, batch_size=batch_size,
                                   new_tokens=new_tokens)
             setup = time.perf_counter() - started + runner.warm_up()
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is a row, not the end of the run

@@ -488,18 +488,17 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
     from overdrive.workloads.generation import is_generation_workload
 
     if is_generation_workload(model):
-        given = {name: value for name, value in (
-            ("example_inputs", example_inputs), ("data", data), ("metric", metric), ("max_accuracy_drop", max_accuracy_drop),
-            ("num_samples", num_samples), ("prune_ratio", prune_ratio), ("finetune_steps", finetune_steps),
-            ("sweep_batch_sizes", sweep_batch_sizes), ("input_shape", input_shape), ("text_field", text_field),
-            ("weights", weights), ("output", output), ("dynamic_dims", dynamic_dims), ("time_budget_s", time_budget_s))
-            if value is not None}
-        if given or min_fidelity != 0.99:
-            raise ConfigError(f"{', '.join(arg(n) for n in given) or arg('min_fidelity')}: not for a causal LM "
-                              f"({model} is judged by its held-out prompts: greedy tokens, KL and perplexity)")
-        return _optimize_generation(model, device=device, lossless=lossless, techniques=techniques,
-                                    batch_size=batch_size, min_gain=min_gain, max_new_tokens=max_new_tokens, out=out,
-                                    progress=progress)
+        from overdrive.tuning.generation import optimize_lm_from_python
+
+        return optimize_lm_from_python(
+            model, one_pass={"example_inputs": example_inputs, "data": data, "metric": metric,
+                             "max_accuracy_drop": max_accuracy_drop, "num_samples": num_samples,
+                             "prune_ratio": prune_ratio, "finetune_steps": finetune_steps,
+                             "sweep_batch_sizes": sweep_batch_sizes, "input_shape": input_shape,
+                             "text_field": text_field, "weights": weights, "output": output,
+                             "dynamic_dims": dynamic_dims, "time_budget_s": time_budget_s, "min_fidelity": min_fidelity},
+            device=device, lossless=lossless, techniques=techniques, batch_size=batch_size, min_gain=min_gain,
+            max_new_tokens=max_new_tokens, out=out, progress=progress)
     if max_new_tokens is not None:
         raise ConfigError(f"{arg('max_new_tokens', max_new_tokens)}: only for a causal LM (\"pydoc-lm\")")
     return OptimizeJob.prepare(
@@ -510,29 +509,3 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
         text_field=text_field, weights=weights, output=output, dynamic_dims=dynamic_dims, time_budget_s=time_budget_s,
     ).run(progress)
 
-
-def _optimize_generation(name: str, *, device, lossless: bool, techniques: list[str] | None, batch_size: int | None,
-                         min_gain: float, max_new_tokens: int | None, out, progress):
-    """`optimize` for a built-in causal LM (`generate.tune.optimize_generation`); the plan and results written to
-    OUT/<name>/ when `out` is given."""
-    from overdrive.generate.tune import EXACT, TECHNIQUES, optimize_generation
-    from overdrive.workloads.generation import create_generation_workload
-
-    if lossless:
-        techniques = [t for t in (techniques or TECHNIQUES) if t in EXACT]
-    done = [0]
-
-    def step(description: str) -> None:
-        if progress is not None:
-            progress(description, done[0], len(techniques or TECHNIQUES) + 2)
-            done[0] += 1
-
-    workload = create_generation_workload(name, log=None)
-    result = optimize_generation(workload, device=str(devices.resolve_device(str(device))),
-                                 batch_size=batch_size or 1, new_tokens=max_new_tokens or 32, techniques=techniques,
-                                 min_gain=min_gain, progress=step)
-    if out is not None:
-        folder = Path(out) / name
-        result.plan.save(folder / "plan.json")
-        write_results(folder / "results.json", {**result.to_dict(), "environment": environment()})
-    return result
