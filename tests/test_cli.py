@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures.cli import cli_in_process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,22 +49,33 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("args,expected", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
 def test_bad_input_is_one_clear_line_and_exit_2(args, expected):
-    result = run_cli(*args)
+    result = cli_in_process(*args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert expected in lines[0]
 
 
+@pytest.mark.parametrize("args,expected", [
+    (["optimize", "no-such-model"], "unknown workload 'no-such-model'"),
+    (["optimize", "tests.fixtures.exits_on_import:build"], "SystemExit"),  # a module that exits as it is imported
+], ids=["unknown", "exits-on-import"])
+def test_the_installed_command_prints_one_line_and_no_traceback(args, expected):
+    """The same refusals from `python -m overdrive` in a process of its own, as a user meets them."""
+    result = run_cli(*args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and expected in result.stderr
+
+
 def test_file_that_is_not_a_model(not_a_model):
-    result = run_cli("optimize", str(not_a_model))
+    result = cli_in_process("optimize", str(not_a_model))
     assert result.returncode == 2 and "is not a model file" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_absent_cuda_device():
-    result = run_cli("optimize", "digits-cnn", "--device", "cuda")
+    result = cli_in_process("optimize", "digits-cnn", "--device", "cuda")
     assert result.returncode == 2 and "no CUDA GPU is present" in result.stderr
 
 
@@ -163,7 +176,7 @@ def test_optimize_saved_files(tmp_path):
     assert (tmp_path / "mlp" / "plan.json").exists()
 
     torch.jit.save(torch.jit.trace(model, example), tmp_path / "mlp_ts.pt")
-    missing_shape = run_cli("optimize", str(tmp_path / "mlp_ts.pt"))
+    missing_shape = cli_in_process("optimize", str(tmp_path / "mlp_ts.pt"))
     assert missing_shape.returncode == 2 and "--input-shape" in missing_shape.stderr
     result = run_cli("optimize", str(tmp_path / "mlp_ts.pt"), "--input-shape", "4,16", "--techniques", "bf16",
                      "--out", str(tmp_path), "--sweep-batch-sizes", "4")
@@ -187,7 +200,7 @@ def test_optimize_minilm_real_sentences(tmp_path):
 def test_unwritable_out_fails_before_measuring(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    result = run_cli("optimize", "digits-cnn", "--out", str(blocker / "sub"))
+    result = cli_in_process("optimize", "digits-cnn", "--out", str(blocker / "sub"))
     assert result.returncode == 2 and "cannot write results" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -196,7 +209,7 @@ def test_bench_refuses_a_plan_for_another_workload(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"version": 1, "workload": "minilm", "device": "cpu", "batch_size": 8,
                                 "techniques": [{"name": "bf16", "config": {"version": 1}}]}))
-    result = run_cli("bench", "digits-cnn", "--plan", str(plan), "--out", str(tmp_path))
+    result = cli_in_process("bench", "digits-cnn", "--plan", str(plan), "--out", str(tmp_path))
     assert result.returncode == 2 and "was made for workload 'minilm'" in result.stderr
 
 
@@ -207,7 +220,6 @@ MORE_BAD_INPUT = [
     (["optimize", "digits-cnn", "--techniques", ","], "got none"),
     (["optimize", ""], "the workload is empty"),
     (["optimize", "tests"], "is a folder"),
-    (["optimize", "tests.fixtures.exits_on_import:build"], "SystemExit"),
     (["optimize", "tests.fixtures.user_models:scalar_output"], "returned shape ()"),
     (["optimize", "tests.fixtures.user_models:fixed_batch", "--batch-size", "8"], "accepts only batch size 4"),
     (["optimize", "digits-cnn", "--prune-ratio", "1.0"], "a fraction strictly between 0 and 1"),
@@ -221,7 +233,7 @@ MORE_BAD_INPUT = [
 
 @pytest.mark.parametrize("args,expected", MORE_BAD_INPUT, ids=[" ".join(a) for a, _ in MORE_BAD_INPUT])
 def test_more_bad_input(args, expected):
-    result = run_cli(*args)
+    result = cli_in_process(*args)
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and expected in result.stderr, result.stderr
 
@@ -249,7 +261,7 @@ def test_malformed_plans(tmp_path, content):
     plan = tmp_path / "plan.json"
     plan.write_text(content)
     for target in (plan, tmp_path):  # a bad plan, and a folder given as the plan
-        result = run_cli("bench", "digits-cnn", "--plan", str(target), "--out", str(tmp_path))
+        result = cli_in_process("bench", "digits-cnn", "--plan", str(target), "--out", str(tmp_path))
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
 
@@ -258,7 +270,7 @@ def test_torch_save_checkpoint_is_named_for_what_it_is(tmp_path):
     from tests.fixtures.user_models import build
 
     torch.save(build()[0], tmp_path / "pickled.pt")
-    result = run_cli("optimize", str(tmp_path / "pickled.pt"))
+    result = cli_in_process("optimize", str(tmp_path / "pickled.pt"))
     assert result.returncode == 2 and "torch.save checkpoint" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -271,7 +283,7 @@ def test_static_batch_export_runs_at_its_batch_size_only(tmp_path):
     assert result.returncode == 0, result.stderr
     sweep = json.loads((tmp_path / "static" / "results.json").read_text())["sweep"]
     assert {p["batch_size"] for points in sweep.values() for p in points} == {4}
-    wrong = run_cli("optimize", str(tmp_path / "static.pt2"), "--batch-size", "8")
+    wrong = cli_in_process("optimize", str(tmp_path / "static.pt2"), "--batch-size", "8")
     assert wrong.returncode == 2 and "accepts only batch size 4" in wrong.stderr
 
 
@@ -284,7 +296,7 @@ def test_fixed_batch_model_runs_at_its_own_batch_size(tmp_path):
 
 
 def test_model_failing_during_the_baseline_is_one_line(tmp_path):
-    result = run_cli("optimize", "tests.fixtures.user_models:fails_later", "--out", str(tmp_path))
+    result = cli_in_process("optimize", "tests.fixtures.user_models:fails_later", "--out", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "eager fp32 model failed at batch size 4" in result.stderr and "device-side assert" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

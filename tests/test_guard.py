@@ -17,13 +17,14 @@ import overdrive
 from overdrive.core.errors import WorkloadError
 from overdrive.core.workload import Workload, logits_fidelity
 from overdrive.techniques import Stage, Technique, TechniqueConfig
-from overdrive.techniques.registry import ForwardWrapper, register, unregister
+from overdrive.techniques.registry import register, unregister
 from overdrive.tuning.sweep import open_session
 from overdrive.tuning.guard import Guard
 from overdrive.tuning.tuner import Tuner
 from overdrive.workloads import create_workload
 from overdrive.workloads.user import workload_from_model
 from tests.fixtures import guard_models
+from tests.fixtures.cli import cli_in_process
 from tests.test_cli import run_cli
 
 CPU = torch.device("cpu")
@@ -93,8 +94,8 @@ def test_data_file_on_the_command_line_is_what_is_judged(tmp_path):
 def test_data_file_of_the_wrong_shape_is_one_line_exit_2(tmp_path):
     rows = tmp_path / "rows.npy"
     np.save(rows, np.zeros((5, 3), dtype=np.float32))
-    result = run_cli("optimize", "tests.fixtures.guard_models:plain", "--data", str(rows), "--device", "cpu",
-                     "--out", str(tmp_path / "out"))
+    result = cli_in_process("optimize", "tests.fixtures.guard_models:plain", "--data", str(rows), "--device", "cpu",
+                            "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "rows.npy: array of shape [5, 3]" in result.stderr and "rows of shape [16]" in result.stderr
 
@@ -245,7 +246,7 @@ def test_a_pt2_with_a_corrupted_weight_is_refused(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(WorkloadError, match="damaged.*CRC"):
         create_workload(str(path))
-    result = run_cli("optimize", str(path), "--device", "cpu", "--out", str(tmp_path / "out"))
+    result = cli_in_process("optimize", str(path), "--device", "cpu", "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and "CRC" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
@@ -350,8 +351,8 @@ def test_a_folder_of_images_for_a_model_of_normalised_rows_is_refused(tmp_path):
     folder = tmp_path / "images"
     folder.mkdir()
     Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(folder / "a.png")
-    result = run_cli("run", "tests.fixtures.guard_models:images_normalised", "--input", str(folder), "--output",
-                     str(tmp_path / "o.npy"), "--device", "cpu")
+    result = cli_in_process("run", "tests.fixtures.guard_models:images_normalised", "--input", str(folder), "--output",
+                            str(tmp_path / "o.npy"), "--device", "cpu")
     assert result.returncode == 2 and "normalised images" in result.stderr, result.stderr
 
 

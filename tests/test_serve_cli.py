@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -21,16 +22,12 @@ from overdrive.techniques import default_config
 from overdrive.tuning.plan import Plan
 from overdrive.techniques.compose import build
 from overdrive.workloads import create_workload
+from tests.fixtures.cli import cli_in_process
 from tests.fixtures.live_server import wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 pytestmark = pytest.mark.timeout(180)
-
-
-def serve(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "overdrive", "serve", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +65,14 @@ def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, plan_file):
     ]
     if not torch.cuda.is_available():
         cases.append(([str(cuda_plan)], "no CUDA GPU is present"))
+    threads = set(threading.enumerate())
     for args, message in cases:
-        result = serve(*args)
+        result = cli_in_process("serve", *args)
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     busy.close()
+    assert set(threading.enumerate()) <= threads  # a refused start leaves no server thread behind
 
 
 def test_a_plan_is_served_with_its_techniques(plan_file):
@@ -115,7 +114,7 @@ def test_a_model_with_a_static_batch_is_padded_to_it_and_unpadded_per_request():
     out = served.execute([(x[:1],), (x[1:],)], 0)  # 3 rows padded to 4, cut back to 1 + 2
     assert [o.shape for o in out] == [(1, 1), (2, 1)]
     np.testing.assert_allclose(np.concatenate(out)[:, 0], x.sum(-1).numpy(), rtol=1e-5)
-    result = serve("tests.fixtures.user_models:fixed_batch", "--max-batch-size", "8")
+    result = cli_in_process("serve", "tests.fixtures.user_models:fixed_batch", "--max-batch-size", "8")
     assert result.returncode == 2 and "--max-batch-size must be ≤ 4" in result.stderr
 
 

@@ -16,6 +16,7 @@ from overdrive.core.errors import ConfigError, DataError, WorkloadError
 from overdrive.workloads.signature import SignatureModel, outputs_fidelity
 from overdrive.workloads.user import archive_kind, build_from_file, build_from_import_path, workload_from_model
 from tests.fixtures import hf_models
+from tests.fixtures.cli import cli_in_process
 from tests.test_cli import run_cli
 
 
@@ -264,14 +265,14 @@ def test_the_bert_classifier_with_its_tokenizer_end_to_end_from_a_fresh_folder(t
 
 
 def test_cli_habits(tmp_path):
-    typo = run_cli("optimize", "tests.fixtures.user_models:build", "--technique", "compile")
+    typo = cli_in_process("optimize", "tests.fixtures.user_models:build", "--technique", "compile")
     assert typo.returncode == 2 and "unrecognized arguments: --technique" in typo.stderr
 
     from tests.fixtures.user_models import build
 
     model, example = build()
     torch.export.save(torch.export.export(model, (example,)), tmp_path / "static.pt2")  # batch 4, static
-    bench = run_cli("bench", str(tmp_path / "static.pt2"), "--batch-sizes", "1,4", "--out", str(tmp_path))
+    bench = cli_in_process("bench", str(tmp_path / "static.pt2"), "--batch-sizes", "1,4", "--out", str(tmp_path))
     assert bench.returncode == 1 and "batch size 1: " in bench.stderr and "takes only batch size 4" in bench.stderr
     failures = json.loads((tmp_path / "static" / "bench.json").read_text())["failures"]
     assert failures and "batch size 1" in failures[0]

@@ -76,6 +76,11 @@ def writable_folder(root: str | Path, name: str) -> Path:
         ConfigError: it cannot be written.
     """
     folder = Path(root) / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "workload")
+    _check_writable(folder, root)
+    return folder
+
+
+def _check_writable(folder: Path, root: str | Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / ".write-test"
@@ -84,7 +89,6 @@ def writable_folder(root: str | Path, name: str) -> Path:
     except OSError as exc:
         raise ConfigError(f"{arg('out', root)}: cannot write results under {folder} ({exc.strerror or exc}); "
                           "expected a writable folder") from None
-    return folder
 
 
 def open_session(workload: str | Workload, *, device: str | torch.device | None = "auto", batch_size: int | None = None,
@@ -114,6 +118,8 @@ def open_session(workload: str | Workload, *, device: str | torch.device | None 
         DataError: `data` cannot be read or does not suit the model.
     """
     device = device if isinstance(device, torch.device) else resolve_device(device)
+    if out is not None:  # before the model is built (digits-cnn trains, a user's factory may take minutes)
+        _check_writable(Path(out), out)
     spec = workload if isinstance(workload, str) else workload.name
     if isinstance(workload, str):
         workload = create_workload(workload, input_shape=input_shape, input_dtype=parse_dtype(input_dtype),
