@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,13 +87,28 @@ def test_list_shows_workloads_and_techniques():
         assert name in result.stdout
 
 
-def test_optimize_then_bench_digits(tmp_path):
-    result = run_cli("optimize", "digits-cnn", "--techniques", "bf16,channels-last,bn-fold,int8-dynamic",
-                     "--max-accuracy-drop", "0.5", "--out", str(tmp_path), "--sweep-batch-sizes", "16,256")
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """One `optimize digits-cnn` (pruning among the techniques) and one `bench` of its plan, from the command line,
+    for the tests that read what they print and write: (OUT/digits-cnn, optimize's result, bench's result)."""
+    tmp_path = tmp_path_factory.mktemp("digits")
+    # --min-gain 0.5: the tests are about the files and the checkpoint flow, so a loaded CI machine that blurs the
+    # speed figures must not decide whether pruning is kept (benchmarks/pruning_cpu.py measures speed)
+    result = run_cli("optimize", "digits-cnn", "--techniques", "prune-channels,bf16,channels-last,bn-fold,int8-dynamic",
+                     "--prune-ratio", "0.5", "--finetune-steps", "200", "--max-accuracy-drop", "1.5", "--min-gain", "0.5",
+                     "--out", str(tmp_path), "--sweep-batch-sizes", "16,256")
     assert result.returncode == 0, result.stderr
+    out = tmp_path / "digits-cnn"
+    bench = run_cli("bench", "digits-cnn", "--plan", str(out / "plan.json"), "--batch-sizes", "16,64", "--out", str(tmp_path),
+                    "--audit")
+    assert bench.returncode == 0, bench.stderr
+    return out, result, bench
+
+
+def test_optimize_then_bench_digits(digits_run):
+    out, result, bench = digits_run
     assert "kept?" in result.stdout and "speedup" in result.stdout and "samples/s" in result.stdout
     assert all(len(line) <= 100 for line in result.stdout.splitlines() if line[:1] in "│┃┏┡├└")  # the table fits 100 columns
-    out = tmp_path / "digits-cnn"
     results = json.loads((out / "results.json").read_text())
     measured = [r for r in results["rows"] if r["measurement"]]
     assert len(measured) >= 5
@@ -112,9 +128,6 @@ def test_optimize_then_bench_digits(tmp_path):
     assert all(0 < row["measurement"]["roofline"]["fraction"] for row in measured)
     assert results["rows"][0]["measurement"]["audit"]["num_syncs"] == 0
 
-    bench = run_cli("bench", "digits-cnn", "--plan", str(out / "plan.json"), "--batch-sizes", "16,64", "--out", str(tmp_path),
-                    "--audit")
-    assert bench.returncode == 0, bench.stderr
     data = json.loads((out / "bench.json").read_text())
     assert len(data["results"]) == 2 and all(len(points) == 2 for points in data["results"].values())
     points = [p for points in data["results"].values() for p in points]
@@ -122,17 +135,11 @@ def test_optimize_then_bench_digits(tmp_path):
     assert bench.stdout.count("audit, ") == 4 and "measured peaks: float32 GEMM" in bench.stdout
 
 
-def test_optimize_prune_then_bench_reuses_the_pruned_weights(tmp_path):
+def test_optimize_prune_then_bench_reuses_the_pruned_weights(digits_run, tmp_path):
     """Pruning through the tuner: its report line, the checkpoint beside the plan, and `bench`
     reloading that checkpoint (no second pruning) with the pruned model's speed and accuracy."""
-    # --min-gain 0.5: this test is about the checkpoint flow, so a loaded CI machine that blurs the
-    # speed figures must not decide whether pruning is kept (benchmarks/pruning_cpu.py measures speed)
-    result = run_cli("optimize", "digits-cnn", "--techniques", "prune-channels,bf16", "--prune-ratio", "0.5",
-                     "--finetune-steps", "200", "--max-accuracy-drop", "1.5", "--min-gain", "0.5",
-                     "--out", str(tmp_path), "--sweep-batch-sizes", "256")
-    assert result.returncode == 0, result.stderr
+    out, result, bench = digits_run
     assert "prune-channels: l2 importance; params 94,186 → 24,058" in result.stdout and "after recovery: accuracy" in result.stdout
-    out = tmp_path / "digits-cnn"
     results = json.loads((out / "results.json").read_text())
     alone = next(r for r in results["rows"] if r["phase"] == "alone" and r["label"] == "prune-channels")
     (report,) = alone["details"]
@@ -143,18 +150,17 @@ def test_optimize_prune_then_bench_reuses_the_pruned_weights(tmp_path):
     # kept; its weights are saved beside the plan
     assert steps["prune-channels"]["checkpoint"] == "prune-channels.pt" and (out / "prune-channels.pt").exists()
     assert steps["prune-channels"]["ratio"] == 0.5
-    bench = run_cli("bench", "digits-cnn", "--plan", str(out / "plan.json"), "--batch-sizes", "256", "--out",
-                    str(tmp_path))
-    assert bench.returncode == 0, bench.stderr
     assert "prune-channels: weights loaded from checkpoint" in bench.stdout  # not pruned and fine-tuned again
-    plan_row = json.loads((out / "bench.json").read_text())["results"]
-    (point,) = next(points for label, points in plan_row.items() if label.startswith("plan"))
-    assert point["task_metric"]["accuracy_pct"] > 97
+    plan_points = next(points for label, points in json.loads((out / "bench.json").read_text())["results"].items()
+                       if label.startswith("plan"))
+    assert plan_points and all(point["task_metric"]["accuracy_pct"] > 97 for point in plan_points)
 
-    (out / "prune-channels.pt").write_bytes(b"corrupt")  # a damaged checkpoint: one line, exit 2, nothing measured
-    bench = run_cli("bench", "digits-cnn", "--plan", str(out / "plan.json"), "--out", str(tmp_path))
-    assert bench.returncode == 2 and len(bench.stderr.strip().splitlines()) == 1, bench.stderr
-    assert "prune-channels.pt cannot be read as a torch file" in bench.stderr
+    damaged = tmp_path / "digits-cnn"  # a damaged checkpoint: one line, exit 2, nothing measured
+    shutil.copytree(out, damaged)
+    (damaged / "prune-channels.pt").write_bytes(b"corrupt")
+    refused = cli_in_process("bench", "digits-cnn", "--plan", str(damaged / "plan.json"), "--out", str(tmp_path))
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "prune-channels.pt cannot be read as a torch file" in refused.stderr
 
 
 def test_optimize_user_factory(tmp_path):
@@ -309,3 +315,25 @@ def test_nan_under_low_precision_is_rejected(tmp_path):
     rows = {r["label"]: r for r in json.loads((tmp_path / "nan_when_low_precision" / "results.json").read_text())["rows"]}
     assert not rows["bf16"]["kept"] and "non-finite" in rows["bf16"]["reason"]
     assert json.loads((tmp_path / "nan_when_low_precision" / "plan.json").read_text())["techniques"] == []
+
+
+def test_a_table_whose_columns_have_minimum_widths_is_drawn_within_100_columns():
+    """rich drew this table (a technique name of 14 letters, words that do not wrap) 101 columns wide when given 99."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from overdrive.core.report import print_table
+
+    table = Table(title="overdrive optimize digits-cnn")
+    for col in ("technique", "kept?", "p50/p90 ms", "speedup", "samples/s\n% roof", "peak mem", "fidelity"):
+        table.add_column(col, min_width={"technique": 14, "p50/p90 ms": 7}.get(col),
+                         no_wrap=col in ("samples/s\n% roof", "peak mem"))
+    table.add_row("prune-channels", "yes", "9.66 / 10.66", "2.42× [2.06,\n2.85]", "184,931.7\n26% comp", "884.6 MiB",
+                  "acc 100.00%, top-1 agree 0.9944")
+    table.add_row("+ int8-dynamic", "no: alternative to bf16, already kept", "", "", "", "", "")
+    out = io.StringIO()
+    print_table(Console(file=out, width=100, soft_wrap=True), table)
+    lines = out.getvalue().splitlines()
+    assert max(len(line) for line in lines) == 100 and "prune-channels" in out.getvalue()

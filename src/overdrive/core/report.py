@@ -60,11 +60,22 @@ def make_console() -> Console:
 
 
 def print_table(console: Console, table) -> None:
-    """Print a rich Table within the console's width: rich 15 collapses a table that is too wide to
-    one column past the width (and crops its last border), so it gets the width minus one then."""
+    """Print a rich Table within the console's width: rich 15 collapses a table that is too wide to one or two
+    columns past the width when some columns have a minimum width (and crops its last border), so the width it
+    is given is lowered until what it draws fits."""
     if table.width is None and console.measure(table).maximum >= console.width:
         table.width = console.width - 1
+        while table.width > console.width // 2 and _drawn_width(console, table) > console.width:
+            table.width -= 1
     console.print(table)
+
+
+def _drawn_width(console: Console, table) -> int:
+    """The widest line `table` draws when nothing crops it."""
+    from rich.segment import Segment
+
+    lines = console.render_lines(table, console.options.update_width(2 * console.width), pad=False)
+    return max((Segment.get_line_length(line) for line in lines), default=0)
 
 
 def environment() -> dict:
