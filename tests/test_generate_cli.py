@@ -166,3 +166,17 @@ def test_a_hand_edited_generation_plan_is_refused_by_name(change, message):
     plan = {**GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=4).to_dict(), **change}
     with pytest.raises(ConfigError, match=message):
         GenerationPlan.from_dict(plan)
+
+
+@pytest.mark.parametrize("argv", [["bench", "digits-cnn", "--plan", "PLAN", "--out", "OUT"], ["serve", "PLAN"],
+                                  ["export", "PLAN", "--format", "onnx", "--out", "OUT"]], ids=["bench", "serve", "export"])
+def test_a_generation_plan_given_where_a_one_pass_plan_goes_is_named_for_what_it_is(argv, tmp_path):
+    """Not "plan version None is not 1" after the model was built."""
+    from tests.fixtures.cli import cli_in_process
+
+    plan = tmp_path / "plan.json"
+    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=4).save(plan)
+    result = cli_in_process(*[{"PLAN": str(plan), "OUT": str(tmp_path / "out")}.get(word, word) for word in argv])
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "is a plan for generating text with 'pydoc-lm'" in result.stderr
+    assert f"overdrive bench pydoc-lm --plan {plan}" in result.stderr

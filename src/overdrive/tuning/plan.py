@@ -81,6 +81,9 @@ class Plan:
         """Raises ValueError (or KeyError/TypeError) for anything that is not a valid plan."""
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        if "kind" in data:  # `generate.plan.GenerationPlan` writes one; a one-pass plan has none
+            raise ValueError(f"a {data['kind']} plan for {data.get('workload')!r}, not one for a model that answers in "
+                             "one forward pass")
         if data.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {data.get('version')!r} is not {PLAN_VERSION}")
         if not isinstance(data.get("batch_size"), int) or data["batch_size"] < 1:
@@ -127,6 +130,10 @@ class Plan:
         """
         try:
             data = json.loads(Path(path).read_text())
+            if isinstance(data, dict) and data.get("kind") == "generation":
+                raise PlanError(f"{arg(argument, path)} is a plan for generating text with {data.get('workload')!r}: "
+                                f"`overdrive bench {data.get('workload')} --plan {path}` and `overdrive run {path}` take "
+                                "it; serving generation is not built yet")
             plan = cls.from_dict(data)
             plan.steps = _map_checkpoints(plan.steps, lambda p: str(Path(path).parent / p))  # relative to the plan
             plan.workload = _model_file(plan.workload, data.get("workload_file"), Path(path).parent, argument, path)
