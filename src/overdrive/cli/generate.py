@@ -35,7 +35,7 @@ def refuse_one_pass_flags(args) -> None:
 def optimize_main(args, argv: list[str]) -> int:
     from overdrive.core import devices
     from overdrive.core.report import make_console, print_table
-    from overdrive.tuning.generation import optimize_builtin_lm
+    from overdrive.tuning.generation import optimize_named_lm, output_folder
 
     refuse_one_pass_flags(args)
     if args.min_fidelity != 0.99:
@@ -43,7 +43,7 @@ def optimize_main(args, argv: list[str]) -> int:
                           f"tokens changed, KL and perplexity)")
     console = make_console()
     device = devices.resolve_device(args.device)
-    out = Path(args.out) / args.workload
+    out = output_folder(args.out, args.workload)
     if (out / "plan.json").exists() and not args.overwrite:
         raise ConfigError(f"{out / 'plan.json'} exists (a plan optimize wrote before); pass {arg('overwrite')} to "
                           f"replace it, or {arg('out')} for another folder")
@@ -51,7 +51,7 @@ def optimize_main(args, argv: list[str]) -> int:
     console.print(f"[bold]overdrive optimize {args.workload}[/] on {devices.describe(device)}, batch size {batch}, "
                   f"{args.max_new_tokens} new tokens per sequence (greedy); judged on held-out prompts and sentences", highlight=False)
     started = time.perf_counter()
-    result = optimize_builtin_lm(
+    result = optimize_named_lm(
         args.workload, device=device, lossless=args.lossless, techniques=args.techniques, batch_size=batch,
         min_gain=args.min_gain, max_new_tokens=args.max_new_tokens, out=args.out,
         progress=lambda what: console.print(f"  measuring {what} ({time.perf_counter() - started:.0f} s)", highlight=False),
@@ -65,6 +65,11 @@ def optimize_main(args, argv: list[str]) -> int:
                   "probe: prompts whose tokens differ alone and in a batch", style="dim", highlight=False, soft_wrap=True)
     for line in reasons_in_full(result):
         console.print(f"  {line}", highlight=False, soft_wrap=True)
+    if "prompts" in workload.facts:  # a user's LM: what it was judged on
+        console.print(f"prompts: {workload.facts['prompts']}; calibration and perplexity: CPython reference sentences",
+                      highlight=False, soft_wrap=True)
+    if "note" in workload.facts:
+        console.print(f"[yellow]note: {workload.facts['note']}[/]", highlight=False, soft_wrap=True)
     for warning in result.warnings:
         console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
     plan = result.plan

@@ -415,7 +415,8 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
              input_shape: tuple[int, ...] | None = None, input_dtype: str | torch.dtype = "float32",
              text_field: str | None = None, weights: str | Path | None = None, output: str | list[str] | None = None,
              dynamic_dims: dict | None = None, time_budget_s: float | None = None,
-             progress: Progress | None = None, max_new_tokens: int | None = None) -> OptimizeResult:
+             progress: Progress | None = None, max_new_tokens: int | None = None, tokenizer=None,
+             prompts: list[str] | None = None) -> OptimizeResult:
     """Measure `model` eager in fp32, then with each technique alone, compose the winners in
     canonical order (batching → prune → precision → graph → compile → runtime), roll back any
     step that is not faster or breaks the accuracy budget, and return the plan with the table.
@@ -468,12 +469,14 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             what is left is reported untried with its estimate. None: the default
             (`DEFAULT_TIME_BUDGET_S`); 0: no limit, everything is tried.
         progress: called before each measurement as progress(description, done, expected).
-        max_new_tokens: for a causal LM (`"pydoc-lm"`): greedy tokens per sequence in the timings
-            (default 32).
+        max_new_tokens: for a causal LM: greedy tokens per sequence in the timings (default 32).
+        tokenizer, prompts: a Hugging Face causal LM (Llama, Mistral, Qwen2) passed as `model` is optimized for
+            generation with its tokenizer, judged and timed on `prompts` (a list of strings; None: CPython text).
 
     Returns:
         An OptimizeResult: `.table` (the per-technique rows), `.model` (the optimized module),
-        `.plan`, `.save(folder)`. For a causal LM (`"pydoc-lm"`), a `generate.tune.GenerationResult`:
+        `.plan`, `.save(folder)`. For a causal LM (`"pydoc-lm"`, a factory of one, a model with `tokenizer`),
+        a `generate.tune.GenerationResult`:
         `.rows`, `.plan` (a `GenerationPlan`), `.generator` (`gen.generate(prompts, params)`); of
         the arguments above it takes device, lossless, techniques, batch_size (default 1),
         min_gain, out and progress.
@@ -487,11 +490,11 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
     """
     from overdrive.workloads.generation import is_generation_workload
 
-    if is_generation_workload(model):
+    if is_generation_workload(model) or tokenizer is not None or prompts is not None:
         from overdrive.tuning.generation import optimize_lm_from_python
 
         return optimize_lm_from_python(
-            model, one_pass={"example_inputs": example_inputs, "data": data, "metric": metric,
+            model, tokenizer=tokenizer, prompts=prompts, one_pass={"example_inputs": example_inputs, "data": data, "metric": metric,
                              "max_accuracy_drop": max_accuracy_drop, "num_samples": num_samples,
                              "prune_ratio": prune_ratio, "finetune_steps": finetune_steps,
                              "sweep_batch_sizes": sweep_batch_sizes, "input_shape": input_shape,

@@ -1,57 +1,84 @@
-"""`optimize` for a built-in causal LM, shared by `overdrive.optimize("pydoc-lm")` and `overdrive optimize pydoc-lm`:
-the workload built, `generate.tune.optimize_generation` run, the plan and results written."""
+"""`optimize` for a causal LM, shared by `overdrive.optimize(...)` and `overdrive optimize ...`: the workload built
+(the built-in pydoc-lm, a `package.module:factory` returning (model, tokenizer), or a model and tokenizer passed in
+Python), `generate.tune.optimize_generation` run, the plan and results written."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
+from torch import nn
+
 from overdrive.core import devices
 from overdrive.core.errors import ConfigError, arg
 from overdrive.core.report import environment, write_results
+from overdrive.generate.workload import GenerationWorkload
 
 
-def optimize_builtin_lm(name: str, *, device="auto", lossless: bool = False, techniques: list[str] | None = None,
-                        batch_size: int | None = None, min_gain: float = 1.02, max_new_tokens: int | None = None,
-                        out: str | Path | None = None, progress: Callable[[str], None] = lambda _: None,
-                        log: Callable[[str], None] | None = None, command: str | None = None):
-    """Runs `optimize_generation` on the built-in generation workload `name` (batch 1 and 32 new tokens unless
-    given; `lossless`: the exact techniques only) and writes OUT/<name>/plan.json and results.json when `out` is
-    given. Returns the `GenerationResult`.
+def output_folder(out: str | Path, spec: str) -> Path:
+    """OUT/<name>: the built-in's name, or a factory's as `overdrive optimize` names any factory's folder."""
+    from overdrive.workloads.user import factory_name
+
+    return Path(out) / (factory_name(spec) if ":" in spec and not spec.startswith("<") else spec)
+
+
+def optimize_named_lm(spec: str, *, out: str | Path | None = None, log: Callable[[str], None] | None = None, **kwargs):
+    """`optimize_lm` on the generation workload `spec` names ("pydoc-lm", or "package.module:factory"), its files
+    written to `output_folder(out, spec)`.
 
     Raises:
-        ConfigError: an unknown technique (before the model is built), a batch size above the prompts."""
-    from overdrive.generate.tune import EXACT, TECHNIQUES, check_techniques, optimize_generation
+        ConfigError, WorkloadError: as `create_generation_workload` and `optimize_lm`."""
+    from overdrive.generate.tune import check_techniques
     from overdrive.workloads.generation import create_generation_workload
+
+    check_techniques(kwargs.get("techniques"))  # before the model is built
+    return optimize_lm(create_generation_workload(spec, log=log),
+                       folder=output_folder(out, spec) if out is not None else None, **kwargs)
+
+
+def optimize_lm(workload: GenerationWorkload, *, folder: Path | None = None, device="auto", lossless: bool = False,
+                techniques: list[str] | None = None, batch_size: int | None = None, min_gain: float = 1.02,
+                max_new_tokens: int | None = None, progress: Callable[[str], None] = lambda _: None,
+                command: str | None = None):
+    """Runs `optimize_generation` on `workload` (batch 1 and 32 new tokens unless given; `lossless`: the exact
+    techniques only) and writes FOLDER/plan.json and results.json when `folder` is given. Returns the
+    `GenerationResult`.
+
+    Raises:
+        ConfigError: an unknown technique, a batch size above the prompts."""
+    from overdrive.generate.tune import EXACT, TECHNIQUES, check_techniques, optimize_generation
 
     check_techniques(techniques)
     if lossless:
         techniques = [t for t in (techniques or TECHNIQUES) if t in EXACT]
-    workload = create_generation_workload(name, log=log)
     result = optimize_generation(workload, device=str(devices.resolve_device(str(device))), batch_size=batch_size or 1,
                                  new_tokens=max_new_tokens or 32, techniques=techniques, min_gain=min_gain,
                                  progress=progress)
-    if out is not None:
-        folder = Path(out) / name
+    if folder is not None:
         result.plan.save(folder / "plan.json")
         write_results(folder / "results.json", {**result.to_dict(), "environment": environment(),
                                                 **({"command": command} if command else {})})
     return result
 
 
-def optimize_lm_from_python(name: str, *, one_pass: dict, progress=None, techniques: list[str] | None = None, **kwargs):
-    """`overdrive.optimize(name)` for a built-in causal LM: `one_pass` holds `optimize`'s arguments that mean nothing
-    for one (refused when given; `min_fidelity` when not its default 0.99); `progress(description, done, expected)`
-    as `optimize` calls it; the rest as `optimize_builtin_lm`.
+def optimize_lm_from_python(model, *, one_pass: dict, tokenizer=None, prompts: list[str] | None = None, progress=None,
+                            techniques: list[str] | None = None, out: str | Path | None = None, **kwargs):
+    """`overdrive.optimize(...)` for a causal LM: `model` a generation workload's name, or a Hugging Face causal LM
+    passed with its `tokenizer` (and your `prompts`, judged and timed); `one_pass` holds `optimize`'s arguments
+    that mean nothing for one (refused when given; `min_fidelity` when not its default 0.99); `progress(description,
+    done, expected)` as `optimize` calls it; the rest as `optimize_lm`.
 
     Raises:
-        ConfigError: a one-pass argument given, or as `optimize_builtin_lm`."""
-    from overdrive.generate.tune import TECHNIQUES
+        ConfigError: a one-pass argument given, a tokenizer without a causal LM or the reverse, or as `optimize_lm`.
+        WorkloadError: a model overdrive's decoder does not take."""
+    from overdrive.generate.tune import TECHNIQUES, check_techniques
+    from overdrive.workloads.generation import PYTHON_LM_PREFIX, is_causal_lm, lm_workload
 
     given = [n for n, value in one_pass.items() if value is not None and (n != "min_fidelity" or value != 0.99)]
     if given:
-        raise ConfigError(f"{', '.join(arg(n) for n in given)}: not for a causal LM ({name} is judged by its held-out "
-                          f"prompts: greedy tokens, KL and perplexity)")
+        raise ConfigError(f"{', '.join(arg(n) for n in given)}: not for a causal LM (it is judged by its prompts: "
+                          f"greedy tokens, KL and perplexity against fp32)")
+    check_techniques(techniques)
     done = [0]
 
     def step(description: str) -> None:
@@ -59,4 +86,18 @@ def optimize_lm_from_python(name: str, *, one_pass: dict, progress=None, techniq
             progress(description, done[0], len(techniques or TECHNIQUES) + 2)
             done[0] += 1
 
-    return optimize_builtin_lm(name, techniques=techniques, progress=step, **kwargs)
+    if isinstance(model, str):
+        if tokenizer is not None or prompts is not None:
+            raise ConfigError(f"{arg('tokenizer')} and {arg('prompts')} go with a model passed in Python; {model!r} "
+                              "brings its own")
+        return optimize_named_lm(model, techniques=techniques, progress=step, out=out, **kwargs)
+    if not (isinstance(model, nn.Module) and is_causal_lm(model)):
+        raise ConfigError(f"{arg('tokenizer')} and {arg('prompts')} are for a Hugging Face causal LM (one that "
+                          f"generates); got {type(model).__name__}")
+    if tokenizer is None:
+        raise ConfigError(f"{arg('tokenizer')}: a causal LM needs its tokenizer (overdrive.optimize(model, "
+                          "tokenizer=tok, prompts=...))")
+    name = type(model).__name__
+    workload = lm_workload(f"{PYTHON_LM_PREFIX}{name}>", model, tokenizer, prompts)
+    return optimize_lm(workload, folder=Path(out) / name if out is not None else None, techniques=techniques,
+                       progress=step, **kwargs)

@@ -311,13 +311,20 @@ def _rows_of(name: str, data: Iterable, example: tuple[torch.Tensor, ...],
     return rows
 
 
-def build_from_import_path(spec: str, *, dynamic_dims: dict | None = None) -> Workload:
-    """Import `package.module:factory` and call it with no arguments.
+_CALLED: dict[str, tuple[object, str]] = {}  # a factory's result kept for the next call (see `call_factory`)
+
+
+def call_factory(spec: str, *, keep: bool = False) -> tuple[object, str]:
+    """Import `package.module:factory`, call it with no arguments: (what it returned, the workload's name: the
+    factory's, or its module's for one named `build`). `keep`: the result is also kept for the next call with
+    this spec, which takes it instead of calling again (a command that looks at what a factory makes before
+    choosing its path builds the model once).
 
     Raises:
-        WorkloadError: the module does not import, the attribute is missing, or the factory
-            returns something other than a Workload or a (model, example_input) pair.
+        WorkloadError: the module does not import, the attribute is missing or not callable, the factory fails.
     """
+    if spec in _CALLED:
+        return _CALLED.pop(spec)
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise WorkloadError(f"{spec!r} is not an import path; expected 'package.module:factory'")
@@ -334,7 +341,26 @@ def build_from_import_path(spec: str, *, dynamic_dims: dict | None = None) -> Wo
         made = factory()
     except (Exception, SystemExit) as exc:  # noqa: BLE001
         raise WorkloadError(f"{spec}() failed: {one_line(exc)}") from None
-    name = attr if attr != "build" else module_name.rsplit(".", 1)[-1]
+    result = (made, factory_name(spec))
+    if keep:
+        _CALLED[spec] = result
+    return result
+
+
+def factory_name(spec: str) -> str:
+    """The workload's name for `package.module:factory`: the factory's, or its module's for one named `build`."""
+    module_name, _, attr = spec.partition(":")
+    return attr if attr != "build" else module_name.rsplit(".", 1)[-1]
+
+
+def build_from_import_path(spec: str, *, dynamic_dims: dict | None = None) -> Workload:
+    """Import `package.module:factory` and call it with no arguments.
+
+    Raises:
+        WorkloadError: the module does not import, the attribute is missing, or the factory
+            returns something other than a Workload or a (model, example_input) pair.
+    """
+    made, name = call_factory(spec)
     if dynamic_dims and not (isinstance(made, tuple) and len(made) == 2 and not is_tokenizer(made[1])):
         raise ConfigError(f"{arg('dynamic_dims')} applies to a (model, example) factory; {spec}() brings its own rows "
                           "(a Workload, or a tokenizer that pads)")

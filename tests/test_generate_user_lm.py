@@ -1,0 +1,89 @@
+"""A user's own Hugging Face causal LM: from Python (`overdrive.optimize(model, tokenizer=, prompts=)`) and as a
+`package.module:factory` through optimize, bench and run; what does not fit is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import overdrive
+from overdrive import cli
+from overdrive.core.errors import ConfigError, WorkloadError
+from overdrive.generate import SamplingParams
+from overdrive.generate.plan import GenerationPlan, build_generator
+from tests.fixtures import lm_models
+
+PROMPTS = ["A list is", "The dictionary maps", "Return the value of", "An iterator"]
+
+
+def test_a_causal_lm_passed_in_python_is_optimized_for_generation_on_your_prompts(tmp_path):
+    model, tok = lm_models.build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = overdrive.optimize(model, tokenizer=tok, prompts=PROMPTS, techniques=["kv-int8"], max_new_tokens=4,
+                                device="cpu", out=tmp_path)
+    rows = {r.technique: r for r in result.rows}
+    assert result.rows[0].status == "baseline" and rows["kv-int8"].fidelity is not None  # judged
+    assert result.workload.facts["prompts"] == "4 of yours"
+    assert result.plan.workload == "<python causal LM LlamaForCausalLM>"
+    assert (tmp_path / "LlamaForCausalLM" / "plan.json").exists()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # your model is not changed
+    # the generator it returns is the plan's, on the model as given
+    params = SamplingParams(max_new_tokens=4)
+    again = build_generator(model, tok, result.plan.steps, device="cpu")
+    assert [o.token_ids for o in result.generator.generate(PROMPTS[:2], params)] == \
+        [o.token_ids for o in again.generate(PROMPTS[:2], params)]
+    # a plan of a model passed in Python cannot be rebuilt by name: run says how to use it
+    with pytest.raises(WorkloadError, match="passed in Python"):
+        from overdrive.workloads.generation import create_generation_workload
+
+        create_generation_workload(result.plan.workload)
+
+
+def test_a_factory_of_a_causal_lm_goes_through_optimize_bench_and_run(tmp_path, capsys):
+    spec = "tests.fixtures.lm_models:build"
+    assert cli.main(["optimize", spec, "--device", "cpu", "--techniques", "kv-int8", "--max-new-tokens", "4",
+                     "--out", str(tmp_path)]) == 0
+    folder = tmp_path / "lm_models"  # named as any factory's folder is
+    plan = GenerationPlan.load(folder / "plan.json")
+    assert plan.workload == spec and "kv-int8" in capsys.readouterr().out
+    assert cli.main(["bench", spec, "--plan", str(folder / "plan.json"), "--batch-sizes", "1", "--new-tokens", "4",
+                     "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["run", str(folder / "plan.json"), "--input", str(source), "--output", str(out),
+                     "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    model, tok = lm_models.build()
+    gen = build_generator(model, tok, plan.steps, device="cpu")
+    expected = [gen.generate([p], SamplingParams(max_new_tokens=4, stop_token_ids=tok.eos_token_id))[0].token_ids
+                for p in PROMPTS]
+    assert [r["token_ids"] for r in rows] == expected
+
+
+def test_a_text_encoder_factory_still_takes_the_one_pass_path():
+    from overdrive.workloads.generation import is_generation_workload
+    from overdrive.workloads.user import build_from_import_path
+
+    assert not is_generation_workload("tests.fixtures.hf_models:bert_classifier")
+    assert build_from_import_path("tests.fixtures.hf_models:bert_classifier").is_text  # built from the kept call
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: overdrive.optimize(lm_models.build()[0], prompts="A list is", tokenizer=lm_models.tokenizer()),
+     ConfigError, "a non-empty list of non-empty strings"),
+    (lambda: overdrive.optimize(torch.nn.Linear(2, 2), tokenizer=lm_models.tokenizer()), ConfigError,
+     "for a Hugging Face causal LM"),
+    (lambda: overdrive.optimize(lm_models.build()[0], prompts=["A list is"]), ConfigError, "needs its tokenizer"),
+    (lambda: overdrive.optimize(*lm_models.gpt2(), tokenizer=lm_models.tokenizer()), ConfigError,
+     "not for a causal LM"),
+    (lambda: overdrive.optimize(lm_models.gpt2()[0], tokenizer=lm_models.tokenizer()), WorkloadError,
+     "takes the llama, mistral, qwen2 families; this model is 'gpt2'"),
+    (lambda: overdrive.optimize("pydoc-lm", prompts=["A list is"]), ConfigError, "brings its own"),
+], ids=["prompts-a-string", "not-an-lm", "no-tokenizer", "example-inputs", "gpt2", "builtin-with-prompts"])
+def test_what_does_not_fit_is_refused_by_name(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
