@@ -164,8 +164,8 @@ def test_optimize_prune_then_bench_reuses_the_pruned_weights(digits_run, tmp_pat
 
 
 def test_optimize_user_factory(tmp_path):
-    result = run_cli("optimize", "tests.fixtures.user_models:build", "--batch-size", "16",
-                     "--techniques", "inference-mode,bf16", "--out", str(tmp_path), "--sweep-batch-sizes", "16")
+    result = cli_in_process("optimize", "tests.fixtures.user_models:build", "--batch-size", "16",
+                            "--techniques", "inference-mode,bf16", "--out", str(tmp_path), "--sweep-batch-sizes", "16")
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "user_models" / "plan.json").read_text())["batch_size"] == 16
 
@@ -176,16 +176,16 @@ def test_optimize_saved_files(tmp_path):
     model, example = build()
     program = torch.export.export(model, (example,))
     torch.export.save(program, tmp_path / "mlp.pt2")
-    result = run_cli("optimize", str(tmp_path / "mlp.pt2"), "--techniques", "bf16", "--out", str(tmp_path),
-                     "--sweep-batch-sizes", "4")
+    result = cli_in_process("optimize", str(tmp_path / "mlp.pt2"), "--techniques", "bf16", "--out", str(tmp_path),
+                            "--sweep-batch-sizes", "4")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "mlp" / "plan.json").exists()
 
     torch.jit.save(torch.jit.trace(model, example), tmp_path / "mlp_ts.pt")
     missing_shape = cli_in_process("optimize", str(tmp_path / "mlp_ts.pt"))
     assert missing_shape.returncode == 2 and "--input-shape" in missing_shape.stderr
-    result = run_cli("optimize", str(tmp_path / "mlp_ts.pt"), "--input-shape", "4,16", "--techniques", "bf16",
-                     "--out", str(tmp_path), "--sweep-batch-sizes", "4")
+    result = cli_in_process("optimize", str(tmp_path / "mlp_ts.pt"), "--input-shape", "4,16", "--techniques", "bf16",
+                            "--out", str(tmp_path), "--sweep-batch-sizes", "4")
     assert result.returncode == 0, result.stderr
 
 
@@ -285,7 +285,7 @@ def test_static_batch_export_runs_at_its_batch_size_only(tmp_path):
 
     model, example = build()
     torch.export.save(torch.export.export(model, (example,)), tmp_path / "static.pt2")  # batch 4, static
-    result = run_cli("optimize", str(tmp_path / "static.pt2"), "--techniques", "bf16", "--out", str(tmp_path))
+    result = cli_in_process("optimize", str(tmp_path / "static.pt2"), "--techniques", "bf16", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     sweep = json.loads((tmp_path / "static" / "results.json").read_text())["sweep"]
     assert {p["batch_size"] for points in sweep.values() for p in points} == {4}
@@ -295,7 +295,7 @@ def test_static_batch_export_runs_at_its_batch_size_only(tmp_path):
 
 def test_fixed_batch_model_runs_at_its_own_batch_size(tmp_path):
     """A model that runs only at its example's batch size: optimize holds itself (and the sweep) to it."""
-    result = run_cli("optimize", "tests.fixtures.user_models:fixed_batch", "--techniques", "bf16,onnxruntime", "--out", str(tmp_path))
+    result = cli_in_process("optimize", "tests.fixtures.user_models:fixed_batch", "--techniques", "bf16,onnxruntime", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     sweep = json.loads((tmp_path / "fixed_batch" / "results.json").read_text())["sweep"]
     assert {p["batch_size"] for points in sweep.values() for p in points} == {4}
@@ -309,8 +309,8 @@ def test_model_failing_during_the_baseline_is_one_line(tmp_path):
 
 
 def test_nan_under_low_precision_is_rejected(tmp_path):
-    result = run_cli("optimize", "tests.fixtures.user_models:nan_when_low_precision", "--techniques", "bf16",
-                     "--min-gain", "0.01", "--out", str(tmp_path), "--sweep-batch-sizes", "4")
+    result = cli_in_process("optimize", "tests.fixtures.user_models:nan_when_low_precision", "--techniques", "bf16",
+                            "--min-gain", "0.01", "--out", str(tmp_path), "--sweep-batch-sizes", "4")
     assert result.returncode == 0, result.stderr
     rows = {r["label"]: r for r in json.loads((tmp_path / "nan_when_low_precision" / "results.json").read_text())["rows"]}
     assert not rows["bf16"]["kept"] and "non-finite" in rows["bf16"]["reason"]

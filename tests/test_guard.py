@@ -81,8 +81,8 @@ def test_random_rows_of_token_ids_cover_the_vocabulary_the_model_takes():
 def test_data_file_on_the_command_line_is_what_is_judged(tmp_path):
     rows = tmp_path / "rows.npy"
     np.save(rows, guard_models.raw_feature_rows(40, seed=3).numpy())
-    result = run_cli("optimize", "tests.fixtures.guard_models:plain", "--data", str(rows), "--techniques", "int8-dynamic",
-                     "--sweep-batch-sizes", "4", "--device", "cpu", "--out", str(tmp_path / "out"))
+    result = cli_in_process("optimize", "tests.fixtures.guard_models:plain", "--data", str(rows), "--techniques",
+                            "int8-dynamic", "--sweep-batch-sizes", "4", "--device", "cpu", "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     assert "fidelity on your data (40 rows)" in result.stdout
     results = json.loads((tmp_path / "out" / "plain" / "results.json").read_text())
@@ -223,8 +223,8 @@ def test_a_zero_budget_keeps_lossless_techniques_only(conv_workload, guard):
 
 
 def test_lossless_on_the_command_line(tmp_path):
-    result = run_cli("optimize", "tests.fixtures.guard_models:plain", "--lossless", "--techniques", "int8-dynamic,bf16",
-                     "--sweep-batch-sizes", "4", "--device", "cpu", "--out", str(tmp_path))
+    result = cli_in_process("optimize", "tests.fixtures.guard_models:plain", "--lossless", "--techniques",
+                            "int8-dynamic,bf16", "--sweep-batch-sizes", "4", "--device", "cpu", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     plan = json.loads((tmp_path / "plain" / "plan.json").read_text())
     assert plan["techniques"] == []
