@@ -208,10 +208,12 @@ def test_cli_refuses_bad_degrees_before_launching(tmp_path):
     result = run_cli("tests.fixtures.train_models:mlp", "--device", "cpu", "--nproc", "1", "--strategy", "ddp", "--steps", "1",
                      "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr  # ddp at 1 process is allowed (the code path, no peers)
-    result = run_cli("tests.fixtures.train_models:mlp", "--device", "cpu", "--strategy", "none", "--nproc", "2")
+    from tests.fixtures.cli import cli_in_process
+
+    result = cli_in_process("train", "tests.fixtures.train_models:mlp", "--device", "cpu", "--strategy", "none", "--nproc", "2")
     assert result.returncode == 2 and "runs one process" in result.stderr and "Traceback" not in result.stderr
-    result = run_cli("tests.fixtures.train_models:mlp", "--device", "cpu", "--strategy", "pipeline", "--nproc", "2",
-                     "--microbatches", "1")
+    result = cli_in_process("train", "tests.fixtures.train_models:mlp", "--device", "cpu", "--strategy", "pipeline",
+                            "--nproc", "2", "--microbatches", "1")
     assert result.returncode == 2 and "use --microbatches ≥ 2" in result.stderr
     assert time.monotonic() - start < 120
 
