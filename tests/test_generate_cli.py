@@ -95,6 +95,16 @@ def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_res
     assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu",
                      "--resume"]) == 0
     assert sorted(out.read_text().splitlines()) == sorted(full.splitlines())
+    capsys.readouterr()
+    # a resume against another input, or another default length, would mix two runs: refused by name
+    source.write_text(source.read_text().replace("A list is", "A tuple is"))
+    assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu",
+                     "--resume"]) == 2
+    assert "written with another input_sha256" in capsys.readouterr().err
+    source.write_text(source.read_text().replace("A tuple is", "A list is"))
+    assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu",
+                     "--resume", "--max-new-tokens", "9"]) == 2
+    assert "written with another max_new_tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -17,6 +17,7 @@ import shlex
 import time
 from pathlib import Path
 
+from overdrive.core.digest import file_sha256
 from overdrive.core.errors import ConfigError, arg
 
 # Flags of `optimize` / `bench` that mean nothing for a causal LM, with the value that says "not given".
@@ -251,6 +252,26 @@ PARAM_FIELDS = {"max_tokens": "max_new_tokens", "max_new_tokens": "max_new_token
                 "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop"}
 
 
+def _claim(manifest_path: Path, done: set[int], manifest: dict) -> None:
+    """A fresh run writes what its completions depend on to MANIFEST; a resumed one (records `done`) must share it.
+
+    Raises:
+        ConfigError: a resume whose input, plan, default max tokens, text field or device type differ from the first
+            run's, or whose first run left no manifest."""
+    if not done:
+        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+        return
+    try:
+        before = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"{arg('resume')}: {manifest_path} is missing or unreadable, so the output cannot be told to "
+                          f"come from this input and plan; pass {arg('overwrite')} to start again") from None
+    changed = [key for key in manifest if before.get(key) != manifest[key]]
+    if changed:
+        raise ConfigError(f"{arg('resume')}: the output was written with another {', '.join(changed)} "
+                          f"({manifest_path}); resuming would mix two runs' completions; pass {arg('overwrite')} to start again")
+
+
 def run_main(args) -> int:
     """`overdrive run PLAN.json --input prompts.jsonl --output completions.jsonl` for a generation plan."""
     from overdrive.core import devices
@@ -271,17 +292,21 @@ def run_main(args) -> int:
     if not source.is_file():
         raise ConfigError(f"{arg('input', str(source))}: no such file")
     errors_path = output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
+    manifest_path = output.with_name(output.name.removesuffix(".jsonl") + ".manifest.json")
     done = set()
     if output.exists() or errors_path.exists():
         if args.resume:
             done = _indices(output) | _indices(errors_path)
         elif args.overwrite:
-            output.unlink(missing_ok=True)
-            errors_path.unlink(missing_ok=True)
+            for path in (output, errors_path, manifest_path):
+                path.unlink(missing_ok=True)
         else:
             raise ConfigError(f"{output} exists; pass {arg('overwrite')} to replace it or {arg('resume')} to continue it")
     console = make_console()
     device = devices.resolve_device(args.device if args.device != "auto" else plan.device)
+    _claim(manifest_path, done, {"input_sha256": file_sha256(source), "plan_sha256": file_sha256(args.plan),
+                                 "max_new_tokens": args.max_new_tokens or plan.max_new_tokens,
+                                 "text_field": args.text_field or "prompt", "device": device.type})
     batch = args.batch_size if isinstance(args.batch_size, int) else plan.batch_size
     setup_started = time.perf_counter()
     workload = create_generation_workload(plan.workload, log=lambda line: console.print(line, highlight=False))
