@@ -106,7 +106,7 @@ def test_run_and_serve_take_rows_of_any_length(tmp_path):
 
 def test_a_plan_records_the_varying_dimensions(tmp_path):
     from overdrive.cli.args import dynamic_dims, input_dim
-    from overdrive.tuning.api import plan_dims
+    from overdrive.tuning.result import plan_dims
     from overdrive.tuning.plan import Plan
 
     model, example = hf_models.bert_keywords()

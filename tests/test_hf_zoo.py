@@ -15,7 +15,7 @@ from torch import nn
 
 import overdrive
 from overdrive.techniques import default_config
-from overdrive.tuning.api import record_workload
+from overdrive.tuning.result import record_workload
 from overdrive.tuning.plan import Plan
 from overdrive.techniques.compose import build
 from overdrive.workloads.signature import pick_output

@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 # name imports its module on first use.
 _EXPORTS = {
     "optimize": "overdrive.tuning.api", "export": "overdrive.deploy.formats", "load": "overdrive.tuning.reuse", "bench": "overdrive.tuning.reuse",
-    "OptimizeResult": "overdrive.tuning.api", "Plan": "overdrive.tuning.plan", "Measurement": "overdrive.core.measure",
+    "OptimizeResult": "overdrive.tuning.result", "Plan": "overdrive.tuning.plan", "Measurement": "overdrive.core.measure",
     "Workload": "overdrive.core.workload", "list_techniques": "overdrive.techniques", "list_workloads": "overdrive.workloads",
     **{name: "overdrive.core.errors" for name in ("OverdriveError", "ConfigError", "WorkloadError", "PlanError",
                                                   "DataError", "RunAborted")},

@@ -145,7 +145,8 @@ def export(plan: Any, format: str, path: str | Path, *, model: Any = None, name:
 
 def _resolve(plan: Any, model: Any):
     """(Plan, its workload as serve and run build it, the plan file or None)."""
-    from overdrive.tuning.api import PYTHON_MODEL_PREFIX, OptimizeResult, as_workload
+    from overdrive.tuning.api import PYTHON_MODEL_PREFIX, as_workload
+    from overdrive.tuning.result import OptimizeResult
     from overdrive.tuning.plan import Plan, load_plan
     from overdrive.tuning.sweep import open_session
 
