@@ -18,6 +18,11 @@ from tests.fixtures import lm_models
 PROMPTS = ["A list is", "The dictionary maps", "Return the value of", "An iterator"]
 
 
+def _optimize_built(config_overrides: dict, **kwargs):
+    model, tok = lm_models.build(**config_overrides)
+    return overdrive.optimize(model, tokenizer=tok, prompts=PROMPTS, device="cpu", **kwargs)
+
+
 def test_a_causal_lm_passed_in_python_is_optimized_for_generation_on_your_prompts(tmp_path):
     model, tok = lm_models.build()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -83,7 +88,17 @@ def test_a_text_encoder_factory_still_takes_the_one_pass_path():
     (lambda: overdrive.optimize(lm_models.gpt2()[0], tokenizer=lm_models.tokenizer()), WorkloadError,
      "takes the llama, mistral, qwen2 families; this model is 'gpt2'"),
     (lambda: overdrive.optimize("pydoc-lm", prompts=["A list is"]), ConfigError, "brings its own"),
-], ids=["prompts-a-string", "not-an-lm", "no-tokenizer", "example-inputs", "gpt2", "builtin-with-prompts"])
+    # a setting overdrive's decoder would ignore and answer wrongly with (GELU in place of SiLU)
+    (lambda: _optimize_built({"hidden_act": "gelu"}), WorkloadError,
+     "activation 'gelu' is not supported"),
+    (lambda: _optimize_built({"attention_bias": True}), WorkloadError,
+     "attention biases on a Llama"),
+    (lambda: _optimize_built({"vocab_size": 100}), WorkloadError,
+     "beyond the model's vocabulary of 100"),
+    (lambda: _optimize_built({"max_position_embeddings": 16}, max_new_tokens=16), ConfigError,
+     "exceed the model's context of 16"),
+], ids=["prompts-a-string", "not-an-lm", "no-tokenizer", "example-inputs", "gpt2", "builtin-with-prompts", "gelu",
+        "attention-bias", "small-vocabulary", "small-context"])
 def test_what_does_not_fit_is_refused_by_name(call, error, message):
     with pytest.raises(error, match=message):
         call()

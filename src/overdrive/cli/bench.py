@@ -35,7 +35,7 @@ def main(args, argv: list[str]) -> int:
 
         return bench_main(args, args.plan)
     if args.new_tokens is not None or args.prompt_tokens is not None:
-        raise ConfigError(f"{arg('new_tokens')} and {arg('prompt_tokens')}: only for a causal LM (pydoc-lm)")
+        raise ConfigError(f"{arg('new_tokens')} and {arg('prompt_tokens')}: only for a causal LM (pydoc-lm, or a factory that returns a Hugging Face causal LM and its tokenizer)")
     return _main(args, argv)
 
 

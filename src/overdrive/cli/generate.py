@@ -144,6 +144,7 @@ def bench_main(args, plan_path: str) -> int:
     from overdrive.generate.plan import GenerationPlan, build_generator
     from overdrive.generate.roofline import decode_roofline, kv_bytes_per_step, weight_bytes_per_step
     from overdrive.generate.tune import DecodeRunner
+    from overdrive.tuning.generation import output_folder
     from overdrive.workloads.generation import create_generation_workload
 
     refuse_one_pass_flags(args)
@@ -206,7 +207,7 @@ def bench_main(args, plan_path: str) -> int:
         if figures["gain"] and figures["gain"]["uncertain"]:
             console.print(f"[yellow]warning: batch {figures['batch_size']}: the speedup is uncertain: "
                           f"{figures['gain']['uncertain']}[/]", highlight=False, soft_wrap=True)
-    out = Path(args.out) / workload.name
+    out = output_folder(args.out, args.workload)
     write_results(out / "bench.json", {"workload": workload.name, "device": devices.describe(device),
                                        "environment": environment(), "plan": plan.to_dict(), "new_tokens": new_tokens,
                                        "prompt_tokens": args.prompt_tokens, "results": results,

@@ -59,7 +59,7 @@ def main(args, argv: list[str]) -> int:
         args.max_new_tokens = args.max_new_tokens or 32
         return optimize_main(args, argv)
     if args.max_new_tokens is not None:
-        raise ConfigError(f"{arg('max_new_tokens', args.max_new_tokens)}: only for a causal LM (pydoc-lm)")
+        raise ConfigError(f"{arg('max_new_tokens', args.max_new_tokens)}: only for a causal LM (pydoc-lm, or a factory that returns a Hugging Face causal LM and its tokenizer)")
     return _main(args, argv)
 
 

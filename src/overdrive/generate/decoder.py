@@ -54,10 +54,17 @@ class DecoderConfig:
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
             raise ValueError(f"RoPE of type {rope_type!r} is not supported yet (only the default)")
-        if getattr(config, "use_sliding_window", False) or (kind == "mistral" and getattr(config, "sliding_window", None)):
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", False) or (kind == "mistral" and window
+                                                             and window < config.max_position_embeddings):
             raise ValueError("sliding-window attention is not supported yet")
         if getattr(config, "mlp_bias", False):
             raise ValueError("MLP biases are not supported yet")
+        activation = getattr(config, "hidden_act", "silu")
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"the MLP's activation {activation!r} is not supported yet (only SiLU, SwiGLU's)")
+        if kind != "qwen2" and getattr(config, "attention_bias", False):
+            raise ValueError("attention biases on a Llama or Mistral (q/k/v/o projections) are not supported yet")
         heads = config.num_attention_heads
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,

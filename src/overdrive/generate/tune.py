@@ -213,6 +213,13 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
                             and other_batch_size <= len(workload.prompts) else [])
     hf, tok = workload.model, workload.tokenizer
     judge_prompts = workload.prompts[:guard_prompts]
+    guard_tokens = max(2, min(guard_tokens, new_tokens))  # never more than the user's answers are long
+    context = getattr(hf.config, "max_position_embeddings", None)
+    longest = max(len(p) for p in workload.prompts)
+    if context is not None and longest + max(new_tokens, guard_tokens) > context:
+        raise ConfigError(f"{arg('max_new_tokens', new_tokens)}: the longest prompt ({longest} tokens) and "
+                          f"{max(new_tokens, guard_tokens)} new tokens exceed the model's context of {context} "
+                          "positions; give shorter prompts or fewer new tokens")
 
     def generator(steps: list[dict], batch: int = 16) -> Generator:
         return build_generator(hf, tok, steps, device=device, max_batch_size=batch)

@@ -308,7 +308,7 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             device=device, lossless=lossless, techniques=techniques, batch_size=batch_size, min_gain=min_gain,
             max_new_tokens=max_new_tokens, out=out, progress=progress)
     if max_new_tokens is not None:
-        raise ConfigError(f"{arg('max_new_tokens', max_new_tokens)}: only for a causal LM (\"pydoc-lm\")")
+        raise ConfigError(f"{arg('max_new_tokens', max_new_tokens)}: only for a causal LM (\"pydoc-lm\", a factory of one, or a model with its tokenizer)")
     return OptimizeJob.prepare(
         model, example_inputs, device=device, data=data, metric=metric, max_accuracy_drop=max_accuracy_drop,
         min_fidelity=min_fidelity, min_gain=min_gain, lossless=lossless, techniques=techniques, batch_size=batch_size,

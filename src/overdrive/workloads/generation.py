@@ -87,8 +87,13 @@ def lm_workload(name: str, model: nn.Module, tokenizer, prompts: list[str] | Non
     encoded = [encode(p) for p in source]
     if not all(encoded):
         raise ConfigError(f"{arg('prompts')}: a prompt the tokenizer turns into no tokens")
-    calibration = [x for x in map(encode, rest[:32]) if len(x) >= 2]
-    held_out = [x for x in map(encode, rest[32:128]) if len(x) >= 2]
+    context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    calibration = [x[:context] for x in map(encode, rest[:32]) if len(x) >= 2]  # the model reads no more
+    held_out = [x[:context] for x in map(encode, rest[32:128]) if len(x) >= 2]
+    highest = max(max(x) for x in encoded + calibration + held_out)
+    if highest >= model.config.vocab_size:
+        raise WorkloadError(f"{name}: the tokenizer gives token id {highest}, beyond the model's vocabulary of "
+                            f"{model.config.vocab_size}: the tokenizer is not the model's")
     facts = {"prompts": f"{len(encoded)} {'of yours' if prompts is not None else 'from CPython reference sentences'}",
              **({"note": notes[0]} if notes else {})}
     return GenerationWorkload(name=name, model=model, tokenizer=tokenizer, prompts=encoded, calibration=calibration,
