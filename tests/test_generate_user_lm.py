@@ -102,3 +102,9 @@ def test_a_text_encoder_factory_still_takes_the_one_pass_path():
 def test_what_does_not_fit_is_refused_by_name(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_sampling_setting_that_is_not_a_number_is_named(field):
+    with pytest.raises(ValueError, match=f"{field} must be a number, got 'hot'"):
+        SamplingParams(**{field: "hot"})

@@ -70,6 +70,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
