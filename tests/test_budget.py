@@ -30,6 +30,12 @@ TECHNIQUES = ["channels-last", "bf16", "inference-mode"]
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """A cache of its own (a fresh history), holding the trained digits-cnn of the real one (trained once)."""
+    from overdrive.workloads.digits import build_digits_cnn
+
+    build_digits_cnn()
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "digits-cnn").symlink_to(cache_mod.cache_root() / "digits-cnn", target_is_directory=True)
     monkeypatch.setenv(cache_mod.CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path / "cache"
 

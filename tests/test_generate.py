@@ -16,16 +16,25 @@ VOCAB = 96
 
 def _hf(kind: str = "llama", **extra):
     """A small random causal LM of `kind` whose logits are peaked enough that fp32 summation order cannot
-    flip a greedy token (weights drawn wider than the default initializer)."""
+    flip a greedy token (weights drawn wider than the default initializer). "phi3-partial" rotates half of each
+    head (as Phi-4-mini rotates three quarters); GPT-2 ties its LM head to the token embedding."""
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.25, tie_word_embeddings=False)
-    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-              "mistral": transformers.MistralConfig}[kind](**{**common, **extra})
+    if kind == "gpt2":
+        config = transformers.GPT2Config(**{**dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                                   initializer_range=0.25), **extra})
+    elif kind.startswith("phi3"):
+        rope = {"rope_type": "default", "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5 if kind == "phi3-partial" else 1.0}
+        config = transformers.Phi3Config(**{**common, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                            "rope_parameters": rope, **extra})
+    else:
+        config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "mistral": transformers.MistralConfig}[kind](**{**common, **extra})
     if kind == "mistral":
         config.sliding_window = None
     torch.manual_seed(0)
-    model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-             "mistral": transformers.MistralForCausalLM}[kind](config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -47,7 +56,7 @@ def _hf_greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "phi3", "phi3-partial", "gpt2"])
 def test_greedy_tokens_equal_hugging_face_generate_alone_and_in_a_batch_of_mixed_lengths(kind):
     hf = _hf(kind)
     prompts = _prompts(6)
@@ -61,19 +70,22 @@ def test_greedy_tokens_equal_hugging_face_generate_alone_and_in_a_batch_of_mixed
     assert len({len(p) for p in prompts}) > 2  # the batch really mixes lengths
 
 
-def test_the_decoder_gives_hugging_faces_logits():
-    hf = _hf()
-    decoder = Decoder.from_hf(hf)
-    ids = torch.tensor([_prompts(1)[0]])
+@pytest.mark.parametrize("kind", ["llama", "phi3-partial", "gpt2"])
+def test_the_decoder_gives_hugging_faces_logits(kind):
+    _assert_same_logits(_hf(kind))
+
+
+def _assert_same_logits(hf) -> None:
+    """The decoder's logits over one prompt, prefilled at once, against the Hugging Face model's."""
     from overdrive.generate import KVCache
 
-    cache = KVCache(decoder.config, 1, ids.shape[1], device="cpu", dtype=torch.float32)
+    decoder = Decoder.from_hf(hf)
+    ids = torch.tensor([_prompts(1)[0]])
     t = ids.shape[1]
     slots = torch.arange(t)
     mask = (slots[None, :, None] >= slots[None, None, :])[:, None]
-    ours = decoder(ids, slots[None], cache, slots, mask)
-    theirs = hf(input_ids=ids).logits
-    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    ours = decoder(ids, slots[None], KVCache(decoder.config, 1, t, device="cpu", dtype=torch.float32), slots, mask)
+    torch.testing.assert_close(ours, hf(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
@@ -125,10 +137,30 @@ def test_bad_sampling_params_are_refused(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_models_outside_the_llama_family_are_refused_by_name():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
-    with pytest.raises(ValueError, match="this model is 'gpt2'"):
-        Decoder.from_hf(gpt2)
+def test_models_outside_the_families_are_refused_by_name():
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="this model is 'gpt_neox'"):
+        Decoder.from_hf(neox)
+
+
+@pytest.mark.parametrize("kind, extra, message", [
+    ("gpt2", {"activation_function": "relu"}, "activation 'relu' is not supported"),
+    ("gpt2", {"add_cross_attention": True}, "cross-attention"),
+    ("phi3", {"sliding_window": 32}, "sliding-window attention"),
+    ("phi3", {"hidden_act": "gelu"}, "activation 'gelu'"),
+])
+def test_settings_the_decoder_would_not_follow_are_refused(kind, extra, message):
+    """Each would otherwise load and answer wrongly (a GELU read as SiLU, a window ignored, ...)."""
+    with pytest.raises(ValueError, match=message):
+        Decoder.from_hf(_hf(kind, **extra))
+
+
+def test_gpt2_scaled_by_layer_gives_hugging_faces_logits():
+    """`scale_attn_by_inverse_layer_idx` (as some GPT-2 descendants train with): layer i's scores over i + 1."""
+    hf = _hf("gpt2", scale_attn_by_inverse_layer_idx=True)
+    assert Decoder.from_hf(hf).config.attention_scales == (0.25, 0.125)
+    _assert_same_logits(hf)
 
 
 def test_the_compiled_decode_step_gives_the_eager_tokens_and_records_its_timings():

@@ -25,6 +25,7 @@ def _optimize_built(config_overrides: dict, **kwargs):
 
 def test_a_causal_lm_passed_in_python_is_optimized_for_generation_on_your_prompts(tmp_path):
     model, tok = lm_models.build()
+    model.train()  # as a user may hand it over mid-training: judged in eval mode, on a copy
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = overdrive.optimize(model, tokenizer=tok, prompts=PROMPTS, techniques=["kv-int8"], max_new_tokens=4,
                                 device="cpu", out=tmp_path)
@@ -34,6 +35,8 @@ def test_a_causal_lm_passed_in_python_is_optimized_for_generation_on_your_prompt
     assert result.plan.workload == "<python causal LM LlamaForCausalLM>"
     assert (tmp_path / "LlamaForCausalLM" / "plan.json").exists()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # your model is not changed
+    assert model.training  # nor its mode
+    model.eval()
     # the generator it returns is the plan's, on the model as given
     params = SamplingParams(max_new_tokens=4)
     again = build_generator(model, tok, result.plan.steps, device="cpu")
@@ -44,6 +47,29 @@ def test_a_causal_lm_passed_in_python_is_optimized_for_generation_on_your_prompt
         from overdrive.workloads.generation import create_generation_workload
 
         create_generation_workload(result.plan.workload)
+
+
+def test_a_gpt2_generates_as_hugging_face_does_and_goes_through_the_int8_search_and_the_guard():
+    """GPT-2's Conv1D weights (stored transposed), learned positions and tied head: through optimize's guard,
+    and through the per-layer int8 search (called directly: at this toy size int8 is slower than fp32, so
+    optimize rightly does not try it)."""
+    from overdrive.generate import Decoder
+    from overdrive.generate.quantize import linear_names, search_layers
+
+    model, tok = lm_models.gpt2()
+    result = overdrive.optimize(model, tokenizer=tok, prompts=PROMPTS, techniques=["kv-int8"], max_new_tokens=6,
+                                device="cpu")
+    assert {r.technique: r for r in result.rows}["kv-int8"].fidelity is not None
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids
+    theirs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                            pad_token_id=tok.eos_token_id, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    plain = build_generator(model, tok, [], device="cpu")
+    assert plain.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6))[0].token_ids == theirs
+    decoder = Decoder.from_hf(model)
+    texts = [tok(p).input_ids for p in PROMPTS]
+    chosen, sensitivity, kl = search_layers(decoder, texts, max_mean_kl=1.0)
+    assert chosen == linear_names(decoder) and len(chosen) == 7  # q, k, v, o, up, down and the tied head
+    assert 0 < kl < 1e-2 and all(v > 0 for v in sensitivity.values())
 
 
 def test_a_factory_of_a_causal_lm_goes_through_optimize_bench_and_run(tmp_path, capsys):
@@ -85,20 +111,20 @@ def test_a_text_encoder_factory_still_takes_the_one_pass_path():
     (lambda: overdrive.optimize(lm_models.build()[0], prompts=["A list is"]), ConfigError, "needs its tokenizer"),
     (lambda: overdrive.optimize(*lm_models.gpt2(), tokenizer=lm_models.tokenizer()), ConfigError,
      "not for a causal LM"),
-    (lambda: overdrive.optimize(lm_models.gpt2()[0], tokenizer=lm_models.tokenizer()), WorkloadError,
-     "takes the llama, mistral, qwen2 families; this model is 'gpt2'"),
+    (lambda: overdrive.optimize(lm_models.gpt_neox(), tokenizer=lm_models.tokenizer()), WorkloadError,
+     "takes the llama, mistral, qwen2, phi3, gpt2 families; this model is 'gpt_neox'"),
     (lambda: overdrive.optimize("pydoc-lm", prompts=["A list is"]), ConfigError, "brings its own"),
     # a setting overdrive's decoder would ignore and answer wrongly with (GELU in place of SiLU)
     (lambda: _optimize_built({"hidden_act": "gelu"}), WorkloadError,
      "activation 'gelu' is not supported"),
     (lambda: _optimize_built({"attention_bias": True}), WorkloadError,
-     "attention biases on a Llama"),
+     "attention biases on a llama model"),
     (lambda: _optimize_built({"vocab_size": 100}), WorkloadError,
      "beyond the model's vocabulary of 100"),
     (lambda: _optimize_built({"max_position_embeddings": 16}, max_new_tokens=16), ConfigError,
      "exceed the model's context of 16"),
-], ids=["prompts-a-string", "not-an-lm", "no-tokenizer", "example-inputs", "gpt2", "builtin-with-prompts", "gelu",
-        "attention-bias", "small-vocabulary", "small-context"])
+], ids=["prompts-a-string", "not-an-lm", "no-tokenizer", "example-inputs", "gpt-neox", "builtin-with-prompts",
+        "gelu", "attention-bias", "small-vocabulary", "small-context"])
 def test_what_does_not_fit_is_refused_by_name(call, error, message):
     with pytest.raises(error, match=message):
         call()

@@ -1,14 +1,18 @@
-"""overdrive's own decoder for the Llama family (Llama, Mistral, Qwen2), with a pre-allocated KV cache.
+"""overdrive's own decoder for the Llama family (Llama, Mistral, Qwen2, Phi-3) and GPT-2, with a pre-allocated
+KV cache.
 
 The generation engine owns its attention so that the KV cache (its layout, its precision, later its
 pages) is overdrive's, not a library's: Hugging Face's cache classes and keyword names change between
 releases (`past_key_values` became `cache` in transformers 5). The module names follow Hugging Face's
-`LlamaForCausalLM`, so its state dict loads as it is (`Decoder.from_hf`), and its greedy tokens are
-tested against `generate`'s (`tests/test_generate.py`).
+`LlamaForCausalLM`, so its state dict loads as it is; the other families' weights are renamed and split to
+those names (`Decoder.from_hf`: Phi-3's fused qkv_proj and gate_up_proj, GPT-2's Conv1D c_attn, c_proj and
+c_fc, stored [in, out]). Each family's greedy tokens are tested against `generate`'s (`tests/test_generate.py`).
 
-The architecture (Touvron et al., 2023): token embedding; per layer, RMSNorm, self-attention with rotary
-position embeddings (RoPE, Su et al., 2021) and grouped key/value heads (GQA, Ainslie et al., 2023), a
-residual, RMSNorm, a SwiGLU MLP (Shazeer, 2020), a residual; a final RMSNorm and the LM head.
+The Llama architecture (Touvron et al., 2023): token embedding; per layer, RMSNorm, self-attention with rotary
+position embeddings (RoPE, Su et al., 2021; Phi-3 may rotate only part of each head) and grouped key/value
+heads (GQA, Ainslie et al., 2023), a residual, RMSNorm, a SwiGLU MLP (Shazeer, 2020), a residual; a final
+RMSNorm and the LM head. GPT-2 (Radford et al., 2019) differs in LayerNorm with biases, learned absolute position
+embeddings in place of RoPE, biases on every projection and a plain GELU (tanh approximation) MLP.
 """
 
 from __future__ import annotations
@@ -19,12 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt2")
+_GELU = {"gelu_new": "gelu-tanh", "gelu_pytorch_tanh": "gelu-tanh", "gelu_fast": "gelu-tanh", "gelu": "gelu"}
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """The shapes of a Llama-family decoder. `attention_bias`: q/k/v projections with a bias (Qwen2)."""
+    """The shapes of a decoder. `attention_bias`: q/k/v projections with a bias (Qwen2, GPT-2); `output_bias`: the
+    output projection and the MLP with biases (GPT-2); `norm`: "rms" (RMSNorm) or "layer" (LayerNorm with a bias),
+    with epsilon `norm_eps`; `positions`: "rope" (rotating the first `rotary_dim` of each head's `head_dim`; None:
+    all) or "learned" (absolute position embeddings, `max_positions` of them); `mlp`: "swiglu" (gate, up, down),
+    "gelu-tanh" or "gelu" (up, GELU, down); `attention_scales`: the softmax scale of each layer (None: 1/√head_dim
+    for all)."""
 
     vocab_size: int
     hidden_size: int
@@ -33,29 +43,40 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-6
+    norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_positions: int = 2048
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    family: str = "llama"
+    norm: str = "rms"
+    positions: str = "rope"
+    rotary_dim: int | None = None
+    mlp: str = "swiglu"
+    output_bias: bool = False
+    attention_scales: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf(cls, config) -> DecoderConfig:
-        """From a Hugging Face config of the Llama family.
+        """From a Hugging Face config of one of `FAMILIES`.
 
         Raises:
-            ValueError: another model type, a RoPE scaling other than the default, or a sliding window.
+            ValueError: another model type, or a setting the decoder would not follow (a RoPE scaling other than
+                the default, a sliding window shorter than the context, an activation other than the family's,
+                biases where the family has none, cross-attention).
         """
         kind = getattr(config, "model_type", None)
         if kind not in FAMILIES:
             raise ValueError(f"overdrive's decoder takes the {', '.join(FAMILIES)} families; this model is {kind!r}")
+        if kind == "gpt2":
+            return cls._from_gpt2(config)
         rope = getattr(config, "rope_parameters", None) or {}
         scaling = getattr(config, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
             raise ValueError(f"RoPE of type {rope_type!r} is not supported yet (only the default)")
         window = getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", False) or (kind == "mistral" and window
+        if getattr(config, "use_sliding_window", False) or (kind in ("mistral", "phi3") and window
                                                              and window < config.max_position_embeddings):
             raise ValueError("sliding-window attention is not supported yet")
         if getattr(config, "mlp_bias", False):
@@ -64,17 +85,38 @@ class DecoderConfig:
         if activation not in ("silu", "swish"):
             raise ValueError(f"the MLP's activation {activation!r} is not supported yet (only SiLU, SwiGLU's)")
         if kind != "qwen2" and getattr(config, "attention_bias", False):
-            raise ValueError("attention biases on a Llama or Mistral (q/k/v/o projections) are not supported yet")
+            raise ValueError(f"attention biases on a {kind} model (q/k/v/o projections) are not supported yet")
         heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        partial = float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_layers=config.num_hidden_layers, num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            rms_norm_eps=config.rms_norm_eps, rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4))),
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            norm_eps=config.rms_norm_eps, rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4))),
             max_positions=config.max_position_embeddings,
-            attention_bias=bool(getattr(config, "attention_bias", kind == "qwen2")),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+            attention_bias=bool(getattr(config, "attention_bias", kind == "qwen2")) and kind == "qwen2",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), family=kind,
+            rotary_dim=None if partial == 1.0 else int(head_dim * partial))
+
+    @classmethod
+    def _from_gpt2(cls, config) -> DecoderConfig:
+        if getattr(config, "add_cross_attention", False):
+            raise ValueError("GPT-2 with cross-attention is not a causal LM overdrive's decoder takes")
+        activation = getattr(config, "activation_function", "gelu_new")
+        if activation not in _GELU:
+            raise ValueError(f"the MLP's activation {activation!r} is not supported yet (GPT-2's GELUs only)")
+        heads, hidden = config.n_head, config.n_embd
+        head_dim = hidden // heads
+        scale = head_dim ** -0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+        by_layer = getattr(config, "scale_attn_by_inverse_layer_idx", False)
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=hidden, intermediate_size=config.n_inner or 4 * hidden,
+            num_layers=config.n_layer, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+            norm_eps=config.layer_norm_epsilon, max_positions=config.n_positions, attention_bias=True,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)), family="gpt2", norm="layer",
+            positions="learned", mlp=_GELU[activation], output_bias=True,
+            attention_scales=tuple(scale / (i + 1 if by_layer else 1) for i in range(config.n_layer)))
 
 
 class KVCache:
@@ -144,31 +186,41 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dimensions of each head of x [B, H, T, head_dim]; the rest pass as they are."""
+    dims = cos.shape[-1]
+    if dims == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rotated, passed = x[..., :dims], x[..., dims:]
+    return torch.cat((rotated * cos + _rotate_half(rotated) * sin, passed), dim=-1)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, layer: int = 0):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.attention_scales[layer] if c.attention_scales else None  # None: SDPA's 1/sqrt(head_dim)
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.output_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple, slots: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden]; cos/sin [B, 1, T, head_dim]; kv the layer's cache (`KVCache.layer`: keys and values
+        """x [B, T, hidden]; cos/sin [B, 1, T, rotary dims] (None: learned positions, no rotation); kv the layer's cache (`KVCache.layer`: keys and values
         [B, kv, S, head_dim] and their int8 scales or None), written at `slots` int64 [T]; mask [B, 1, T, S] bool
         (True: attend)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if cos is not None:
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values, key_scales, value_scales = kv
         keys, values = _store(keys, key_scales, slots, k, q.dtype), _store(values, value_scales, slots, v, q.dtype)
         # Query head h reads key/value head h // (heads / kv_heads), as Hugging Face's repeat_kv pairs them.
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -176,20 +228,31 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        c = config
+        self.kind = c.mlp
+        if c.mlp == "swiglu":
+            self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.output_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.output_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.output_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.kind == "swiglu":
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh" if self.kind == "gelu-tanh" else "none"))
+
+
+def _norm(config: DecoderConfig) -> nn.Module:
+    if config.norm == "layer":
+        return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+    return RMSNorm(config.hidden_size, config.norm_eps)
 
 
 class Block(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, layer: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = _norm(config)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = _norm(config)
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, kv, slots, mask):
@@ -201,12 +264,15 @@ class _Body(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.positions == "learned":
+            self.embed_positions = nn.Embedding(config.max_positions, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = _norm(config)
 
 
 class Decoder(nn.Module):
-    """A Llama-family causal LM over a `KVCache`; module names as Hugging Face's `LlamaForCausalLM`."""
+    """A causal LM of `FAMILIES` over a `KVCache`; module names as Hugging Face's `LlamaForCausalLM` (GPT-2's learned
+    positions in `model.embed_positions`)."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -215,7 +281,8 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim))
+        dims = config.rotary_dim or config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dims, 2, dtype=torch.float) / dims))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @classmethod
@@ -223,13 +290,17 @@ class Decoder(nn.Module):
         """The same weights in overdrive's decoder, in the Hugging Face model's dtype and device.
 
         Raises:
-            ValueError: a model outside the Llama family or with features not supported (`DecoderConfig.from_hf`),
+            ValueError: a model outside `FAMILIES` or with features not supported (`DecoderConfig.from_hf`),
                 or weights that do not match the config's shapes.
         """
         config = DecoderConfig.from_hf(hf_model.config)
         reference = next(hf_model.parameters())
         decoder = cls(config).to(device=reference.device, dtype=reference.dtype)
         state = {k: v for k, v in hf_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+        try:
+            state = _FROM_HF.get(config.family, lambda s, c: s)(state, config)
+        except (KeyError, RuntimeError) as exc:
+            raise ValueError(f"the weights do not match a {type(hf_model).__name__}: {exc}") from None
         missing, unexpected = decoder.load_state_dict(state, strict=False)
         missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
@@ -240,19 +311,71 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                 mask: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Runs `tokens` [B, T] (int64) at RoPE `positions` [B, T], writing their keys and values at cache
-        `slots` int64 [T] (the same for every row); `mask` [B, 1, T, S] bool says which slots each token
-        attends to.
+        """Runs `tokens` [B, T] (int64) at `positions` [B, T] (RoPE's, or the learned embeddings' index), writing
+        their keys and values at cache `slots` int64 [T] (the same for every row); `mask` [B, 1, T, S] bool says
+        which slots each token attends to.
 
         Returns:
             logits float32 [B, T, vocab] ([B, 1, vocab] with `last_only`).
         """
         x = self.model.embed_tokens(tokens)
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, head_dim]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos = sin = None
+        if self.config.positions == "learned":
+            x = x + self.model.embed_positions(positions)
+        else:
+            freqs = positions[..., None].float() * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, rotary dims]
+            cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache.layer(i), slots, mask)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x)).float()
+
+
+def _phi3_state(state: dict, config: DecoderConfig) -> dict:
+    """Phi-3's fused projections split to Llama's: qkv_proj [(heads + 2 kv) · head_dim, hidden] into q, k, v;
+    gate_up_proj [2 · intermediate, hidden] into gate (the first half, as `Phi3MLP` chunks it) and up."""
+    out = {}
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for key, value in state.items():
+        if key.endswith("self_attn.qkv_proj.weight"):
+            prefix = key[: -len("qkv_proj.weight")]
+            q, k, v = value.split([q_rows, kv_rows, kv_rows], dim=0)
+            out.update({f"{prefix}q_proj.weight": q, f"{prefix}k_proj.weight": k, f"{prefix}v_proj.weight": v})
+        elif key.endswith("mlp.gate_up_proj.weight"):
+            prefix = key[: -len("gate_up_proj.weight")]
+            gate, up = value.split([config.intermediate_size] * 2, dim=0)
+            out.update({f"{prefix}gate_proj.weight": gate, f"{prefix}up_proj.weight": up})
+        else:
+            out[key] = value
+    return out
+
+
+def _gpt2_state(state: dict, config: DecoderConfig) -> dict:
+    """GPT-2's names to the decoder's; its Conv1D weights are stored [in, out] and are transposed to nn.Linear's
+    [out, in]; c_attn's columns are q, k, v in that order (`GPT2Attention` splits them so). Keys not consumed pass
+    through, for `load_state_dict` to name as unexpected; old releases' causal-mask buffers are dropped."""
+    rest = {k: v for k, v in state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    take = rest.pop
+    out = {"model.embed_tokens.weight": take("transformer.wte.weight"),
+           "model.embed_positions.weight": take("transformer.wpe.weight"),
+           "model.norm.weight": take("transformer.ln_f.weight"), "model.norm.bias": take("transformer.ln_f.bias")}
+    if "lm_head.weight" in rest:
+        out["lm_head.weight"] = take("lm_head.weight")
+    renames = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_proj": "self_attn.o_proj",
+               "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
+    for i in range(config.num_layers):
+        hf, ours = f"transformer.h.{i}.", f"model.layers.{i}."
+        for name, value in zip("qkv", take(f"{hf}attn.c_attn.weight").t().chunk(3, dim=0)):
+            out[f"{ours}self_attn.{name}_proj.weight"] = value
+        for name, value in zip("qkv", take(f"{hf}attn.c_attn.bias").chunk(3)):
+            out[f"{ours}self_attn.{name}_proj.bias"] = value
+        for theirs, mine in renames.items():
+            weight = take(f"{hf}{theirs}.weight")
+            out[f"{ours}{mine}.weight"] = weight if theirs.startswith("ln") else weight.t()
+            out[f"{ours}{mine}.bias"] = take(f"{hf}{theirs}.bias")
+    return {**out, **rest}
+
+
+_FROM_HF = {"phi3": _phi3_state, "gpt2": _gpt2_state}

@@ -97,7 +97,7 @@ def is_generation_plan(path: str | Path) -> bool:
 
 def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | torch.device = "cpu",
                     max_batch_size: int = 16):
-    """A `Generator` for `hf_model` (a Llama-family Hugging Face causal LM) with `steps` applied (the module
+    """A `Generator` for `hf_model` (a Hugging Face causal LM that `Decoder.from_hf` takes) with `steps` applied (the module
     docstring). The Hugging Face model is left as it was.
 
     Raises:

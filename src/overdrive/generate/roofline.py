@@ -18,13 +18,16 @@ from overdrive.generate.decoder import Decoder
 def weight_bytes_per_step(model: Decoder) -> int:
     """Bytes of weights one decode step reads, at their storage dtype: every layer, the final norm and the LM
     head, each storage once; the token embedding only where the LM head reads it (tied weights), since a step
-    looks up one row of it per sequence; FBGEMM's packed fp16 weights (`quantize.Fp16WeightLinear`) at 2 bytes."""
+    looks up one row of it per sequence (and of learned position embeddings, never counted); FBGEMM's packed fp16
+    weights (`quantize.Fp16WeightLinear`) at 2 bytes."""
     from overdrive.generate.quantize import Fp16WeightLinear
 
     embedding = model.model.embed_tokens.weight
     head = getattr(model.lm_head, "weight", None)
     skip = set() if head is not None and head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr() \
         else {embedding.untyped_storage().data_ptr()}
+    if hasattr(model.model, "embed_positions"):
+        skip.add(model.model.embed_positions.weight.untyped_storage().data_ptr())
     seen, total = set(skip), 0
     for module in model.modules():
         if isinstance(module, Fp16WeightLinear):

@@ -17,7 +17,7 @@ class GenerationWorkload:
 
     Attributes:
         name: the workload's name (a plan records it and rebuilds the model from it).
-        model: a Hugging Face causal LM of the Llama family (`Decoder.from_hf` takes it), fp32.
+        model: a Hugging Face causal LM that `Decoder.from_hf` takes (`decoder.FAMILIES`), fp32.
         tokenizer: its Hugging Face tokenizer.
         prompts: prompts the guard generates from and the timings run (the first ones of each batch).
         calibration: texts the per-layer searches measure each layer's KL on.

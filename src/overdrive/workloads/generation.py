@@ -72,6 +72,8 @@ def lm_workload(name: str, model: nn.Module, tokenizer, prompts: list[str] | Non
     if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
         model = copy.deepcopy(model).float()
         notes.append("the model's weights are not fp32: a copy in fp32 is the reference every technique is judged against")
+    elif model.training:
+        model = copy.deepcopy(model)  # eval mode (no dropout) on a copy: the caller's model stays in training mode
     model = model.eval()
     sentences = [s for s in python_doc_sentences() if len(s.split()) >= 8][::7]
     source = list(prompts) if prompts is not None else [" ".join(s.split()[:6]) for s in sentences[:num_prompts]]
