@@ -1,8 +1,9 @@
 """Token generation on the CPU: overdrive's engine against Hugging Face `generate`, side by side in one run.
 
-A random-weight Llama of a real shape (speed only: no accuracy claim rests on random weights), the same
-prompts (random token ids of a fixed length), greedy, the same number of new tokens, the same batch for
-every entry. Entries are timed in interleaved repeats; each figure is the median with its range.
+A random-weight causal LM of a real shape (the built-ins llama-125m-random and gpt2-small-random; speed only: no
+accuracy claim rests on random weights), the same prompts (random token ids of a fixed length), greedy, the same
+number of new tokens, the same batch for every entry. Entries are timed in interleaved repeats; each figure is the
+median with its range.
 
 Per entry and batch size: time to first token (TTFT, the prefill), decode tokens/s in total (new tokens
 after the first over the decode time) and per sequence, and the tokens' agreement with Hugging Face eager
@@ -10,8 +11,8 @@ fp32 (the reference). Hugging Face's decode time is its whole `generate` less a 
 roofline (`generate/roofline.py`): bytes read per decode step (weights at their storage dtype, the KV cache's slots)
 × steps/s against the measured copy bandwidth.
 
-    .venv/bin/python benchmarks/generate_cpu.py [--shape llama-150m] [--batch-sizes 1,16] [--prompt-tokens 128]
-        [--new-tokens 64] [--repeats 3] [--entries hf-eager,overdrive-eager,overdrive-compiled]
+    .venv/bin/python benchmarks/generate_cpu.py [--shape llama-125m-random|gpt2-small-random] [--batch-sizes 1,16]
+        [--prompt-tokens 128] [--new-tokens 64] [--repeats 3] [--entries hf-eager,overdrive-eager,overdrive-compiled]
 
 Entries: hf-eager, hf-static-compiled (Hugging Face's static KV cache with its forward under torch.compile,
 fullgraph, as its docs set it up), overdrive-eager, overdrive-compiled, and every linear layer in each low-precision form of
@@ -28,20 +29,25 @@ import time
 
 import torch
 
-SHAPES = {  # Llama shapes; parameters counted with untied embeddings
-    "llama-150m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                       num_attention_heads=12, num_key_value_heads=4),
-    "llama-tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                       num_attention_heads=8, num_key_value_heads=4),
+SHAPES = {  # the random-weight built-ins (`workloads.generation.RANDOM_LMS`) and a tiny Llama for trial runs
+    "llama-tiny": ("llama", dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                                 tie_word_embeddings=False)),
 }
+ALIASES = {"llama-150m": "llama-125m-random"}  # the name earlier results in RESULTS.md used
 
 
 def build(shape: str):
     import transformers
 
+    from overdrive.workloads.generation import RANDOM_LMS
+
+    family, config = {**RANDOM_LMS, **SHAPES}[ALIASES.get(shape, shape)]
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).eval()
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -72,7 +78,8 @@ def overdrive_entry(generator, prompts: torch.Tensor, new: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama-150m", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="llama-125m-random",
+                        choices=["llama-125m-random", "gpt2-small-random", *SHAPES, *ALIASES])
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -114,7 +121,7 @@ def main() -> None:
           f"prompts {args.prompt_tokens} tokens · {args.new_tokens} new · greedy")
     g = torch.Generator().manual_seed(1)
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        prompts = torch.randint(1, SHAPES[args.shape]["vocab_size"], (b, args.prompt_tokens), generator=g)
+        prompts = torch.randint(1, model.config.vocab_size, (b, args.prompt_tokens), generator=g)
         with torch.no_grad():
             for name in chosen:  # warm-up (compiles) outside the timed repeats
                 entries[name](prompts[:, :8].contiguous())

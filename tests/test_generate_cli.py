@@ -144,6 +144,22 @@ def test_a_candidate_that_fails_in_an_unforeseen_way_is_a_rejected_row_from_pyth
         overdrive.optimize("pydoc-lm", data="x.txt")
 
 
+def test_bf16_on_top_of_a_kept_fp16_weight_is_a_row_that_says_they_do_not_compose(toy_pydoc_lm, monkeypatch):
+    """FBGEMM's packed fp16 layers take float32 activations: bf16 after them is said so, not a 'failed' traceback.
+    (fp16-weight is made the fastest form and every step a clear gain, so that it is kept at toy size.)"""
+    import overdrive
+    from overdrive.core.gain import Gain
+    from overdrive.generate import tune
+
+    monkeypatch.setattr(tune, "pick_form", lambda shapes, rows, forms: ("fp16-weight", {"float32": 2.0,
+                                                                                         "fp16-weight": 1.0}))
+    monkeypatch.setattr(tune, "compare", lambda *a, **k: Gain(ratio=2.0, low=1.9, high=2.1, rounds=4))
+    result = overdrive.optimize("pydoc-lm", device="cpu", techniques=["fp16-weight", "bf16"], max_new_tokens=4)
+    rows = {r.technique: r for r in result.rows}
+    assert rows["fp16-weight"].status == "kept"
+    assert rows["bf16"].status == "untried" and "does not compose with the kept fp16-weight" in rows["bf16"].reason
+
+
 @requires_cuda
 def test_optimize_bench_and_run_a_generation_plan_on_cuda(toy_pydoc_lm, tmp_path, capsys):
     """The whole generation path on a GPU: the compiled decode step (CUDA graphs), bf16 and the int8 KV cache judged

@@ -72,6 +72,26 @@ def test_a_gpt2_generates_as_hugging_face_does_and_goes_through_the_int8_search_
     assert 0 < kl < 1e-2 and all(v > 0 for v in sensitivity.values())
 
 
+@pytest.mark.parametrize("spec, parameters", [("gpt2-small-random", 124_439_808), ("llama-125m-random", 124_668_672)])
+def test_the_random_weight_built_ins_are_real_shapes_labelled_speed_only(spec, parameters):
+    from overdrive.generate import Decoder, KVCache
+    from overdrive.workloads.generation import create_generation_workload, is_generation_workload
+
+    workload = create_generation_workload(spec, num_prompts=4)
+    assert is_generation_workload(spec) and not workload.real_weights
+    assert workload.facts["parameters"] == parameters and "speed only" in workload.facts["weights"]
+    assert len(workload.prompts) == 4 and max(max(x) for x in workload.prompts) < workload.model.config.vocab_size
+    decoder = Decoder.from_hf(workload.model)  # the decoder takes it, and gives its logits
+    ids = torch.tensor([workload.prompts[0]])
+    t = ids.shape[1]
+    slots = torch.arange(t)
+    mask = (slots[None, :, None] >= slots[None, None, :])[:, None]
+    with torch.no_grad():
+        ours = decoder(ids, slots[None], KVCache(decoder.config, 1, t, device="cpu", dtype=torch.float32), slots, mask)
+        theirs = workload.model(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 def test_a_factory_of_a_causal_lm_goes_through_optimize_bench_and_run(tmp_path, capsys):
     spec = "tests.fixtures.lm_models:build"
     assert cli.main(["optimize", spec, "--device", "cpu", "--techniques", "kv-int8", "--max-new-tokens", "4",

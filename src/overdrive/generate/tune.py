@@ -312,6 +312,9 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         elif name == "int4-weight":
             rows.append(GenerationRow(technique=name, status="untried", reason=(
                 "no int4 weight-only kernel is wired for this device (torchao's int4 needs CUDA)")))
+        elif name == "bf16" and any(s["name"] == "fp16-weight" for s in current):
+            rows.append(GenerationRow(technique=name, status="untried", reason=(
+                "does not compose with the kept fp16-weight: FBGEMM's packed fp16 GEMM takes float32 activations")))
         else:
             try_step(name, {"name": name})
 

@@ -48,6 +48,10 @@ def list_workloads() -> dict[str, str]:
         "pydoc-lm": "a causal LM (LlamaForCausalLM, 11 M parameters, byte-level BPE) trained here on CPython's docs "
                     "(once, ~11 min on 2 cores; real weights); optimize / bench / run generate with it "
                     "(docs/generate.md); `python -m overdrive.workloads.pydoc_lm` prints its held-out perplexity",
+        "llama-125m-random": "a causal LM of a real shape (LlamaForCausalLM, 768 wide, 12 layers, GQA 12/4, 32k "
+                             "vocabulary), random weights: generation speed only",
+        "gpt2-small-random": "GPT-2 small's shape (GPT2LMHeadModel, 124 M parameters), random weights: generation "
+                             "speed only",
         "<torchvision name>": "any torchvision classifier, e.g. resnet50 (random weights: speed only)",
         "package.module:factory": "your factory returning a Workload or (model, example_input)",
         "<file>.pt / .pt2": "a TorchScript or torch.export archive",

@@ -12,7 +12,14 @@ from torch import nn
 from overdrive.core.errors import ConfigError, WorkloadError, arg
 from overdrive.generate.workload import GenerationWorkload
 
-GENERATION_WORKLOADS = ("pydoc-lm",)
+# Random-weight causal LMs of real shapes, for speed only (`real_weights` False): (family, Hugging Face config).
+RANDOM_LMS = {
+    "llama-125m-random": ("llama", dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
+                                        tie_word_embeddings=False)),
+    "gpt2-small-random": ("gpt2", dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)),
+}
+GENERATION_WORKLOADS = ("pydoc-lm", *RANDOM_LMS)
 PYTHON_LM_PREFIX = "<python causal LM "  # the workload of a plan made from a model passed in Python
 
 
@@ -112,6 +119,8 @@ def create_generation_workload(spec: str, *, num_prompts: int = 32, log=None) ->
     if spec.startswith(PYTHON_LM_PREFIX):
         raise WorkloadError(f"{spec} is a model that was passed in Python, which no name can rebuild; use "
                             "overdrive.generate.plan.build_generator(model, tokenizer, plan.steps)")
+    if spec in RANDOM_LMS:
+        return random_lm_workload(spec, num_prompts=num_prompts)
     if ":" in spec and spec != "pydoc-lm":
         from overdrive.workloads.user import call_factory
 
@@ -140,3 +149,26 @@ def create_generation_workload(spec: str, *, num_prompts: int = 32, log=None) ->
     held_out = [x for x in ids[num_prompts + 32:num_prompts + 128] if len(x) >= 2]
     return GenerationWorkload(name=spec, model=lm.model, tokenizer=tok, prompts=prompts, calibration=calibration,
                               held_out=held_out, facts=dict(lm.facts))
+
+
+def random_lm_workload(spec: str, *, num_prompts: int = 32) -> GenerationWorkload:
+    """A `RANDOM_LMS` model (seeded random weights at Hugging Face's initializer: speed only, `real_weights` False)
+    with pydoc-lm's tokenizer (`pydoc_lm.build_tokenizer`; its ids fit the larger vocabulary), on the same
+    CPython reference text as a user's model (`lm_workload`)."""
+    import transformers
+
+    from overdrive.workloads.pydoc_lm import build_tokenizer
+
+    family, shape = RANDOM_LMS[spec]
+    tok = build_tokenizer()
+    special = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape, **special))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, **special))
+    workload = lm_workload(spec, model.eval(), tok, num_prompts=num_prompts)
+    workload.real_weights = False
+    workload.facts.update(weights="random (speed only: no accuracy claim)",
+                          parameters=sum(p.numel() for p in model.parameters()))
+    return workload

@@ -148,6 +148,23 @@ def build_pydoc_lm(*, log=print) -> PydocLM:
     return PydocLM(model, tokenizer, split()[1], dict(entry.meta))
 
 
+def build_tokenizer():
+    """pydoc-lm's byte-level BPE tokenizer alone, as `train` makes it (the random-weight built-ins speak it): from
+    the cache, or trained now (seconds)."""
+    import transformers
+
+    key = {"code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(), "recipe": [VOCAB, HELD_OUT_EVERY],
+           "versions": versions("tokenizers", "transformers"),
+           "corpus": hashlib.sha256("\n".join(python_doc_sentences()).encode()).hexdigest()}
+
+    def make(folder: Path) -> dict:
+        _tokenizer(split()[0]).save_pretrained(folder / "tokenizer")
+        return {}
+
+    entry = cached("pydoc-bpe", key, make)
+    return transformers.PreTrainedTokenizerFast.from_pretrained(entry.folder / "tokenizer")
+
+
 def facts_line(facts: dict) -> str:
     return (f"held-out perplexity {facts['held_out_perplexity']:.1f} over {facts['held_out_tokens']:,} tokens; "
             f"{facts['parameters'] / 1e6:.1f} M parameters, {facts['steps']} steps")
