@@ -15,8 +15,8 @@ roofline (`generate/roofline.py`): bytes read per decode step (weights at their 
         [--prompt-tokens 128] [--new-tokens 64] [--repeats 3] [--entries hf-eager,overdrive-eager,overdrive-compiled]
 
 Entries: hf-eager, hf-static-compiled (Hugging Face's static KV cache with its forward under torch.compile,
-fullgraph, as its docs set it up), overdrive-eager, overdrive-compiled, and every linear layer in each low-precision form of
-`generate/quantize.py`: overdrive-int8-weight[-compiled], overdrive-fp16-weight, overdrive-int8-rowwise[-compiled].
+fullgraph, as its docs set it up), hf-continuous-batching (`generate_batch`), overdrive-eager, overdrive-compiled,
+and every linear layer in each low-precision form of `generate/quantize.py`: overdrive-int8-weight[-compiled], overdrive-fp16-weight, overdrive-int8-rowwise[-compiled].
 """
 
 from __future__ import annotations
@@ -67,6 +67,24 @@ def hf_entry(model, prompts: torch.Tensor, new: int) -> dict:
             "tokens": out[:, prompts.shape[1]:].tolist(), "slots": prompts.shape[1] + new}
 
 
+def hf_continuous_entry(model, prompts: torch.Tensor, new: int) -> dict:
+    """Hugging Face continuous batching (`generate_batch`, transformers 5: a paged KV cache, requests scheduled per
+    step); its decode time is the whole call less a one-token call, as for `generate`."""
+    import transformers
+
+    def call(tokens: int):
+        config = transformers.GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        started = time.perf_counter()
+        out = model.generate_batch(inputs=prompts.tolist(), generation_config=config, warmup=False)
+        return time.perf_counter() - started, out
+
+    ttft, _ = call(1)
+    total, out = call(new)
+    b = prompts.shape[0]
+    return {"ttft_s": ttft, "decode_s": max(total - ttft, 1e-9), "decode_tokens": b * (new - 1),
+            "tokens": [out[f"req_{i}"].generated_tokens for i in range(b)], "slots": prompts.shape[1] + new}
+
+
 def overdrive_entry(generator, prompts: torch.Tensor, new: int) -> dict:
     from overdrive.generate import SamplingParams
 
@@ -101,6 +119,7 @@ def main() -> None:
     entries = {
         "hf-eager": lambda x: hf_entry(model, x, args.new_tokens),
         "hf-static-compiled": lambda x: hf_entry(static, x, args.new_tokens),
+        "hf-continuous-batching": lambda x: hf_continuous_entry(model, x, args.new_tokens),
         "overdrive-eager": (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
             Generator(decoder, max_batch_size=1024)),
         "overdrive-compiled": (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(

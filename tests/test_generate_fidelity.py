@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from overdrive.generate import Decoder, Generator
-from overdrive.generate.fidelity import (GenerationFidelity, batch_invariance, judge_generation, perplexity,
-                                         sequence_logits)
+from overdrive.generate.fidelity import (GenerationFidelity, batch_invariance, batched_sequence_logits,
+                                         judge_generation, perplexity, sequence_logits)
 from tests.test_generate import _hf, _prompts
 
 pytest.importorskip("transformers")
@@ -94,6 +94,18 @@ def test_sequence_logits_are_the_decoders_and_perplexity_is_their_likelihood(ref
     assert perplexity(reference.model, [ids]) == pytest.approx(math.exp(float(nll)), rel=1e-5)
     with pytest.raises(ValueError, match="at least one text"):
         perplexity(reference.model, [[5]])
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_batched_sequence_logits_are_each_texts_own_whatever_its_padding(kind):
+    """Texts of mixed lengths, right-padded into groups of 3: each row's logits are its own (RoPE and learned
+    positions alike), to the summation order of a larger GEMM."""
+    decoder = Decoder.from_hf(_hf(kind))
+    texts = _prompts(7, seed=5)
+    assert len({len(t) for t in texts}) > 2
+    for alone, batched in zip((sequence_logits(decoder, t) for t in texts), batched_sequence_logits(decoder, texts, 3)):
+        assert batched.shape == alone.shape
+        torch.testing.assert_close(batched, alone, atol=1e-4, rtol=1e-4)
 
 
 class _PerTensorInt8(torch.nn.Module):

@@ -42,6 +42,11 @@ def test_a_causal_lm_passed_in_python_is_optimized_for_generation_on_your_prompt
     again = build_generator(model, tok, result.plan.steps, device="cpu")
     assert [o.token_ids for o in result.generator.generate(PROMPTS[:2], params)] == \
         [o.token_ids for o in again.generate(PROMPTS[:2], params)]
+    # without sampling params, the plan's generator answers as the plan was timed (4 new tokens), and would end
+    # at the end-of-text token, as Hugging Face's generate does
+    defaults = result.generator.defaults
+    assert defaults.max_new_tokens == 4 and defaults.stop_token_ids == (tok.eos_token_id,)
+    assert [len(c.token_ids) <= 4 for c in result.generator.generate(PROMPTS[:2])] == [True, True]
     # a plan of a model passed in Python cannot be rebuilt by name: run says how to use it
     with pytest.raises(WorkloadError, match="passed in Python"):
         from overdrive.workloads.generation import create_generation_workload

@@ -154,17 +154,20 @@ class Generator:
             multiple of `SLOT_ROUNDING`, so batches of similar lengths share one graph; CUDA graphs on a GPU
             through mode "reduce-overhead"). Prefill stays eager (its length varies).
         speculative: draft tokens to verify (`PromptLookup`): greedy requests only, one prompt at a time.
+        defaults: the `SamplingParams` of a `generate` call given none (default: `SamplingParams()`, greedy, 64 new
+            tokens, no stop token; a plan's generator ends at its tokenizer's end-of-text, `build_generator`).
     """
 
     SLOT_ROUNDING = 128
 
     def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16,
                  cache_dtype: torch.dtype | None = None, compile: bool = False,
-                 speculative: PromptLookup | None = None):
+                 speculative: PromptLookup | None = None, defaults: SamplingParams | None = None):
         if speculative is not None and not isinstance(speculative, PromptLookup):
             raise ValueError(f"speculative must be a PromptLookup (or None), got {speculative!r}")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.speculative = speculative
+        self.defaults = defaults or SamplingParams()
         self.max_batch_size = max_batch_size
         self.compiled = compile
         self._decode = model
@@ -208,9 +211,10 @@ class Generator:
         return ids
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-                 = SamplingParams()) -> list[Completion]:
-        """Completions for `prompts` (text or token ids), in their order; `params` one for all or one per prompt.
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Completions for `prompts` (text or token ids), in their order; `params` one for all or one per prompt
+        (None: the generator's `defaults`).
 
         Raises:
             ValueError: an empty or out-of-vocabulary prompt, a text prompt without a tokenizer, a prompt plus
@@ -220,6 +224,7 @@ class Generator:
         if isinstance(prompts, str) or _is_int(prompts):
             raise ValueError(f"generate takes a list of prompts, got {prompts!r}: wrap one prompt in a list")
         encoded = [self.encode(p) for p in prompts]
+        params = self.defaults if params is None else params
         per_request = [params] * len(encoded) if isinstance(params, SamplingParams) else list(params)
         if len(per_request) != len(encoded):
             raise ValueError(f"{len(per_request)} sampling params for {len(encoded)} prompts")

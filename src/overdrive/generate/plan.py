@@ -96,14 +96,16 @@ def is_generation_plan(path: str | Path) -> bool:
 
 
 def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | torch.device = "cpu",
-                    max_batch_size: int = 16):
-    """A `Generator` for `hf_model` (a Hugging Face causal LM that `Decoder.from_hf` takes) with `steps` applied (the module
-    docstring). The Hugging Face model is left as it was.
+                    max_batch_size: int = 16, max_new_tokens: int | None = None):
+    """A `Generator` for `hf_model` (a Hugging Face causal LM that `Decoder.from_hf` takes) with `steps` applied
+    (the module docstring). The Hugging Face model is left as it was. A `generate` call without sampling params is
+    greedy, ends at the tokenizer's end-of-text token (as Hugging Face's `generate` ends) and at `max_new_tokens`
+    (default: `SamplingParams`'s).
 
     Raises:
         ValueError: a model `Decoder.from_hf` does not take; KeyError: a weight form naming layers the model lacks.
     """
-    from overdrive.generate import Decoder, Generator, PromptLookup
+    from overdrive.generate import Decoder, Generator, PromptLookup, SamplingParams
     from overdrive.generate.quantize import quantize_linears
 
     by_name = {s["name"]: s for s in steps}
@@ -115,7 +117,10 @@ def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | tor
         if form in by_name:
             quantize_linears(decoder, by_name[form]["layers"], form=form)
     lookup = by_name.get("prompt-lookup")
-    return Generator(decoder, tokenizer, max_batch_size=max_batch_size,
+    eos = getattr(tokenizer, "eos_token_id", None)
+    defaults = SamplingParams(**({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
+                              stop_token_ids=(eos,) if isinstance(eos, int) else ())
+    return Generator(decoder, tokenizer, max_batch_size=max_batch_size, defaults=defaults,
                      cache_dtype=torch.int8 if "kv-int8" in by_name else None,
                      compile="compile-decode" in by_name,
                      speculative=PromptLookup(num_tokens=lookup.get("num_tokens", 4)) if lookup else None)

@@ -169,13 +169,15 @@ def copy_decoder(model: Decoder) -> Decoder:
 
 def mean_kl(reference: Decoder, candidate: Decoder, texts: Sequence[Sequence[int]],
             reference_logits: list[torch.Tensor] | None = None) -> float:
-    """Mean KL(reference ‖ candidate) of the next-token distributions at every position of `texts`, nats."""
-    from overdrive.generate.fidelity import sequence_logits
+    """Mean KL(reference ‖ candidate) of the next-token distributions at every position of `texts`, nats
+    (`fidelity.batched_sequence_logits`: both sides batched alike)."""
+    from overdrive.generate.fidelity import batched_sequence_logits
 
+    if reference_logits is None:
+        reference_logits = batched_sequence_logits(reference, texts)
     total, count = 0.0, 0
-    for i, ids in enumerate(texts):
-        ref = reference_logits[i] if reference_logits is not None else sequence_logits(reference, ids)
-        log_p, log_q = torch.log_softmax(ref, -1), torch.log_softmax(sequence_logits(candidate, ids), -1)
+    for ids, ref, cand in zip(texts, reference_logits, batched_sequence_logits(candidate, texts)):
+        log_p, log_q = torch.log_softmax(ref, -1), torch.log_softmax(cand, -1)
         total += float((log_p.exp() * (log_p - log_q)).sum())
         count += len(ids)
     return total / max(count, 1)
@@ -191,9 +193,9 @@ def search_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, max_mea
     Returns:
         (the chosen names, in module order; {name: its sensitivity, nats}; the chosen model's mean KL).
     """
-    from overdrive.generate.fidelity import sequence_logits
+    from overdrive.generate.fidelity import batched_sequence_logits
 
-    reference_logits = [sequence_logits(reference, ids) for ids in texts]
+    reference_logits = batched_sequence_logits(reference, texts)
     sensitivity: dict[str, float] = {}
     for name in linear_names(reference):
         trial = copy_decoder(reference)

@@ -320,7 +320,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
 
     plan = GenerationPlan(workload=workload.name, device=device, batch_size=batch_size, max_new_tokens=new_tokens,
                           steps=current)
-    final = generator(current)
+    final = build_generator(hf, tok, current, device=device, max_new_tokens=new_tokens)  # generate() as the plan
     warnings: list[str] = []
     measured: dict = {"batch_sizes": {}}
     for b in sizes:
