@@ -105,6 +105,12 @@ def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_res
     assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu",
                      "--resume", "--max-new-tokens", "9"]) == 2
     assert "written with another max_new_tokens" in capsys.readouterr().err
+    # --max-errors: the third bad record (index 5) stops the run, with what came before it written in order
+    stopped = tmp_path / "stopped.jsonl"
+    assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(stopped), "--device", "cpu",
+                     "--max-errors", "2"]) == 1
+    assert "3 records failed, more than --max-errors 2" in capsys.readouterr().err
+    assert [json.loads(x)["index"] for x in stopped.read_text().splitlines()] == [0, 2, 4]
 
 
 @pytest.mark.parametrize("argv, message", [

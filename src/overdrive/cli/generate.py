@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from overdrive.core.digest import file_sha256
-from overdrive.core.errors import ConfigError, arg
+from overdrive.core.errors import ConfigError, RunAborted, arg
 
 # Flags of `optimize` / `bench` that mean nothing for a causal LM, with the value that says "not given".
 ONE_PASS_ONLY = {"num_samples": None, "input_shape": None, "data": None, "text_field": None, "dynamic_dim": None,
@@ -281,7 +281,7 @@ def run_main(args) -> int:
     from overdrive.generate.plan import GenerationPlan, build_generator
     from overdrive.workloads.generation import create_generation_workload
 
-    for name, unset in (("workload", None), ("num_workers", None), ("weights", None), ("max_errors", None)):
+    for name, unset in (("workload", None), ("num_workers", None), ("weights", None)):
         if getattr(args, name) is not unset:
             raise ConfigError(f"{arg(name, getattr(args, name))}: not for a generation plan")
     if args.engine != "local":
@@ -353,6 +353,9 @@ def run_main(args) -> int:
                 errors.write(json.dumps({"index": index, "error": str(exc)}) + "\n")
                 errors.flush()
                 failed += 1
+                if args.max_errors is not None and failed > args.max_errors:
+                    raise RunAborted(f"{failed} records failed, more than {arg('max_errors', args.max_errors)} (the "
+                                     f"reasons are in {errors_path}); the {written} completions before them are kept")
                 continue
             pending.append((index, ids, params, record))
             if len(pending) == batch:
