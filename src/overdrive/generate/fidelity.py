@@ -160,7 +160,7 @@ def judge_generation(reference: Generator, candidate: Generator, prompts: Sequen
         ref_logits = sequence_logits(reference.model, path, reference.cache_dtype)[len(ids) - 1: len(path) - 1]
         cand_logits = sequence_logits(candidate.model, path, candidate.cache_dtype)[len(ids) - 1: len(path) - 1]
         log_p, log_q = torch.log_softmax(ref_logits, -1), torch.log_softmax(cand_logits, -1)
-        kls.append((log_p.exp() * (log_p - log_q)).sum(-1))
+        kls.append((log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0))  # KL ≥ 0: below is rounding (NaN kept)
         at = next((i for i, (a, b) in enumerate(zip(ref.token_ids, cand.token_ids)) if a != b), None)
         if at is None and len(ref.token_ids) != len(cand.token_ids):
             at = min(len(ref.token_ids), len(cand.token_ids))  # one stopped where the other went on

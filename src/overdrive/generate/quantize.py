@@ -178,7 +178,7 @@ def mean_kl(reference: Decoder, candidate: Decoder, texts: Sequence[Sequence[int
     total, count = 0.0, 0
     for ids, ref, cand in zip(texts, reference_logits, batched_sequence_logits(candidate, texts)):
         log_p, log_q = torch.log_softmax(ref, -1), torch.log_softmax(cand, -1)
-        total += float((log_p.exp() * (log_p - log_q)).sum())
+        total += float((log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0).sum())  # KL ≥ 0: below is rounding
         count += len(ids)
     return total / max(count, 1)
 
