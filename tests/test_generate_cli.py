@@ -166,6 +166,20 @@ def test_bf16_on_top_of_a_kept_fp16_weight_is_a_row_that_says_they_do_not_compos
     assert rows["bf16"].status == "untried" and "does not compose with the kept fp16-weight" in rows["bf16"].reason
 
 
+def test_a_step_timed_on_a_busy_machine_is_decided_on_its_interval_and_said_uncertain(toy_pydoc_lm, monkeypatch):
+    """As a one-pass technique is: kept when its interval's low end clears --min-gain, with a warning that its figures
+    are uncertain (it was rejected as 'uncertain' whatever its interval, so --min-gain 0 kept nothing when busy)."""
+    import overdrive
+    from overdrive.core.gain import Gain
+    from overdrive.generate import tune
+
+    monkeypatch.setattr(tune, "compare", lambda *a, **k: Gain(ratio=1.5, low=1.2, high=1.9, rounds=4, busy=True,
+                                                                preempted_rounds=3))
+    result = overdrive.optimize("pydoc-lm", device="cpu", techniques=["kv-int8"], max_new_tokens=4)
+    assert {r.technique: r for r in result.rows}["kv-int8"].status == "kept"
+    assert any(w.startswith("kv-int8: the machine was busy") for w in result.warnings), result.warnings
+
+
 @requires_cuda
 def test_optimize_bench_and_run_a_generation_plan_on_cuda(toy_pydoc_lm, tmp_path, capsys):
     """The whole generation path on a GPU: the compiled decode step (CUDA graphs), bf16 and the int8 KV cache judged
