@@ -180,6 +180,24 @@ def test_a_step_timed_on_a_busy_machine_is_decided_on_its_interval_and_said_unce
     assert any(w.startswith("kv-int8: the machine was busy") for w in result.warnings), result.warnings
 
 
+def test_a_plan_slower_than_the_baseline_is_said_so_with_advice_that_fits_the_batch_size(toy_pydoc_lm, monkeypatch):
+    """Steps that each measured faster, a plan that measures slower at its own batch size and at 8 (however wide
+    its interval): at 8 the advice is to optimize at 8; at its own size, not that circular advice."""
+    import overdrive
+    from overdrive.core.gain import Gain
+    from overdrive.generate import tune
+
+    def compare(*args, **kwargs):  # the plan's headline passes min_rounds; a step's comparison does not
+        return Gain(ratio=0.6, low=0.3, high=0.9, rounds=4) if "min_rounds" in kwargs else \
+            Gain(ratio=2.0, low=1.9, high=2.1, rounds=4)
+
+    monkeypatch.setattr(tune, "compare", compare)
+    result = overdrive.optimize("pydoc-lm", device="cpu", techniques=["kv-int8"], max_new_tokens=4)
+    slower = [w for w in result.warnings if "the plan is slower than the baseline" in w]
+    assert len(slower) == 2 and "optimize again on a quieter machine" in slower[0], result.warnings
+    assert "for batches of 8, optimize at that batch size" in slower[1]
+
+
 @requires_cuda
 def test_optimize_bench_and_run_a_generation_plan_on_cuda(toy_pydoc_lm, tmp_path, capsys):
     """The whole generation path on a GPU: the compiled decode step (CUDA graphs), bf16 and the int8 KV cache judged
