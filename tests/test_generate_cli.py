@@ -202,12 +202,14 @@ def test_a_plan_slower_than_the_baseline_is_said_so_with_advice_that_fits_the_ba
 def test_optimize_bench_and_run_a_generation_plan_on_cuda(toy_pydoc_lm, tmp_path, capsys):
     """The whole generation path on a GPU: the compiled decode step (CUDA graphs), bf16 and the int8 KV cache judged
     against fp32 on the GPU, the plan benched and run there, and the run's tokens equal to the plan's own."""
-    assert cli.main(["optimize", "pydoc-lm", "--device", "cuda", "--techniques", "compile-decode,kv-int8,bf16",
-                     "--max-new-tokens", "6", "--out", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert cli.main(["optimize", "pydoc-lm", "--device", "cuda", "--techniques",
+                     "compile-decode,kv-int8,bf16,int4-weight", "--max-new-tokens", "6", "--out", str(tmp_path)]) == 0, \
+        capsys.readouterr().err
     plan_path = tmp_path / "pydoc-lm" / "plan.json"
     plan = GenerationPlan.load(plan_path)
     rows = {r["technique"]: r for r in json.loads((tmp_path / "pydoc-lm" / "results.json").read_text())["rows"]}
     assert rows["compile-decode"]["fidelity"]["diverged_beyond_ties"] == 0, rows["compile-decode"]
+    assert rows["int4-weight"]["status"] == "untried" and "CPU one" in rows["int4-weight"]["reason"]
     assert cli.main(["bench", "pydoc-lm", "--plan", str(plan_path), "--device", "cuda", "--batch-sizes", "1,4",
                      "--out", str(tmp_path)]) == 0
     source = tmp_path / "prompts.jsonl"

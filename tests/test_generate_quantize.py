@@ -9,8 +9,8 @@ from torch import nn
 
 from overdrive.generate import Decoder, Generator, SamplingParams
 from overdrive.generate.fidelity import judge_generation
-from overdrive.generate.quantize import (FORMS, Int8WeightLinear, convert_linear, copy_decoder, linear_names, mean_kl,
-                                         pick_form, quantize_linears, search_layers)
+from overdrive.generate.quantize import (FORMS, Int4WeightLinear, Int8WeightLinear, convert_linear, copy_decoder, holds,
+                                         linear_names, mean_kl, pick_form, quantize_linears, search_layers)
 from tests.test_generate import _hf, _prompts
 
 pytest.importorskip("transformers")
@@ -32,6 +32,38 @@ def test_the_int8_layer_is_the_float_layer_to_int8_rounding(kernel):
     torch.testing.assert_close(layer(x), other(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="kernel must be one of"):
         Int8WeightLinear(linear, "int4")
+
+
+def test_the_int4_layer_is_the_float_layer_rounded_to_16_levels_per_group_of_64():
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 32, bias=True)
+    layer = Int4WeightLinear(linear)
+    assert layer.weight_int4.dtype == torch.uint8 and layer.weight_int4.numel() == 32 * 128 // 2  # two to a byte
+    groups = linear.weight.detach().reshape(32, 2, 64)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    step = (high - low) / 15
+    rounded = (low + torch.round((groups - low) / step) * step).reshape(32, 128)  # written out, apart from the code
+    assert ((rounded - linear.weight).abs() <= step.expand(-1, -1, 64).reshape(32, 128) / 2 + 1e-6).all()
+    x = torch.randn(5, 3, 128)
+    torch.testing.assert_close(layer(x), x @ rounded.T + linear.bias, rtol=1e-4, atol=1e-4)
+    for shape, message in (((100, 32), "in features a multiple of 64"), ((64, 10), "out features a multiple of 16")):
+        odd = nn.Linear(*shape)
+        assert not holds("int4-weight", odd)
+        with pytest.raises(ValueError, match=message):
+            Int4WeightLinear(odd)
+
+
+def test_a_form_that_cannot_hold_a_layer_leaves_it_in_float32_and_says_so():
+    decoder = Decoder.from_hf(_hf(vocab_size=100))  # an LM head of 100 outputs: not a multiple of 16
+    held = linear_names(decoder, "int4-weight")
+    assert "lm_head" not in held and len(held) == len(linear_names(decoder)) - 1
+    assert quantize_linears(copy_decoder(decoder), form="int4-weight") == held
+    names, sensitivity, _ = search_layers(decoder, _prompts(4, seed=5), max_mean_kl=1.0, form="int4-weight")
+    assert names == held and set(sensitivity) == set(held)
+    _, timings = pick_form([(100, 64), (48, 64)], forms=["int4-weight"], repeats=2)
+    assert 0 < timings["int4-weight"] < float("inf")  # the (100, 64) layer counted at float32's time
+    _, timings = pick_form([(100, 64)], forms=["int4-weight"], repeats=2)
+    assert timings["int4-weight"] == float("inf")  # it holds none of them
 
 
 def test_quantizing_every_layer_keeps_greedy_tokens_on_a_peaked_model_and_names_are_checked():
@@ -82,7 +114,8 @@ def test_each_form_is_close_to_the_float_layer_and_its_rows_do_not_depend_on_the
     x = torch.randn(16, 64)
     x[3] *= 50  # one loud row: a shared activation scale would crush the others
     got, want = layer(x), linear(x)
-    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.999
+    # 16 levels per group of 64 weights for int4 (its arithmetic: the test above); 256 per row for int8
+    assert torch.nn.functional.cosine_similarity(got, want).min() > (0.99 if form == "int4-weight" else 0.999)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])
     assert torch.equal(alone, got) or torch.allclose(alone, got, rtol=1e-6, atol=1e-6)
     assert layer(x[None]).shape == (1, 16, 48)

@@ -27,10 +27,22 @@ def test_a_step_reads_every_weight_once_and_the_embedding_only_as_the_head(tied)
     assert weight_bytes_per_step(decoder) == _expected_fp32(decoder)
 
 
+def test_gpt2_reads_every_weight_and_bias_once_and_no_position_embedding():
+    """Learned positions: one row per sequence a step, as the token embedding (here tied, so read as the head)."""
+    decoder = Decoder.from_hf(_hf("gpt2"))
+    c = decoder.config
+    per_layer = (4 * c.hidden_size * c.hidden_size + 4 * c.hidden_size  # q, k, v, o and their biases
+                 + 2 * c.hidden_size * c.intermediate_size + c.intermediate_size + c.hidden_size  # up, down, biases
+                 + 4 * c.hidden_size)  # two LayerNorms, weight and bias
+    expected = 4 * (c.num_layers * per_layer + 2 * c.hidden_size + c.vocab_size * c.hidden_size)
+    assert weight_bytes_per_step(decoder) == expected + 4 * (c.head_dim // 2)  # + the (unused) inv_freq buffer
+
+
 def test_low_precision_weights_are_counted_at_their_storage_dtype():
     decoder = Decoder.from_hf(_hf())
     fp32 = weight_bytes_per_step(decoder)
-    for form, low, high in (("int8-weight", 0.25, 0.32), ("int8-rowwise", 0.25, 0.32), ("fp16-weight", 0.5, 0.55)):
+    for form, low, high in (("int8-weight", 0.25, 0.32), ("int8-rowwise", 0.25, 0.32), ("fp16-weight", 0.5, 0.55),
+                            ("int4-weight", 0.15, 0.19)):  # half a byte, and a scale and zero point per 64
         converted = copy_decoder(decoder)
         quantize_linears(converted, form=form)
         assert low * fp32 <= weight_bytes_per_step(converted) <= high * fp32, form

@@ -14,6 +14,10 @@ depend on its batch-mates):
   each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`.
   A per-tensor activation scale (FBGEMM's `quantize_dynamic`) is not offered: it makes each row's
   answer depend on the others in its call (batch-mates, and in prefill the prompt's later tokens).
+- `int4-weight`: weight-only int4 in groups of `INT4_GROUP_SIZE` input channels, asymmetric (a scale and a
+  zero point per group, as gpt-fast's and torchao's int4 weight-only forms), through PyTorch's CPU kernel
+  `torch.ops.aten._weight_int4pack_mm_for_cpu` (CPU only; layers with out features a multiple of 16 and in
+  features a multiple of the group; `holds` says which).
 
 Which layers is a search (`search_layers`): each layer's sensitivity is the mean KL divergence of the
 next-token distributions along held-out text when that layer alone is converted
@@ -32,7 +36,8 @@ from torch import nn
 
 from overdrive.generate.decoder import Decoder
 
-FORMS = ("int8-weight", "fp16-weight", "int8-rowwise")
+FORMS = ("int8-weight", "fp16-weight", "int8-rowwise", "int4-weight")
+INT4_GROUP_SIZE = 64
 KERNELS = ("int8pack", "dequantize")  # of int8-weight
 
 
@@ -115,6 +120,63 @@ class Int8RowwiseLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+class Int4WeightLinear(nn.Module):
+    """y = x · Wᵀ + b with W [out, in] held in int4, groups of `group_size` input channels each with a scale s and
+    a zero point z (W ≈ (q - 8) · s + z, q in 0..15: min-max over the group); x [..., in] float32 or bfloat16 on
+    the CPU → y [..., out].
+
+    Raises:
+        ValueError: a layer not on the CPU, or whose shape the kernel cannot take (`holds`).
+    """
+
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE):
+        super().__init__()
+        why = _int4_refusal(linear, group_size)
+        if why:
+            raise ValueError(why)
+        out_f, in_f = linear.weight.shape
+        groups = linear.weight.detach().float().reshape(-1, group_size)
+        low, high = groups.amin(1, keepdim=True), groups.amax(1, keepdim=True)
+        scale = (high - low).clamp(min=1e-6) / 15
+        q = groups.sub(low).div(scale).round().clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+        zero = low + scale * 8
+        self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        scales_and_zeros = torch.cat([scale.reshape(out_f, -1, 1), zero.reshape(out_f, -1, 1)], 2)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(linear.weight.dtype))
+        self.bias = linear.bias
+        self.in_features, self.out_features, self.group_size = in_f, out_f, group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.weight_int4,
+                                                       self.group_size, self.scales_and_zeros.to(x.dtype))
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+def _int4_refusal(linear: nn.Linear, group_size: int) -> str | None:
+    out_f, in_f = linear.weight.shape
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return f"int4-weight needs PyTorch's CPU int4 kernel (torch ≥ 2.6; this is {torch.__version__})"
+    if linear.weight.device.type != "cpu":
+        return f"int4-weight is PyTorch's CPU int4 kernel; this layer is on {linear.weight.device.type}"
+    if out_f % 16 or in_f % group_size:
+        return (f"int4-weight takes layers with out features a multiple of 16 and in features a multiple of "
+                f"{group_size}; this one is [{out_f}, {in_f}]")
+    return None
+
+
+def holds(form: str, linear: nn.Linear) -> bool:
+    """Whether `form` can hold `linear` (int4-weight's kernel takes some shapes only; fp16-weight float32 CPU ones)."""
+    if form == "int4-weight":
+        return _int4_refusal(linear, INT4_GROUP_SIZE) is None
+    if form == "fp16-weight":
+        return linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
+    return True
+
+
 def convert_linear(linear: nn.Linear, form: str, kernel: str = "int8pack") -> nn.Module:
     """`linear` in `form` (one of `FORMS`; `kernel` for int8-weight).
 
@@ -127,17 +189,19 @@ def convert_linear(linear: nn.Linear, form: str, kernel: str = "int8pack") -> nn
         return Fp16WeightLinear(linear)
     if form == "int8-rowwise":
         return Int8RowwiseLinear(linear)
+    if form == "int4-weight":
+        return Int4WeightLinear(linear)
     raise ValueError(f"form must be one of {FORMS}, got {form!r}")
 
 
-def linear_names(model: nn.Module) -> list[str]:
-    """The qualified names of `model`'s `nn.Linear` layers, in module order."""
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+def linear_names(model: nn.Module, form: str | None = None) -> list[str]:
+    """The qualified names of `model`'s `nn.Linear` layers, in module order (with `form`: those it `holds`)."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and (form is None or holds(form, m))]
 
 
 def quantize_linears(model: nn.Module, names: Iterable[str] | None = None, *, form: str = "int8-weight",
                      kernel: str = "int8pack") -> list[str]:
-    """Replaces the named `nn.Linear` layers of `model` (all of them by default) by their `form`, in place.
+    """Replaces the named `nn.Linear` layers of `model` (by default all that `form` holds) by their `form`, in place.
 
     Returns:
         The names replaced, in module order.
@@ -147,7 +211,7 @@ def quantize_linears(model: nn.Module, names: Iterable[str] | None = None, *, fo
         ValueError: see `convert_linear`.
     """
     order = linear_names(model)
-    chosen = order if names is None else list(names)
+    chosen = linear_names(model, form) if names is None else list(names)
     unknown = [n for n in chosen if n not in set(order)]
     if unknown:
         raise KeyError(f"not linear layers of the model: {unknown[:4]}")
@@ -186,9 +250,9 @@ def mean_kl(reference: Decoder, candidate: Decoder, texts: Sequence[Sequence[int
 def search_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, max_mean_kl: float, form: str = "int8-weight",
                   kernel: str = "int8pack", progress: Callable[[str], None] = lambda _: None
                   ) -> tuple[list[str], dict[str, float], float]:
-    """The layers to hold in `form`: each linear layer's sensitivity (mean KL with it alone converted), then
-    layers from the least sensitive, added while the whole model's mean KL stays ≤ `max_mean_kl` (each
-    addition measured, not summed: errors of layers compound).
+    """The layers to hold in `form`: of the linear layers `form` holds, each one's sensitivity (mean KL with it
+    alone converted), then layers from the least sensitive, added while the whole model's mean KL stays
+    ≤ `max_mean_kl` (each addition measured, not summed: errors of layers compound).
 
     Returns:
         (the chosen names, in module order; {name: its sensitivity, nats}; the chosen model's mean KL).
@@ -197,7 +261,7 @@ def search_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, max_mea
 
     reference_logits = batched_sequence_logits(reference, texts)
     sensitivity: dict[str, float] = {}
-    for name in linear_names(reference):
+    for name in linear_names(reference, form):
         trial = copy_decoder(reference)
         quantize_linears(trial, [name], form=form, kernel=kernel)
         sensitivity[name] = mean_kl(reference, trial, texts, reference_logits)
@@ -227,12 +291,17 @@ def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[
               repeats: int = 20) -> tuple[str | None, dict[str, float]]:
     """Which form runs the float32 CPU layers of `shapes` [(out, in)] fastest at `rows` rows, timed here:
     (the fastest form, or None when none beats float32; {"float32" or form: seconds per call summed over
-    the shapes}, inf for a form this machine cannot run)."""
+    the shapes}). A layer a form cannot hold (`holds`) stays in float32 and counts float32's time; a form that
+    holds none of them, or cannot run here, reads inf."""
     timings: dict[str, float] = {"float32": 0.0, **{f: 0.0 for f in forms}}
+    held = dict.fromkeys(forms, 0)
     for out_f, in_f in shapes:
         linear = nn.Linear(in_f, out_f, bias=False)
         x = torch.randn(rows, in_f)
         for label in timings:
+            if label != "float32" and not holds(label, linear):
+                timings[label] += fp32_s
+                continue
             try:
                 layer = linear if label == "float32" else convert_linear(linear, label)
                 with torch.inference_mode():
@@ -241,8 +310,16 @@ def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[
                     started = time.perf_counter()
                     for _ in range(repeats):
                         layer(x)
-                timings[label] += (time.perf_counter() - started) / repeats
+                elapsed = (time.perf_counter() - started) / repeats
             except (RuntimeError, ValueError):
-                timings[label] = float("inf")
+                elapsed = float("inf")
+            timings[label] += elapsed
+            if label == "float32":
+                fp32_s = elapsed
+            else:
+                held[label] += 1
+    for form in forms:
+        if not held[form]:
+            timings[form] = float("inf")
     best = min(forms, key=timings.get) if forms else None
     return (best if best is not None and timings[best] < timings["float32"] else None), timings

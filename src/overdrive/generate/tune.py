@@ -14,8 +14,8 @@ the plan's batch size and at the other one measured (1 or `batch_size`).
 
 Techniques, in the order tried (`TECHNIQUES`): `compile-decode`; one weight form, the one `quantize.pick_form`
 times fastest at the plan's batch (the others reported untried with those timings), its layers searched
-(`quantize.search_layers`); `kv-int8`; `bf16`; `prompt-lookup` (batch 1 only). `draft-model` and
-`int4-weight` are reported untried with the reason.
+(`quantize.search_layers`); `kv-int8`; `bf16`; `prompt-lookup` (batch 1 only). `draft-model` is reported
+untried with the reason, as is `int4-weight` on CUDA (PyTorch's int4 kernel used here is the CPU one).
 """
 
 from __future__ import annotations
@@ -36,18 +36,18 @@ from overdrive.generate.plan import GenerationPlan, build_generator
 from overdrive.generate.quantize import FORMS, linear_names, pick_form, search_layers
 from overdrive.generate.workload import GenerationWorkload
 
-TECHNIQUES = ("compile-decode", "weight-only", "kv-int8", "bf16", "prompt-lookup", "draft-model", "int4-weight")
+TECHNIQUES = ("compile-decode", "weight-only", "kv-int8", "bf16", "prompt-lookup", "draft-model")
 DESCRIPTIONS = {
     "compile-decode": "the decode step under torch.compile (fixed shapes; CUDA graphs on a GPU); exact",
     "weight-only": "one weight-only form, the fastest at the plan's batch, on the layers a per-layer KL search keeps",
     "int8-weight": "weight-only int8, a scale per output channel (aten._weight_int8pack_mm)",
     "int8-rowwise": "int8 weights and int8 activations with a scale per row, quantized per call (torch._int_mm)",
     "fp16-weight": "fp16 weights packed for FBGEMM, fp32 arithmetic",
+    "int4-weight": "weight-only int4, a scale and zero point per 64 input channels (aten._weight_int4pack_mm_for_cpu)",
     "kv-int8": "the KV cache in int8, a float32 scale per token and head",
     "bf16": "weights, activations and the KV cache in bfloat16",
     "prompt-lookup": "speculative decoding with n-gram drafts from the prompt, verified greedily; batch 1; exact",
     "draft-model": "speculative decoding with a draft derived from the target (not built yet)",
-    "int4-weight": "int4 weight-only (not wired: torchao's kernel needs CUDA)",
 }
 EXACT = {"compile-decode", "prompt-lookup"}  # may change no greedy token beyond near ties
 
@@ -275,6 +275,10 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
     for name in wanted:
         if name == "weight-only" or name in FORMS:
             forms = [name] if name in FORMS else list(FORMS)
+            if "int4-weight" in forms and torch.device(device).type != "cpu":
+                forms.remove("int4-weight")
+                rows.append(GenerationRow(technique="int4-weight", status="untried", reason=(
+                    "PyTorch's int4 weight-only kernel wired here is the CPU one; torchao's CUDA int4 is not wired yet")))
             shapes = [tuple(m.weight.shape) for n, m in reference.model.named_modules()
                       if n in set(linear_names(reference.model))]
             best, timings = pick_form(shapes, rows=batch_size, forms=forms)
@@ -282,8 +286,9 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
             for form in forms:
                 if form != best:
                     rows.append(GenerationRow(technique=form, status="untried", reason=(
-                        f"its layers ran slower at {batch_size} rows than "
-                        + (f"{best}'s" if best else "float32's") + f" ({timed}, summed over the layer shapes)")))
+                        "its kernel takes none of this model's layers here" if timings[form] == math.inf else
+                        f"its layers ran slower at {batch_size} rows than " + (f"{best}'s" if best else "float32's")
+                        + f" ({timed}, summed over the layer shapes; a layer it cannot hold at float32's time)")))
             if best is None:
                 continue
             started = time.perf_counter()
@@ -310,9 +315,6 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
             rows.append(GenerationRow(technique=name, status="untried", reason=(
                 "not built yet: a draft derived from the target (layers dropped, then distilled) is future work; "
                 "prompt-lookup is the speculative decoding offered")))
-        elif name == "int4-weight":
-            rows.append(GenerationRow(technique=name, status="untried", reason=(
-                "no int4 weight-only kernel is wired for this device (torchao's int4 needs CUDA)")))
         elif name == "bf16" and any(s["name"] == "fp16-weight" for s in current):
             rows.append(GenerationRow(technique=name, status="untried", reason=(
                 "does not compose with the kept fp16-weight: FBGEMM's packed fp16 GEMM takes float32 activations")))
