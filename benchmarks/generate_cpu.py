@@ -16,7 +16,8 @@ roofline (`generate/roofline.py`): bytes read per decode step (weights at their 
 
 Entries: hf-eager, hf-static-compiled (Hugging Face's static KV cache with its forward under torch.compile,
 fullgraph, as its docs set it up), hf-continuous-batching (`generate_batch`), overdrive-eager, overdrive-compiled,
-and every linear layer in each low-precision form of `generate/quantize.py`: overdrive-int8-weight[-compiled], overdrive-fp16-weight, overdrive-int8-rowwise[-compiled].
+and every linear layer each low-precision form of `generate/quantize.py` holds: overdrive-int8-weight[-compiled],
+overdrive-fp16-weight, overdrive-int8-rowwise[-compiled], overdrive-int4-weight[-compiled].
 """
 
 from __future__ import annotations
