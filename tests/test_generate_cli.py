@@ -166,6 +166,16 @@ def test_bf16_on_top_of_a_kept_fp16_weight_is_a_row_that_says_they_do_not_compos
     assert rows["bf16"].status == "untried" and "does not compose with the kept fp16-weight" in rows["bf16"].reason
 
 
+def test_min_gain_0_tries_a_weight_form_even_where_its_layers_time_slower(toy_pydoc_lm):
+    """--min-gain 0 keeps every step within budget whatever its speed: the weight form is searched and judged, not
+    left untried for its kernel timings."""
+    import overdrive
+
+    result = overdrive.optimize("pydoc-lm", device="cpu", techniques=["int8-weight"], max_new_tokens=4, min_gain=0)
+    row = {r.technique: r for r in result.rows}["int8-weight"]
+    assert row.status in ("kept", "rejected") and row.fidelity is not None, row
+
+
 def test_a_step_timed_on_a_busy_machine_is_decided_on_its_interval_and_said_uncertain(toy_pydoc_lm, monkeypatch):
     """As a one-pass technique is: kept when its interval's low end clears --min-gain, with a warning that its figures
     are uncertain (it was rejected as 'uncertain' whatever its interval, so --min-gain 0 kept nothing when busy)."""

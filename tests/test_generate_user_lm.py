@@ -11,7 +11,7 @@ import torch
 import overdrive
 from overdrive import cli
 from overdrive.core.errors import ConfigError, WorkloadError
-from overdrive.generate import SamplingParams
+from overdrive.generate import Decoder, SamplingParams
 from overdrive.generate.plan import GenerationPlan, build_generator
 from tests.fixtures import lm_models
 
@@ -35,7 +35,9 @@ def test_a_causal_lm_passed_in_python_is_optimized_for_generation_on_your_prompt
     assert result.plan.workload == "<python causal LM LlamaForCausalLM>"
     assert (tmp_path / "LlamaForCausalLM" / "plan.json").exists()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # your model is not changed
-    assert model.training  # nor its mode
+    assert model.training  # nor its mode, and the user is told how it was judged
+    assert any("training mode" in w for w in result.warnings)
+    assert result.table[1]["technique"] == "kv-int8" and result.table[1]["kept"] == (rows["kv-int8"].status == "kept")
     model.eval()
     # the generator it returns is the plan's, on the model as given
     params = SamplingParams(max_new_tokens=4)
@@ -47,6 +49,9 @@ def test_a_causal_lm_passed_in_python_is_optimized_for_generation_on_your_prompt
     defaults = result.generator.defaults
     assert defaults.max_new_tokens == 4 and defaults.stop_token_ids == (tok.eos_token_id,)
     assert [len(c.token_ids) <= 4 for c in result.generator.generate(PROMPTS[:2])] == [True, True]
+    from overdrive.generate import Generator
+
+    assert Generator(Decoder.from_hf(model), tok).defaults.stop_token_ids == (tok.eos_token_id,)  # as HF's generate
     # a plan of a model passed in Python cannot be rebuilt by name: run says how to use it
     with pytest.raises(WorkloadError, match="passed in Python"):
         from overdrive.workloads.generation import create_generation_workload
@@ -58,7 +63,6 @@ def test_a_gpt2_generates_as_hugging_face_does_and_goes_through_the_int8_search_
     """GPT-2's Conv1D weights (stored transposed), learned positions and tied head: through optimize's guard,
     and through the per-layer int8 search (called directly: at this toy size int8 is slower than fp32, so
     optimize rightly does not try it)."""
-    from overdrive.generate import Decoder
     from overdrive.generate.quantize import linear_names, search_layers
 
     model, tok = lm_models.gpt2()
@@ -79,7 +83,7 @@ def test_a_gpt2_generates_as_hugging_face_does_and_goes_through_the_int8_search_
 
 @pytest.mark.parametrize("spec, parameters", [("gpt2-small-random", 124_439_808), ("llama-125m-random", 124_668_672)])
 def test_the_random_weight_built_ins_are_real_shapes_labelled_speed_only(spec, parameters):
-    from overdrive.generate import Decoder, KVCache
+    from overdrive.generate import KVCache
     from overdrive.workloads.generation import create_generation_workload, is_generation_workload
 
     workload = create_generation_workload(spec, num_prompts=4)
@@ -148,8 +152,18 @@ def test_a_text_encoder_factory_still_takes_the_one_pass_path():
      "beyond the model's vocabulary of 100"),
     (lambda: _optimize_built({"max_position_embeddings": 16}, max_new_tokens=16), ConfigError,
      "exceed the model's context of 16"),
+    (lambda: _optimize_built({}, max_new_tokens=0), ConfigError, "max_new_tokens=0: expected a positive integer"),
+    (lambda: build_generator(lm_models.build()[0], None, [{"name": "nonsense"}]), ConfigError,
+     "unknown generation steps \\['nonsense'\\]"),
+    (lambda: build_generator(lm_models.build()[0], None, [{"name": "kv-int8", "bogus": 3}]), ConfigError,
+     "the step 'kv-int8' takes no \\['bogus'\\]"),
+    (lambda: build_generator(lm_models.build(vocab_size=100)[0], lm_models.tokenizer(), []).generate(
+        ["The dictionary maps keys"]), ValueError,
+     "beyond the model's vocabulary of 100"),
+    (lambda: Decoder.from_hf(lm_models.gpt2()[0].transformer), ValueError, "not the bare model"),
 ], ids=["prompts-a-string", "not-an-lm", "no-tokenizer", "example-inputs", "gpt-neox", "builtin-with-prompts",
-        "gelu", "attention-bias", "small-vocabulary", "small-context"])
+        "gelu", "attention-bias", "small-vocabulary", "small-context", "zero-new-tokens", "unknown-step",
+        "step-setting", "text-beyond-vocabulary", "bare-gpt2"])
 def test_what_does_not_fit_is_refused_by_name(call, error, message):
     with pytest.raises(error, match=message):
         call()

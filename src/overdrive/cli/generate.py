@@ -69,8 +69,6 @@ def optimize_main(args, argv: list[str]) -> int:
     if "prompts" in workload.facts:  # a user's LM: what it was judged on
         console.print(f"prompts: {workload.facts['prompts']}; calibration and perplexity: CPython reference sentences",
                       highlight=False, soft_wrap=True)
-    if "note" in workload.facts:
-        console.print(f"[yellow]note: {workload.facts['note']}[/]", highlight=False, soft_wrap=True)
     for warning in result.warnings:
         console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
     plan = result.plan
@@ -367,7 +365,7 @@ def run_main(args) -> int:
     console.print(f"{written:,} of {len(records) - len(done):,} prompts → {output}; {failed:,} failed"
                   + (f" (see {errors_path})" if failed else "") + (f"; {len(done):,} done before the resume" if done else ""),
                   highlight=False)
-    console.print(f"{tokens:,} new tokens in {wall:.1f} s = {tokens / max(wall, 1e-9):,.1f} tokens/s on "
+    console.print(f"{tokens:,} new tokens in {wall:.3g} s = {tokens / max(wall, 1e-9):,.1f} tokens/s on "
                   f"{devices.describe(device)}, batches of up to {batch} (plan: {' + '.join(plan.names) or 'baseline'}); set-up "
                   f"before that {setup_s:.1f} s (model, warm-up)",
                   highlight=False)

@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
                      help="recovery fine-tune steps after pruning (default 300; 0: none)")
     opt.add_argument("--overwrite", action="store_true", help="replace the plan already in OUT/<workload>/")
     opt.add_argument("--sweep-batch-sizes", type=int_list, help="batch sizes for the report's plot (default: 1, B/4, B, 2B)")
-    opt.add_argument("--max-new-tokens", type=positive_int, help="a causal LM (pydoc-lm): new tokens per sequence in "
+    opt.add_argument("--max-new-tokens", type=positive_int, help="a causal LM (pydoc-lm, a factory of one): new tokens per sequence in "
                                                                   "the timings (default 32)")
     opt.add_argument("--time-budget", type=nonnegative, default=None, metavar="SECONDS",
                      help=f"seconds optimize may take: candidates are tried by predicted gain per second and those "

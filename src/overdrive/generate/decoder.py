@@ -300,7 +300,8 @@ class Decoder(nn.Module):
         try:
             state = _FROM_HF.get(config.family, lambda s, c: s)(state, config)
         except (KeyError, RuntimeError) as exc:
-            raise ValueError(f"the weights do not match a {type(hf_model).__name__}: {exc}") from None
+            raise ValueError(f"the weights do not match a {type(hf_model).__name__}: no {exc} (the decoder takes a "
+                             "causal LM with its LM head, e.g. GPT2LMHeadModel, not the bare model)") from None
         missing, unexpected = decoder.load_state_dict(state, strict=False)
         missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:

@@ -154,8 +154,8 @@ class Generator:
             multiple of `SLOT_ROUNDING`, so batches of similar lengths share one graph; CUDA graphs on a GPU
             through mode "reduce-overhead"). Prefill stays eager (its length varies).
         speculative: draft tokens to verify (`PromptLookup`): greedy requests only, one prompt at a time.
-        defaults: the `SamplingParams` of a `generate` call given none (default: `SamplingParams()`, greedy, 64 new
-            tokens, no stop token; a plan's generator ends at its tokenizer's end-of-text, `build_generator`).
+        defaults: the `SamplingParams` of a `generate` call given none (default: greedy, 64 new tokens, ending at
+            the tokenizer's end-of-text token where there is one, as Hugging Face's `generate` ends).
     """
 
     SLOT_ROUNDING = 128
@@ -167,7 +167,8 @@ class Generator:
             raise ValueError(f"speculative must be a PromptLookup (or None), got {speculative!r}")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.speculative = speculative
-        self.defaults = defaults or SamplingParams()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.defaults = defaults or SamplingParams(stop_token_ids=(eos,) if _is_int(eos) else ())
         self.max_batch_size = max_batch_size
         self.compiled = compile
         self._decode = model
@@ -195,6 +196,9 @@ class Generator:
             ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
             if not ids:
                 raise ValueError(f"the prompt {prompt!r} encodes to no token")
+            if max(ids) >= self.model.config.vocab_size:
+                raise ValueError(f"the tokenizer gives token id {max(ids)}, beyond the model's vocabulary of "
+                                 f"{self.model.config.vocab_size}: the tokenizer is not the model's")
             return ids
         if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a tensor or an array of ids
             prompt = prompt.tolist()

@@ -59,19 +59,11 @@ class GenerationPlan:
         """Raises: ConfigError for a plan that is not a generation plan or names an unknown step."""
         if data.get("kind") != KIND:
             raise ConfigError(f"not a generation plan (kind {data.get('kind')!r})")
-        steps = data.get("steps", [])
-        if not isinstance(steps, list) or not all(isinstance(s, dict) for s in steps):
-            raise ConfigError(f"a generation plan's steps are a list of objects with a \"name\", got {steps!r:.120}")
+        check_steps(data.get("steps", []))
         for name in ("batch_size", "max_new_tokens"):
             value = data.get(name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"a generation plan's {name} is a positive integer, got {value!r}")
-        unknown = [s.get("name") for s in steps if s.get("name") not in STEP_NAMES]
-        if unknown:
-            raise ConfigError(f"the plan names unknown generation steps {unknown}; known: {', '.join(STEP_NAMES)}")
-        forms = [s["name"] for s in data.get("steps", []) if s["name"] in FORMS]
-        if len(forms) > 1:
-            raise ConfigError(f"a plan holds one weight form, this one holds {forms}")
         fields = {k: data[k] for k in ("workload", "device", "batch_size", "max_new_tokens", "steps", "measured") if k in data}
         return cls(**fields)
 
@@ -95,6 +87,27 @@ def is_generation_plan(path: str | Path) -> bool:
         return False
 
 
+def check_steps(steps) -> None:
+    """Raises ConfigError (a ValueError) for steps that are not a list of {"name": one of `STEP_NAMES`, ...} with at
+    most one weight form, a form without its "layers" list, or a setting a step does not take."""
+    if not isinstance(steps, list) or not all(isinstance(s, dict) for s in steps):
+        raise ConfigError(f"a generation plan's steps are a list of objects with a \"name\", got {steps!r:.120}")
+    unknown = [s.get("name") for s in steps if s.get("name") not in STEP_NAMES]
+    if unknown:
+        raise ConfigError(f"the plan names unknown generation steps {unknown}; known: {', '.join(STEP_NAMES)}")
+    forms = [s["name"] for s in steps if s["name"] in FORMS]
+    if len(forms) > 1:
+        raise ConfigError(f"a plan holds one weight form, this one holds {forms}")
+    for step in steps:
+        allowed = {"name", "layers"} if step["name"] in FORMS else {"name", "num_tokens"} \
+            if step["name"] == "prompt-lookup" else {"name"}
+        extra = sorted(set(step) - allowed)
+        if extra:
+            raise ConfigError(f"the step {step['name']!r} takes no {extra}")
+        if step["name"] in FORMS and not isinstance(step.get("layers"), list):
+            raise ConfigError(f"the step {step['name']!r} needs the list of its \"layers\"")
+
+
 def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | torch.device = "cpu",
                     max_batch_size: int = 16, max_new_tokens: int | None = None):
     """A `Generator` for `hf_model` (a Hugging Face causal LM that `Decoder.from_hf` takes) with `steps` applied
@@ -103,11 +116,13 @@ def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | tor
     (default: `SamplingParams`'s).
 
     Raises:
-        ValueError: a model `Decoder.from_hf` does not take; KeyError: a weight form naming layers the model lacks.
+        ValueError: a model `Decoder.from_hf` does not take, or steps `check_steps` refuses (ConfigError); KeyError:
+            a weight form naming layers the model lacks.
     """
     from overdrive.generate import Decoder, Generator, PromptLookup, SamplingParams
     from overdrive.generate.quantize import quantize_linears
 
+    check_steps(steps)
     by_name = {s["name"]: s for s in steps}
     decoder = Decoder.from_hf(hf_model).to(device)
     if "bf16" in by_name:
@@ -119,7 +134,7 @@ def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | tor
     lookup = by_name.get("prompt-lookup")
     eos = getattr(tokenizer, "eos_token_id", None)
     defaults = SamplingParams(**({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
-                              stop_token_ids=(eos,) if isinstance(eos, int) else ())
+                              stop_token_ids=(eos,) if isinstance(eos, int) else ()) if max_new_tokens else None
     return Generator(decoder, tokenizer, max_batch_size=max_batch_size, defaults=defaults,
                      cache_dtype=torch.int8 if "kv-int8" in by_name else None,
                      compile="compile-decode" in by_name,

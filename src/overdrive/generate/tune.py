@@ -169,6 +169,11 @@ class GenerationResult:
     workload: GenerationWorkload
     warnings: list[str] = field(default_factory=list)
 
+    @property
+    def table(self) -> list[dict]:
+        """The rows as dicts (`GenerationRow.to_dict`), with "kept" as a one-pass result's table has it."""
+        return [{**r.to_dict(), "kept": r.status == "kept"} for r in self.rows]
+
     def to_dict(self) -> dict:
         return {"kind": "generation", "workload": self.workload.name, "rows": [r.to_dict() for r in self.rows],
                 "plan": self.plan.to_dict(), "warnings": self.warnings, "facts": self.workload.facts}
@@ -282,6 +287,9 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
             shapes = [tuple(m.weight.shape) for n, m in reference.model.named_modules()
                       if n in set(linear_names(reference.model))]
             best, timings = pick_form(shapes, rows=batch_size, forms=forms)
+            runnable = [f for f in forms if timings[f] < math.inf]
+            if best is None and min_gain <= 0 and runnable:  # every step within budget, whatever its speed
+                best = min(runnable, key=timings.get)
             timed = ", ".join(f"{f} {t * 1e3:.2f} ms" for f, t in timings.items())
             for form in forms:
                 if form != best:
@@ -356,6 +364,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
     plan.measured = measured
     if not workload.real_weights:
         warnings.append("random weights: the guard's figures say nothing about accuracy")
+    warnings += workload.notes
     return GenerationResult(rows=rows, plan=plan, generator=final, workload=workload, warnings=warnings)
 
 

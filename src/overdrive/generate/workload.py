@@ -24,6 +24,7 @@ class GenerationWorkload:
         held_out: texts the held-out perplexity is taken on.
         real_weights: trained weights (accuracy claims hold) rather than random ones (speed only).
         facts: what the workload says about itself (`overdrive list`).
+        notes: what the user should know of how their model is judged (printed, and in the result's warnings).
     """
 
     name: str
@@ -34,6 +35,7 @@ class GenerationWorkload:
     held_out: list[list[int]]
     real_weights: bool = True
     facts: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def prompt_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

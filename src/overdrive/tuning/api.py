@@ -275,14 +275,16 @@ def optimize(model: str | nn.Module | Workload, example_inputs=None, *, device: 
             (`DEFAULT_TIME_BUDGET_S`); 0: no limit, everything is tried.
         progress: called before each measurement as progress(description, done, expected).
         max_new_tokens: for a causal LM: greedy tokens per sequence in the timings (default 32).
-        tokenizer, prompts: a Hugging Face causal LM (Llama, Mistral, Qwen2) passed as `model` is optimized for
-            generation with its tokenizer, judged and timed on `prompts` (a list of strings; None: CPython text).
+        tokenizer, prompts: a Hugging Face causal LM (Llama, Mistral, Qwen2, Phi-3, GPT-2) passed as `model` is
+            optimized for generation with its tokenizer, judged and timed on `prompts` (a list of strings; None:
+            CPython text).
 
     Returns:
         An OptimizeResult: `.table` (the per-technique rows), `.model` (the optimized module),
         `.plan`, `.save(folder)`. For a causal LM (`"pydoc-lm"`, a factory of one, a model with `tokenizer`),
         a `generate.tune.GenerationResult`:
-        `.rows`, `.plan` (a `GenerationPlan`), `.generator` (`gen.generate(prompts, params)`); of
+        `.rows` (`.table` as dicts), `.plan` (a `GenerationPlan`), `.generator` (`gen.generate(prompts)`, as the
+        plan was timed, or with `SamplingParams`), `.warnings`; of
         the arguments above it takes device, lossless, techniques, batch_size (default 1),
         min_gain, out and progress.
 

@@ -49,6 +49,9 @@ def optimize_lm(workload: GenerationWorkload, *, folder: Path | None = None, dev
     from overdrive.generate.tune import EXACT, TECHNIQUES, check_techniques, optimize_generation
 
     check_techniques(techniques)
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
+                                       or max_new_tokens < 1):
+        raise ConfigError(f"{arg('max_new_tokens', max_new_tokens)}: expected a positive integer")
     if lossless:
         techniques = [t for t in (techniques or TECHNIQUES) if t in EXACT]
     result = optimize_generation(workload, device=str(devices.resolve_device(str(device))), batch_size=batch_size or 1,

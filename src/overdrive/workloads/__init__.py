@@ -53,7 +53,8 @@ def list_workloads() -> dict[str, str]:
         "gpt2-small-random": "GPT-2 small's shape (GPT2LMHeadModel, 124 M parameters), random weights: generation "
                              "speed only",
         "<torchvision name>": "any torchvision classifier, e.g. resnet50 (random weights: speed only)",
-        "package.module:factory": "your factory returning a Workload or (model, example_input)",
+        "package.module:factory": "your factory returning a Workload, (model, example_input), or (causal LM, "
+                                  "tokenizer) for generation",
         "<file>.pt / .pt2": "a TorchScript or torch.export archive",
     }
 

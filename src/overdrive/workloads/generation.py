@@ -81,6 +81,7 @@ def lm_workload(name: str, model: nn.Module, tokenizer, prompts: list[str] | Non
         notes.append("the model's weights are not fp32: a copy in fp32 is the reference every technique is judged against")
     elif model.training:
         model = copy.deepcopy(model)  # eval mode (no dropout) on a copy: the caller's model stays in training mode
+        notes.append("the model is in training mode: it is judged and timed in eval mode (no dropout), on a copy")
     model = model.eval()
     sentences = [s for s in python_doc_sentences() if len(s.split()) >= 8][::7]
     source = list(prompts) if prompts is not None else [" ".join(s.split()[:6]) for s in sentences[:num_prompts]]
@@ -103,10 +104,9 @@ def lm_workload(name: str, model: nn.Module, tokenizer, prompts: list[str] | Non
     if highest >= model.config.vocab_size:
         raise WorkloadError(f"{name}: the tokenizer gives token id {highest}, beyond the model's vocabulary of "
                             f"{model.config.vocab_size}: the tokenizer is not the model's")
-    facts = {"prompts": f"{len(encoded)} {'of yours' if prompts is not None else 'from CPython reference sentences'}",
-             **({"note": notes[0]} if notes else {})}
+    facts = {"prompts": f"{len(encoded)} {'of yours' if prompts is not None else 'from CPython reference sentences'}"}
     return GenerationWorkload(name=name, model=model, tokenizer=tokenizer, prompts=encoded, calibration=calibration,
-                              held_out=held_out, facts=facts)
+                              held_out=held_out, facts=facts, notes=notes)
 
 
 def create_generation_workload(spec: str, *, num_prompts: int = 32, log=None) -> GenerationWorkload:
