@@ -18,10 +18,14 @@ embeddings in place of RoPE, biases on every projection and a plain GELU (tanh a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from overdrive.generate.paged import PagedKVCache
 
 FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt2")
 _GELU = {"gelu_new": "gelu-tanh", "gelu_pytorch_tanh": "gelu-tanh", "gelu_fast": "gelu-tanh", "gelu": "gelu"}
@@ -141,9 +145,12 @@ class KVCache:
         self.value_scales = [torch.ones(scales, device=device) if self.quantized else None for _ in self.keys]
         self.batch_size, self.slots = batch_size, slots
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Layer i's (keys, values, key scales, value scales); the scales are None unless int8."""
-        return self.keys[i], self.values[i], self.key_scales[i], self.value_scales[i]
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes layer i's new keys and values k, v [B, kv, T, head_dim] at `slots` int64 [T] (the same for every
+        row) and returns the layer's whole keys and values [B, kv, S, head_dim] in `dtype`, for attention."""
+        return (_store(self.keys[i], self.key_scales[i], slots, k, dtype),
+                _store(self.values[i], self.value_scales[i], slots, v, dtype))
 
     def nbytes(self) -> int:
         tensors = (*self.keys, *self.values, *(t for t in (*self.key_scales, *self.value_scales) if t is not None))
@@ -156,16 +163,27 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
 
 
+def write(cache: torch.Tensor, scales: torch.Tensor | None, dim: int, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Writes x at index `slots` of `cache`'s dimension `dim` (quantized per token, its scales beside, when `scales`
+    is not None)."""
+    if scales is None:
+        cache.index_copy_(dim, slots, x.to(cache.dtype))
+        return
+    q, scale = quantize_per_token(x)
+    cache.index_copy_(dim, slots, q)
+    scales.index_copy_(dim, slots, scale)
+
+
+def read(cache: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """`cache` in `dtype`, dequantized by its `scales` when it holds int8."""
+    return cache.to(dtype) if scales is None else (cache.float() * scales).to(dtype)
+
+
 def _store(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor,
            dtype: torch.dtype) -> torch.Tensor:
     """Writes x [B, kv, T, D] at `slots` and returns the whole cache in `dtype` for attention."""
-    if scales is None:
-        cache.index_copy_(2, slots, x.to(cache.dtype))
-        return cache.to(dtype)
-    q, scale = quantize_per_token(x)
-    cache.index_copy_(2, slots, q)
-    scales.index_copy_(2, slots, scale)
-    return (cache.float() * scales).to(dtype)
+    write(cache, scales, 2, slots, x)
+    return read(cache, scales, dtype)
 
 
 class RMSNorm(nn.Module):
@@ -200,25 +218,25 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.layer = layer
         self.scale = c.attention_scales[layer] if c.attention_scales else None  # None: SDPA's 1/sqrt(head_dim)
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.output_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple, slots: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, slots: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden]; cos/sin [B, 1, T, rotary dims] (None: learned positions, no rotation); kv the layer's cache (`KVCache.layer`: keys and values
-        [B, kv, S, head_dim] and their int8 scales or None), written at `slots` int64 [T]; mask [B, 1, T, S] bool
-        (True: attend)."""
+        """x [B, T, hidden]; cos/sin [B, 1, T, rotary dims] (None: learned positions, no rotation); `cache` a
+        `KVCache` or `PagedKVCache`, its `update` writing the new keys and values at `slots` and returning the
+        keys and values [B, kv, S, head_dim] attended to; mask [B, 1, T, S] bool (True: attend)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cos is not None:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        keys, values, key_scales, value_scales = kv
-        keys, values = _store(keys, key_scales, slots, k, q.dtype), _store(values, value_scales, slots, v, q.dtype)
+        keys, values = cache.update(self.layer, k, v, slots, q.dtype)
         # Query head h reads key/value head h // (heads / kv_heads), as Hugging Face's repeat_kv pairs them.
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
@@ -255,8 +273,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = _norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv, slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, slots, mask)
+    def forward(self, x, cos, sin, cache, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -310,11 +328,12 @@ class Decoder(nn.Module):
         decoder.inv_freq = decoder.inv_freq.to(device=reference.device, dtype=torch.float32)
         return decoder.eval()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | PagedKVCache, slots: torch.Tensor,
                 mask: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Runs `tokens` [B, T] (int64) at `positions` [B, T] (RoPE's, or the learned embeddings' index), writing
-        their keys and values at cache `slots` int64 [T] (the same for every row); `mask` [B, 1, T, S] bool says
-        which slots each token attends to.
+        their keys and values at cache `slots` (a `KVCache`: int64 [T], the same for every row; a `PagedKVCache`:
+        int64 [B, T], each token's slot in the pool); `mask` [B, 1, T, S] bool says which of the S slots the cache
+        returns each token attends to.
 
         Returns:
             logits float32 [B, T, vocab] ([B, 1, vocab] with `last_only`).
@@ -327,8 +346,8 @@ class Decoder(nn.Module):
             freqs = positions[..., None].float() * self.inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, rotary dims]
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache.layer(i), slots, mask)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, slots, mask)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x)).float()

@@ -1,0 +1,286 @@
+"""Continuous batching (iteration-level scheduling, Orca: Yu et al., OSDI 2022) over a paged KV cache (vLLM).
+
+The running batch is formed again at every decode step: a request joins as soon as a row and the KV blocks for its
+prompt are free (first come, first served), and leaves the step after its last token, giving its blocks back, so
+a batch stays full while answers of different lengths finish. A request is prefilled on its own (one forward over
+its prompt) when it joins, then decodes one token per step with the others. When a running sequence needs a block
+and none is free, the latest-admitted sequence is preempted: its blocks are freed and it waits at the head of the
+queue, to be prefilled again over its prompt and the tokens it had (recomputation, as vLLM's default), keeping its
+sampling generator, so its answer is the one it would have had.
+
+Each sequence reads only its own blocks at its own positions (0 up to its length: no padding); its batch-mates
+change nothing but the floating-point summation order of the shared matrix products, and each request samples
+from its own seeded `torch.Generator`, so a request alone and in a busy batch gives the same tokens (a test).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from overdrive.generate.decoder import Decoder
+from overdrive.generate.engine import Completion, Generator, SamplingParams, sample_next
+from overdrive.generate.paged import BlockPool, PagedKVCache
+
+
+@dataclass
+class TokenEvent:
+    """One step's news for a request: the token it produced (`token_id`), and its `Completion` when that token
+    ended it (`finished`; None while it runs)."""
+
+    request_id: int
+    token_id: int
+    finished: Completion | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the generator was made: decode `steps`, `preemptions`, the most sequences running at once,
+    the most KV blocks in use, and the slots the running sequences held against those their tokens fill (summed over
+    decode steps; `kv_waste` is the share held but empty, at most block_size - 1 slots per sequence)."""
+
+    steps: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    peak_blocks: int = 0
+    slots_held: int = 0
+    slots_filled: int = 0
+
+    @property
+    def kv_waste(self) -> float:
+        return 1 - self.slots_filled / self.slots_held if self.slots_held else 0.0
+
+
+@dataclass
+class _Sequence:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    completion: Completion
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose keys and values are in the cache; the last chosen token is fed next step
+
+
+def _available_memory(device: torch.device) -> int:
+    """Bytes free on `device` (CUDA: the driver's free memory; CPU: the system's available pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 << 30
+
+
+class ContinuousGenerator(Generator):
+    """A `Generator` that batches continuously (the module docstring): `submit` requests, call `step` for each
+    decode step's `TokenEvent`s, or `generate` a list of prompts in one call.
+
+    Args:
+        model, tokenizer, cache_dtype, compile, defaults: as `Generator`'s (compile: the decode step, at batch
+            sizes rounded up to a power of two and attention spans to a multiple of `SLOT_ROUNDING`, so a few
+            graphs serve every batch).
+        max_batch_size: sequences decoding together at most.
+        block_size: KV slots per block.
+        num_blocks: blocks in the pool (one is scratch). Default: enough for `max_batch_size` sequences of the
+            model's full context, capped at `kv_memory_fraction` of the device's free memory.
+        kv_memory_fraction: see num_blocks.
+
+    Raises:
+        ValueError: a speculative generator asked for (prompt lookup verifies one sequence at a time), a pool too
+            small for one full-context sequence when `num_blocks` is not given and memory is short (named).
+    """
+
+    def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16, block_size: int = 16,
+                 num_blocks: int | None = None, kv_memory_fraction: float = 0.25,
+                 cache_dtype: torch.dtype | None = None, compile: bool = False,
+                 defaults: SamplingParams | None = None):
+        super().__init__(model, tokenizer, max_batch_size=max_batch_size, cache_dtype=cache_dtype, compile=compile,
+                         defaults=defaults)
+        config = model.config
+        per_block = PagedKVCache(config, 1, block_size, device="meta", dtype=self.cache_dtype).nbytes()
+        if num_blocks is None:
+            wanted = max_batch_size * math.ceil(config.max_positions / block_size)
+            affordable = int(_available_memory(self.device) * kv_memory_fraction) // per_block
+            num_blocks = 1 + min(wanted, affordable)
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.cache = PagedKVCache(config, num_blocks, block_size, device=self.device, dtype=self.cache_dtype)
+        self.stats = SchedulerStats()
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []  # in admission order: the last is the first preempted
+        self._next_id = 0
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queues one request and returns its id (ids count up from 0).
+
+        Raises:
+            ValueError: a prompt `encode` refuses, or one whose prompt plus max_new_tokens exceed the model's
+                positions or the whole KV pool (it could never finish)."""
+        ids = self.encode(prompt)
+        params = params or self.defaults
+        need = len(ids) + params.max_new_tokens
+        if need > self.model.config.max_positions:
+            raise ValueError(f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new ones exceeds the "
+                             f"model's {self.model.config.max_positions} positions")
+        if math.ceil(need / self.block_size) > self.pool.capacity:
+            raise ValueError(f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new ones needs "
+                             f"{math.ceil(need / self.block_size)} KV blocks; the pool holds {self.pool.capacity}")
+        seq = _Sequence(self._next_id, ids, params, self._generator(params), Completion(prompt_tokens=len(ids)))
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq.request_id
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @torch.no_grad()
+    def step(self) -> list[TokenEvent]:
+        """Admits what fits, then runs one decode step for every running sequence: each request's new token, in
+        the order they were produced (a joining request's first token comes from its prefill)."""
+        events: list[TokenEvent] = []
+        self._admit(events)
+        if self.running:
+            self._decode_running(events)
+        return events
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Completions for `prompts`, in their order (as `Generator.generate`, scheduled continuously).
+
+        Raises:
+            ValueError: as `submit`; requests still queued from `submit` (finish them with `step` first)."""
+        if self.has_unfinished:
+            raise ValueError("requests submitted earlier are still running: step them to the end first")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"generate takes a list of prompts, got {prompts!r}: wrap one prompt in a list")
+        per_request = [params] * len(prompts) if params is None or isinstance(params, SamplingParams) else list(params)
+        if len(per_request) != len(prompts):
+            raise ValueError(f"{len(per_request)} sampling params for {len(prompts)} prompts")
+        try:
+            ids = [self.submit(p, q) for p, q in zip(prompts, per_request)]
+        except ValueError:
+            self.waiting.clear()
+            raise
+        done: dict[int, Completion] = {}
+        while self.has_unfinished:
+            done.update((e.request_id, e.finished) for e in self.step() if e.finished is not None)
+        return [done[i] for i in ids]
+
+    # --- scheduling -------------------------------------------------------------------------------------------
+
+    def _admit(self, events: list[TokenEvent]) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            tokens = seq.prompt + seq.completion.token_ids[:-1]  # a preempted sequence's own tokens come back too
+            need = len(tokens) // self.block_size + 1  # its tokens and the slot of the next one
+            if self.pool.num_free < need:
+                return  # first come, first served: it waits for blocks, and so do those behind it
+            self.waiting.popleft()
+            seq.blocks = [self.pool.allocate() for _ in range(need)]
+            logits = self._prefill(seq, tokens)
+            if not seq.completion.token_ids:  # a new request: its first token
+                self._emit(seq, self._choose(logits[None], [seq])[0], events)
+            if seq.completion.finish_reason is None:
+                self.running.append(seq)
+                self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        self._note_blocks()
+
+    def _prefill(self, seq: _Sequence, tokens: list[int]) -> torch.Tensor:
+        """One forward over `tokens` into the sequence's blocks; the last token's logits [vocab]."""
+        n, dev = len(tokens), self.device
+        rows = self._rows(seq.blocks)  # [S] its slots, in order
+        self.cache.read_index = rows[None]
+        position = torch.arange(n, device=dev)
+        span = torch.arange(rows.numel(), device=dev)
+        mask = (span[None, :] <= position[:, None])[None, None]  # [1, 1, T, S]: causal over its own tokens
+        logits = self.model(torch.tensor([tokens], device=dev), position[None], self.cache, rows[None, :n], mask,
+                            last_only=True)
+        seq.cached = n
+        return logits[0, 0]
+
+    def _decode_running(self, events: list[TokenEvent]) -> None:
+        """One token for every running sequence, in one forward (compiled when asked: `self._decode`)."""
+        self._grow_or_preempt()
+        if not self.running:
+            return
+        b, dev, size = len(self.running), self.device, self.block_size
+        padded = 1 << (b - 1).bit_length() if self.compiled else b  # a few compiled batch sizes
+        padded = min(max(padded, b), max(self.max_batch_size, b))
+        span = max(s.cached + 1 for s in self.running)
+        span = -(-span // size) * size
+        if self.compiled:
+            span = -(-span // self.SLOT_ROUNDING) * self.SLOT_ROUNDING
+        blocks = torch.zeros((padded, span // size), dtype=torch.long)  # block 0: scratch, masked
+        for row, s in enumerate(self.running):
+            blocks[row, :len(s.blocks)] = torch.tensor(s.blocks)
+        read_index = (blocks[:, :, None] * size + torch.arange(size)).reshape(padded, span)
+        at = torch.zeros(padded, dtype=torch.long)  # each row's position (padding rows: 0)
+        at[:b] = torch.tensor([s.cached for s in self.running])
+        slots = read_index.gather(1, at[:, None])  # [P, 1] the pool row of each new token
+        mask = torch.arange(span)[None, :] <= at[:, None]  # [P, S]
+        tokens = torch.zeros((padded, 1), dtype=torch.long)
+        tokens[:b, 0] = torch.tensor([s.completion.token_ids[-1] for s in self.running])
+        self.cache.read_index = read_index.to(dev)
+        logits = self._decode(tokens.to(dev), at[:, None].to(dev), self.cache, slots.to(dev),
+                                   mask[:, None, None].to(dev))[:b, 0]
+        held = sum(len(s.blocks) for s in self.running) * size
+        self.stats.steps += 1
+        self.stats.slots_held += held
+        self.stats.slots_filled += sum(s.cached + 1 for s in self.running)
+        chosen = self._choose(logits, self.running)
+        for s in list(self.running):
+            s.cached += 1
+        for s, token in zip(list(self.running), chosen):
+            self._emit(s, token, events)
+
+    def _grow_or_preempt(self) -> None:
+        """Gives each running sequence the block its next token needs, preempting the latest-admitted sequences
+        while none is free."""
+        for seq in list(self.running):
+            if seq.cached < len(seq.blocks) * self.block_size or seq not in self.running:
+                continue  # room in its last block, or preempted below
+            while self.pool.num_free == 0:
+                victim = self.running.pop()
+                self.pool.free(victim.blocks)
+                victim.blocks, victim.cached = [], 0
+                self.waiting.appendleft(victim)
+                self.stats.preemptions += 1
+                if victim is seq:  # it was the latest: the sequences before it all have their blocks
+                    return
+            seq.blocks.append(self.pool.allocate())
+        self._note_blocks()
+
+    def _choose(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
+        """The next token of each sequence from logits [B, vocab]."""
+        if all(s.params.temperature == 0 for s in seqs):
+            return logits.argmax(-1).tolist()
+        return [sample_next(logits[row], s.params, s.generator) for row, s in enumerate(seqs)]
+
+    def _emit(self, seq: _Sequence, token: int, events: list[TokenEvent]) -> None:
+        c = seq.completion
+        c.token_ids.append(int(token))
+        self._finish_if_done(c, seq.params)
+        if c.finish_reason is not None:
+            if self.tokenizer is not None:
+                c.text = self._text(c, seq.params)
+            if seq in self.running:
+                self.running.remove(seq)
+            self.pool.free(seq.blocks)
+            seq.blocks = []
+        events.append(TokenEvent(seq.request_id, int(token), c if c.finish_reason is not None else None))
+
+    def _rows(self, blocks: list[int]) -> torch.Tensor:
+        """The pool rows of `blocks`' slots, in order: int64 [len(blocks) · block_size]."""
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1).to(self.device)
+
+    def _note_blocks(self) -> None:
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.capacity - self.pool.num_free)

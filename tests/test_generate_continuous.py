@@ -1,0 +1,121 @@
+"""Continuous batching over a paged KV cache: every request gets the tokens it gets alone (Hugging Face's greedy
+tokens; its own seeded samples), while requests join and leave the running batch, are preempted and recomputed
+when blocks run out; blocks all come back; bad requests are refused before they take any."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overdrive.generate import Decoder, Generator, SamplingParams
+from overdrive.generate.continuous import ContinuousGenerator
+from overdrive.generate.paged import BlockPool
+from tests.test_generate import _hf, _hf_greedy, _prompts
+
+pytest.importorskip("transformers")
+
+
+def _lengths(n: int) -> list[SamplingParams]:
+    """Answers of different lengths, so sequences leave the batch at different steps and others join."""
+    return [SamplingParams(max_new_tokens=3 + (7 * i) % 11) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "phi3-partial", "gpt2"])
+def test_greedy_tokens_equal_hugging_face_while_requests_join_and_leave(kind):
+    hf = _hf(kind)
+    prompts, params = _prompts(10, seed=4), _lengths(10)
+    gen = ContinuousGenerator(Decoder.from_hf(hf), max_batch_size=4, block_size=4)
+    out = gen.generate(prompts, params)
+    expected = _hf_greedy(hf, prompts, new=13)
+    assert [c.token_ids for c in out] == [e[:q.max_new_tokens] for e, q in zip(expected, params)]
+    assert all(c.finish_reason == "length" for c in out)
+    assert gen.stats.peak_running == 4  # the batch was full ...
+    assert gen.pool.num_free == gen.pool.capacity and not gen.has_unfinished  # ... and every block came back
+    assert 0 < gen.stats.kv_waste < 0.5  # blocks of 4: at most 3 empty slots per sequence
+
+
+def test_a_request_alone_and_in_a_busy_batch_gives_the_same_tokens_greedy_and_sampled():
+    decoder = Decoder.from_hf(_hf())
+    prompts = _prompts(9, seed=6)
+    params = [SamplingParams(max_new_tokens=4 + i, temperature=0.0 if i % 3 == 0 else 0.9, top_p=0.95, seed=50 + i)
+              for i in range(9)]
+    busy = ContinuousGenerator(decoder, max_batch_size=5, block_size=8).generate(prompts, params)
+    static = Generator(decoder, max_batch_size=1)
+    alone = [static.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert [c.token_ids for c in busy] == alone
+    assert len({tuple(t) for t in alone}) == 9
+
+
+def test_preempted_sequences_are_recomputed_and_keep_their_tokens():
+    decoder = Decoder.from_hf(_hf())
+    prompts = _prompts(6, seed=8)
+    params = [SamplingParams(max_new_tokens=20, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(6)]
+    roomy = ContinuousGenerator(decoder, max_batch_size=6, block_size=4)
+    expected = [c.token_ids for c in roomy.generate(prompts, params)]
+    assert roomy.stats.preemptions == 0
+    # 9 usable blocks of 4 slots: two sequences of up to 31 tokens cannot both hold all theirs at once.
+    tight = ContinuousGenerator(decoder, max_batch_size=6, block_size=4, num_blocks=10)
+    assert [c.token_ids for c in tight.generate(prompts, params)] == expected
+    assert tight.stats.preemptions > 0
+    assert tight.pool.num_free == tight.pool.capacity
+
+
+def test_the_compiled_decode_step_gives_the_eager_tokens():
+    decoder = Decoder.from_hf(_hf())
+    prompts, params = _prompts(7, seed=9), _lengths(7)
+    eager = ContinuousGenerator(decoder, max_batch_size=3, block_size=8).generate(prompts, params)
+    compiled = ContinuousGenerator(decoder, max_batch_size=3, block_size=8, compile=True).generate(prompts, params)
+    assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
+
+
+def test_an_int8_paged_cache_gives_the_int8_contiguous_caches_tokens():
+    decoder = Decoder.from_hf(_hf())
+    prompts, params = _prompts(6, seed=10), _lengths(6)
+    paged = ContinuousGenerator(decoder, max_batch_size=3, block_size=4, cache_dtype=torch.int8)
+    contiguous = Generator(decoder, max_batch_size=1, cache_dtype=torch.int8)
+    assert [c.token_ids for c in paged.generate(prompts, params)] == \
+        [contiguous.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert paged.cache.keys[0].dtype == torch.int8
+
+
+def test_stop_tokens_end_a_request_early_and_step_reports_each_token():
+    decoder = Decoder.from_hf(_hf())
+    prompt = _prompts(1, seed=11)[0]
+    free = ContinuousGenerator(decoder, max_batch_size=2).generate([prompt], SamplingParams(max_new_tokens=8))[0]
+    stop = free.token_ids[3]
+    gen = ContinuousGenerator(decoder, max_batch_size=2)
+    first = gen.submit(prompt, SamplingParams(max_new_tokens=8, stop_token_ids=stop))
+    second = gen.submit(prompt, SamplingParams(max_new_tokens=8))
+    events = []
+    while gen.has_unfinished:
+        events += gen.step()
+    ended = {e.request_id: e.finished for e in events if e.finished is not None}
+    assert ended[first].token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
+    assert ended[first].finish_reason == "stop" and ended[second].finish_reason == "length"
+    assert [e.token_id for e in events if e.request_id == second] == free.token_ids
+
+
+def test_requests_that_cannot_fit_are_refused_before_taking_blocks():
+    decoder = Decoder.from_hf(_hf())  # 128 positions
+    gen = ContinuousGenerator(decoder, max_batch_size=2, block_size=4, num_blocks=5)  # 16 slots in all
+    with pytest.raises(ValueError, match="exceeds the model's 128 positions"):
+        gen.submit([1] * 100, SamplingParams(max_new_tokens=40))
+    with pytest.raises(ValueError, match="needs 5 KV blocks; the pool holds 4"):
+        gen.submit([1] * 10, SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="out of|vocabulary|must be in"):
+        gen.generate([[1, 2], [10**6]], SamplingParams(max_new_tokens=2))
+    assert not gen.has_unfinished and gen.pool.num_free == 4  # the refused batch left nothing queued
+    gen.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="still running"):
+        gen.generate([[1, 2]])
+
+
+def test_the_block_pool_refuses_a_double_free():
+    pool = BlockPool(4)
+    a, b = pool.allocate(), pool.allocate()
+    assert {a, b} == {1, 2} and pool.num_free == 1
+    pool.free([a])
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free([a])
+    with pytest.raises(ValueError, match="not of this pool"):
+        pool.free([0])
