@@ -75,7 +75,9 @@ def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_res
     source.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
     out = tmp_path / "completions.jsonl"
     assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu"]) == 0
-    assert "5 of 10 prompts" in capsys.readouterr().out  # the blank line is no record
+    said = capsys.readouterr().out
+    assert "5 of 10 prompts" in said  # the blank line is no record
+    assert "continuous batching of up to 3 sequences" in said
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["index"] for x in lines] == [0, 2, 4, 6, 7] and lines[1]["id"] == "b"
     errors = [json.loads(x) for x in out.with_name("completions.errors.jsonl").read_text().splitlines()]
@@ -111,6 +113,22 @@ def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_res
                      "--max-errors", "2"]) == 1
     assert "3 records failed, more than --max-errors 2" in capsys.readouterr().err
     assert [json.loads(x)["index"] for x in stopped.read_text().splitlines()] == [0, 2, 4]
+
+
+def test_run_of_a_prompt_lookup_plan_answers_one_prompt_at_a_time_with_the_same_greedy_tokens(toy_pydoc_lm, tmp_path,
+                                                                                             capsys):
+    source = tmp_path / "prompts.txt"
+    source.write_text("A list is\nThe dictionary\nReturn the\n")
+    answers = {}
+    for name, steps in (("batched", []), ("lookup", [{"name": "prompt-lookup", "num_tokens": 3}])):
+        plan_path = tmp_path / f"{name}.json"
+        GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=2, max_new_tokens=12, steps=steps).save(plan_path)
+        out = tmp_path / f"{name}.jsonl"
+        assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu"]) == 0
+        answers[name] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
+        said = capsys.readouterr().out
+        assert ("one prompt at a time (prompt lookup)" if steps else "continuous batching of up to 2") in said
+    assert answers["lookup"] == answers["batched"] and len(answers["batched"]) == 3
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -15,6 +15,7 @@ import json
 import math
 import shlex
 import time
+from collections import deque
 from pathlib import Path
 
 from overdrive.core.digest import file_sha256
@@ -309,7 +310,11 @@ def run_main(args) -> int:
     batch = args.batch_size if isinstance(args.batch_size, int) else plan.batch_size
     setup_started = time.perf_counter()
     workload = create_generation_workload(plan.workload, log=lambda line: console.print(line, highlight=False))
-    gen = build_generator(workload.model, workload.tokenizer, plan.steps, device=device, max_batch_size=batch)
+    # Continuous batching keeps the batch full as answers of different lengths end; prompt lookup verifies its
+    # drafts one sequence at a time, so a plan with it runs its prompts in turn.
+    continuous = "prompt-lookup" not in plan.names
+    gen = build_generator(workload.model, workload.tokenizer, plan.steps, device=device, max_batch_size=batch,
+                          continuous=continuous)
     gen.generate([workload.prompts[0]] * batch, SamplingParams(max_new_tokens=2))  # compiles, as serving would first
     setup_s = time.perf_counter() - setup_started
     default = {"max_new_tokens": args.max_new_tokens or plan.max_new_tokens}
@@ -317,24 +322,28 @@ def run_main(args) -> int:
     if eos is not None:  # a completion ends at the end of its text, as Hugging Face's generate ends it
         default["stop_token_ids"] = (eos,)
     records = list(_read_prompts(source, args.text_field or "prompt"))
-    started, written, failed, tokens = time.perf_counter(), 0, 0, 0
+    context = getattr(workload.model.config, "max_position_embeddings", None)
+    started, failed = time.perf_counter(), 0
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("a") as out, errors_path.open("a") as errors:
-        pending: list[tuple[int, list[int], SamplingParams, dict]] = []
+        writer = _InOrder(out)
+        pending: list[tuple[int, list[int], SamplingParams, dict]] = []  # the static path's batch
 
         def flush() -> None:
-            nonlocal written, tokens
-            if not pending:
-                return
-            completions = gen.generate([p[1] for p in pending], [p[2] for p in pending])
-            for (index, ids, _, record), c in zip(pending, completions):
-                keyed = {"index": index, **({"id": record["id"]} if "id" in record else {})}
-                out.write(json.dumps({**keyed, "text": c.text, "token_ids": c.token_ids,
-                                      "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
-                                      "completion_tokens": c.completion_tokens}) + "\n")
-                written, tokens = written + 1, tokens + c.completion_tokens
-            out.flush()
-            pending.clear()
+            if pending:
+                completions = gen.generate([p[1] for p in pending], [p[2] for p in pending])
+                for (index, _, _, record), c in zip(pending, completions):
+                    writer.add(index, record, c)
+                pending.clear()
+            writer.write_ready()
+
+        def drain(keep: int) -> None:
+            """Steps the continuous batcher until at most `keep` requests wait, writing what ends in input order."""
+            while gen.has_unfinished and len(gen.waiting) > keep:
+                for event in gen.step():
+                    if event.finished is not None:
+                        writer.finish(event.request_id, event.finished)
+                writer.write_ready()
 
         for index, record in records:
             if index in done:
@@ -342,34 +351,82 @@ def run_main(args) -> int:
             try:
                 text, params = _request(record, default, args.text_field or "prompt")
                 ids = gen.encode(text)
-                context = getattr(workload.model.config, "max_position_embeddings", None)
                 if context is not None and len(ids) + params.max_new_tokens > context:
                     raise ValueError(f"the prompt's {len(ids)} tokens + {params.max_new_tokens} new ones exceed the "
                                      f"model's context of {context}")
+                if continuous:
+                    writer.expect(gen.submit(ids, params), index, record)
             except (ValueError, TypeError) as exc:
-                flush()  # keep the output in input order
+                if not continuous:
+                    flush()  # keep the output in input order
                 errors.write(json.dumps({"index": index, "error": str(exc)}) + "\n")
                 errors.flush()
                 failed += 1
                 if args.max_errors is not None and failed > args.max_errors:
+                    if continuous:
+                        drain(keep=-1)  # the records before it are answered and kept
                     raise RunAborted(f"{failed} records failed, more than {arg('max_errors', args.max_errors)} (the "
-                                     f"reasons are in {errors_path}); the {written} completions before them are kept")
+                                     f"reasons are in {errors_path}); the {writer.written} completions before them are "
+                                     "kept")
                 continue
-            pending.append((index, ids, params, record))
-            if len(pending) == batch:
-                flush()
+            if continuous:
+                drain(keep=batch)  # a bounded queue: submitting runs no further ahead than one batch
+            else:
+                pending.append((index, ids, params, record))
+                if len(pending) == batch:
+                    flush()
+        if continuous:
+            drain(keep=-1)
         flush()
     wall = time.perf_counter() - started
     if failed == 0 and errors_path.stat().st_size == 0:
         errors_path.unlink()
+    written, tokens = writer.written, writer.tokens
     console.print(f"{written:,} of {len(records) - len(done):,} prompts → {output}; {failed:,} failed"
                   + (f" (see {errors_path})" if failed else "") + (f"; {len(done):,} done before the resume" if done else ""),
                   highlight=False)
+    scheduling = (f"continuous batching of up to {batch} sequences (KV blocks {gen.stats.kv_waste:.1%} empty, "
+                  f"{gen.stats.preemptions} preempted)" if continuous else f"one prompt at a time (prompt lookup)")
     console.print(f"{tokens:,} new tokens in {wall:.3g} s = {tokens / max(wall, 1e-9):,.1f} tokens/s on "
-                  f"{devices.describe(device)}, batches of up to {batch} (plan: {' + '.join(plan.names) or 'baseline'}); set-up "
+                  f"{devices.describe(device)}, {scheduling} (plan: {' + '.join(plan.names) or 'baseline'}); set-up "
                   f"before that {setup_s:.1f} s (model, warm-up)",
                   highlight=False)
     return 0
+
+
+class _InOrder:
+    """Writes completions to a JSONL file in input order, whatever order they end in: a completion waits until
+    every record before it has been written (or refused)."""
+
+    def __init__(self, out):
+        self.out, self.written, self.tokens = out, 0, 0
+        self._order: deque[int] = deque()  # input indices, in order, still to write
+        self._ready: dict[int, str] = {}  # input index -> its line
+        self._requests: dict[int, tuple[int, dict]] = {}  # a submitted request id -> (input index, record)
+
+    def expect(self, request_id: int, index: int, record: dict) -> None:
+        self._requests[request_id] = (index, record)
+        self._order.append(index)
+
+    def finish(self, request_id: int, completion) -> None:
+        index, record = self._requests.pop(request_id)
+        self._ready[index] = self._line(index, record, completion)
+
+    def add(self, index: int, record: dict, completion) -> None:
+        self._order.append(index)
+        self._ready[index] = self._line(index, record, completion)
+
+    def write_ready(self) -> None:
+        while self._order and self._order[0] in self._ready:
+            self.out.write(self._ready.pop(self._order.popleft()))
+            self.written += 1
+        self.out.flush()
+
+    def _line(self, index: int, record: dict, c) -> str:
+        self.tokens += c.completion_tokens
+        keyed = {"index": index, **({"id": record["id"]} if "id" in record else {})}
+        return json.dumps({**keyed, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                           "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens}) + "\n"
 
 
 def _indices(path: Path) -> set[int]:

@@ -109,21 +109,26 @@ def check_steps(steps) -> None:
 
 
 def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | torch.device = "cpu",
-                    max_batch_size: int = 16, max_new_tokens: int | None = None):
+                    max_batch_size: int = 16, max_new_tokens: int | None = None, continuous: bool = False):
     """A `Generator` for `hf_model` (a Hugging Face causal LM that `Decoder.from_hf` takes) with `steps` applied
     (the module docstring). The Hugging Face model is left as it was. A `generate` call without sampling params is
     greedy, ends at the tokenizer's end-of-text token (as Hugging Face's `generate` ends) and at `max_new_tokens`
-    (default: `SamplingParams`'s).
+    (default: `SamplingParams`'s). With `continuous`, a `ContinuousGenerator` (continuous batching over a paged KV
+    cache) of up to `max_batch_size` sequences.
 
     Raises:
-        ValueError: a model `Decoder.from_hf` does not take, or steps `check_steps` refuses (ConfigError); KeyError:
-            a weight form naming layers the model lacks.
+        ValueError: a model `Decoder.from_hf` does not take, steps `check_steps` refuses (ConfigError), or
+            `continuous` with prompt lookup (its drafts are verified one sequence at a time); KeyError: a weight form
+            naming layers the model lacks.
     """
     from overdrive.generate import Decoder, Generator, PromptLookup, SamplingParams
+    from overdrive.generate.continuous import ContinuousGenerator
     from overdrive.generate.quantize import quantize_linears
 
     check_steps(steps)
     by_name = {s["name"]: s for s in steps}
+    if continuous and "prompt-lookup" in by_name:
+        raise ConfigError("prompt lookup verifies one sequence at a time: it does not batch continuously")
     decoder = Decoder.from_hf(hf_model).to(device)
     if "bf16" in by_name:
         decoder = decoder.to(torch.bfloat16)
@@ -135,7 +140,9 @@ def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | tor
     eos = getattr(tokenizer, "eos_token_id", None)
     defaults = SamplingParams(**({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
                               stop_token_ids=(eos,) if isinstance(eos, int) else ()) if max_new_tokens else None
-    return Generator(decoder, tokenizer, max_batch_size=max_batch_size, defaults=defaults,
-                     cache_dtype=torch.int8 if "kv-int8" in by_name else None,
-                     compile="compile-decode" in by_name,
+    settings = dict(max_batch_size=max_batch_size, defaults=defaults, compile="compile-decode" in by_name,
+                    cache_dtype=torch.int8 if "kv-int8" in by_name else None)
+    if continuous:
+        return ContinuousGenerator(decoder, tokenizer, **settings)
+    return Generator(decoder, tokenizer, **settings,
                      speculative=PromptLookup(num_tokens=lookup.get("num_tokens", 4)) if lookup else None)
