@@ -253,8 +253,8 @@ def test_a_hand_edited_generation_plan_is_refused_by_name(change, message):
         GenerationPlan.from_dict(plan)
 
 
-@pytest.mark.parametrize("argv", [["bench", "digits-cnn", "--plan", "PLAN", "--out", "OUT"], ["serve", "PLAN"],
-                                  ["export", "PLAN", "--format", "onnx", "--out", "OUT"]], ids=["bench", "serve", "export"])
+@pytest.mark.parametrize("argv", [["bench", "digits-cnn", "--plan", "PLAN", "--out", "OUT"],
+                                  ["export", "PLAN", "--format", "onnx", "--out", "OUT"]], ids=["bench", "export"])
 def test_a_generation_plan_given_where_a_one_pass_plan_goes_is_named_for_what_it_is(argv, tmp_path):
     """Not "plan version None is not 1" after the model was built."""
     from tests.fixtures.cli import cli_in_process

@@ -47,9 +47,14 @@ def add_parser(sub) -> None:
 
 
 def main(args, argv: list[str]) -> int:
+    from overdrive.generate.plan import is_generation_plan
     from overdrive.serve.runner import serve
 
     logging.basicConfig(level=logging.INFO, format="overdrive serve: %(message)s")
+    if any(spec.endswith(".json") and is_generation_plan(spec) for spec in args.model):
+        from overdrive.cli.generate import serve_main
+
+        return serve_main(args)
     return serve(args.model, host=args.host, port=args.port, grpc_port=args.grpc_port, device=args.device,
                  model_name=args.model_name, max_batch_size=args.max_batch_size, batching=args.batching,
                  max_queue_delay_ms=args.max_queue_delay_ms,

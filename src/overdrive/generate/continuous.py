@@ -136,6 +136,18 @@ class ContinuousGenerator(Generator):
         self.waiting.append(seq)
         return seq.request_id
 
+    def cancel(self, request_id: int) -> bool:
+        """Drops a waiting or running request and gives its blocks back at once (a client that went away); False
+        when it is not queued or running (it ended, or was never submitted)."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.pool.free(seq.blocks)
+                    seq.blocks = []
+                    return True
+        return False
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -132,8 +132,8 @@ class Plan:
             data = json.loads(Path(path).read_text())
             if isinstance(data, dict) and data.get("kind") == "generation":
                 raise PlanError(f"{arg(argument, path)} is a plan for generating text with {data.get('workload')!r}: "
-                                f"`overdrive bench {data.get('workload')} --plan {path}` and `overdrive run {path}` take "
-                                "it; serving generation is not built yet")
+                                f"`overdrive bench {data.get('workload')} --plan {path}`, `overdrive run {path}` and "
+                                f"`overdrive serve {path}` take it")
             plan = cls.from_dict(data)
             plan.steps = _map_checkpoints(plan.steps, lambda p: str(Path(path).parent / p))  # relative to the plan
             plan.workload = _model_file(plan.workload, data.get("workload_file"), Path(path).parent, argument, path)

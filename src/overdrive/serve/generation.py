@@ -1,0 +1,496 @@
+"""Serving a causal LM: a `ContinuousGenerator` (continuous batching over a paged KV cache) stepped by one engine
+thread, behind OpenAI-compatible and KServe v2 generate endpoints (Starlette on uvicorn, `runner.run_server`).
+
+HTTP endpoints:
+    GET  /v1/models
+    POST /v1/completions        {"model", "prompt", "max_tokens"?=16, "temperature"?=1, "top_p"?, "seed"?, "stop"?,
+                                 "n"?=1, "stream"?, "stream_options"?: {"include_usage"}}
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens"?, ... as above}
+    POST /v2/models/{name}/generate, /v2/models/{name}/generate_stream
+                                {"text_input", "parameters"?: {"max_tokens", "temperature", "top_p", "seed", "stop"}}
+                                (the KServe v2 generate extension, as Triton has it)
+    GET  /v2/health/live, /v2/health/ready, /health, /metrics (Prometheus)
+
+Streams are server-sent events (`data: {...}` lines, OpenAI's ending `data: [DONE]`). Errors are OpenAI's object
+`{"error": {"message", "type", "param", "code"}}`: 400 a request that is malformed or cannot fit the context (before
+it takes any KV block), 404 another model, 429 the waiting queue full (Retry-After), 503 draining. A client that
+disconnects has its request cancelled and its blocks freed at once. Chat prompts use the tokenizer's chat template,
+or, without one, a plain template ("role: content" lines, then "assistant:"), said at start and in a response header.
+Not built: `logprobs`, `echo`, several prompts in one request, a generator beside encoders in one server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from overdrive.generate.continuous import ContinuousGenerator, TokenEvent
+from overdrive.generate.engine import Completion, SamplingParams
+from overdrive.serve.app import _disconnected
+
+log = logging.getLogger("overdrive.serve")
+PLAIN_CHAT = "plain (role: content lines, then 'assistant:')"
+
+
+class QueueFull(Exception):
+    pass
+
+
+class GenerationEngine:
+    """Steps a `ContinuousGenerator` in its own thread while it has work; `submit` and `cancel` come from any
+    thread (the event loop's) and take effect between two steps. A listener gets each `TokenEvent` of its request,
+    or the exception that ended every request in flight when a step raised."""
+
+    def __init__(self, gen: ContinuousGenerator, *, max_waiting: int):
+        self.gen, self.max_waiting = gen, max_waiting
+        self._cv = threading.Condition()
+        self._listeners: dict[int, Callable] = {}
+        self._stopped = False
+        self.on_step: Callable[[float, int], None] | None = None  # (seconds, sequences) after each step
+        self._thread = threading.Thread(target=self._loop, name="overdrive-generate", daemon=True)
+        self._thread.start()
+
+    def submit(self, ids: list[int], params: SamplingParams, listener: Callable) -> int:
+        """Queues a request. Raises: ValueError (it cannot fit: `ContinuousGenerator.submit`), QueueFull."""
+        with self._cv:
+            if len(self.gen.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.gen.waiting)} requests are waiting already")
+            request_id = self.gen.submit(ids, params)
+            self._listeners[request_id] = listener
+            self._cv.notify()
+            return request_id
+
+    def cancel(self, request_id: int) -> None:
+        with self._cv:
+            self._listeners.pop(request_id, None)
+            self.gen.cancel(request_id)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._listeners)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.gen.has_unfinished and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                running = len(self.gen.running)
+                started = time.perf_counter()
+                try:
+                    events = self.gen.step()
+                except Exception as exc:  # noqa: BLE001 — every request in flight is told; the engine goes on
+                    log.exception("a generation step failed; the requests in flight get 500")
+                    calls = [(listener, exc) for listener in self._listeners.values()]
+                    for request_id in list(self._listeners):
+                        self.gen.cancel(request_id)
+                    self._listeners.clear()
+                else:
+                    calls = [(self._listeners[e.request_id], e) for e in events if e.request_id in self._listeners]
+                    for e in events:
+                        if e.finished is not None:
+                            self._listeners.pop(e.request_id, None)
+                    if self.on_step is not None:
+                        self.on_step(time.perf_counter() - started, max(running, len(self.gen.running)))
+            for listener, event in calls:
+                listener(event)
+
+
+class _Metrics:
+    def __init__(self, gen: ContinuousGenerator):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("overdrive_time_to_first_token_seconds", "time to first token", registry=r,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.itl = Histogram("overdrive_inter_token_latency_seconds", "time per decode step", registry=r,
+                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        self.tokens = Counter("overdrive_generation_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter("overdrive_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.requests = Counter("overdrive_requests", "requests by outcome", ["outcome"], registry=r)
+        for name, doc, read in (
+                ("overdrive_running_requests", "sequences decoding", lambda: len(gen.running)),
+                ("overdrive_waiting_requests", "requests waiting for a row or KV blocks", lambda: len(gen.waiting)),
+                ("overdrive_kv_blocks_in_use", "KV cache blocks held", lambda: gen.pool.capacity - gen.pool.num_free),
+                ("overdrive_kv_blocks_total", "KV cache blocks in the pool", lambda: gen.pool.capacity),
+                ("overdrive_kv_waste_ratio", "share of held KV slots that are empty, over all decode steps",
+                 lambda: gen.stats.kv_waste),
+                ("overdrive_preemptions", "sequences preempted for KV blocks (recomputed later)",
+                 lambda: gen.stats.preemptions)):
+            Gauge(name, doc, registry=r).set_function(read)
+
+
+class GenerationServer:
+    """The app and its engine (the module docstring). `draining`/`drain()` as `runner.run_server` expects.
+
+    Args:
+        gen: the generator (built by `generate.plan.build_generator(..., continuous=True)`).
+        name: the model's name in requests and URLs.
+        max_waiting: requests that may wait for a row; more get 429.
+        drain_timeout_s: how long requests in flight may take to finish on SIGTERM.
+    """
+
+    def __init__(self, gen: ContinuousGenerator, name: str, *, max_waiting: int = 256, drain_timeout_s: float = 30.0):
+        if gen.tokenizer is None:
+            raise ValueError("serving text needs the model's tokenizer")
+        self.gen, self.name, self.drain_timeout_s = gen, name, drain_timeout_s
+        self.engine = GenerationEngine(gen, max_waiting=max_waiting)
+        self.metrics = _Metrics(gen)
+        self.engine.on_step = lambda seconds, n: self.metrics.itl.observe(seconds)
+        self.chat_template = "the tokenizer's" if getattr(gen.tokenizer, "chat_template", None) else PLAIN_CHAT
+        self.draining, self.created = False, int(time.time())
+        v2 = f"/v2/models/{name}"
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route(f"{v2}/generate", self.kserve_generate, methods=["POST"]),
+            Route(f"{v2}/generate_stream", self.kserve_generate, methods=["POST"]),
+            Route("/v2/models/{other}/generate", self.kserve_unknown, methods=["POST"]),
+            Route("/v2/models/{other}/generate_stream", self.kserve_unknown, methods=["POST"]),
+            Route("/v2/health/live", self.live, methods=["GET"]),
+            Route("/v2/health/ready", self.ready, methods=["GET"]),
+            Route("/health", self.ready, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ])
+
+    async def drain(self) -> None:
+        self.draining = True
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.engine.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.engine.stop()
+
+    # --- endpoints --------------------------------------------------------------------------------------------
+
+    async def live(self, request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(self, request: Request) -> Response:
+        return JSONResponse({"ready": not self.draining}, status_code=503 if self.draining else 200)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                                         "owned_by": "overdrive"}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._openai(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._openai(request, chat=True)
+
+    async def kserve_unknown(self, request: Request) -> Response:
+        return _error(404, f"no model {request.path_params['other']!r}; this server has {self.name!r}",
+                      "model_not_found", "model")
+
+    async def kserve_generate(self, request: Request) -> Response:
+        stream = request.url.path.endswith("_stream")
+        try:
+            body = await _json(request)
+            text = body.get("text_input")
+            if not isinstance(text, str) or not text:
+                raise _BadRequest("text_input must be a non-empty string", "text_input")
+            parameters = body.get("parameters", {})
+            if not isinstance(parameters, dict):
+                raise _BadRequest("parameters must be an object", "parameters")
+            params = _sampling(parameters, default_temperature=0.0, stop_token_ids=self.gen.defaults.stop_token_ids)
+            requests = self._start([self.gen.encode(text)], params)
+        except _Refusal as exc:
+            return exc.response()
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_request_error", None)
+        if stream:
+            async def events():
+                async for delta, done in _texts(self, requests[0], params):
+                    yield _sse({"model_name": self.name, "model_version": "1", "text_output": delta,
+                                **({"finish_reason": done.finish_reason} if done else {})})
+            return StreamingResponse(events(), media_type="text/event-stream")
+        (done,) = await self._collect(request, requests)
+        if done is None:
+            return Response(status_code=499)
+        return JSONResponse({"model_name": self.name, "model_version": "1", "text_output": done.text,
+                             "finish_reason": done.finish_reason})
+
+    async def _openai(self, request: Request, *, chat: bool) -> Response:
+        try:
+            body = await _json(request)
+            if body.get("model") not in (None, self.name):
+                raise _Refusal(404, f"no model {body.get('model')!r}; this server has {self.name!r}", "model_not_found",
+                               "model")
+            for field in ("logprobs", "echo", "top_logprobs"):
+                if body.get(field) not in (None, False, 0):
+                    raise _BadRequest(f"{field} is not supported by this server", field)
+            n = body.get("n", 1)
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
+                raise _BadRequest(f"n must be an integer from 1 to 16, got {n!r}", "n")
+            prompt = self._chat_prompt(body.get("messages")) if chat else _prompt(body.get("prompt"))
+            params = _sampling(body, default_temperature=1.0, stop_token_ids=self.gen.defaults.stop_token_ids)
+            ids = self.gen.encode(prompt)
+            # n choices: the same prompt n times, each with its own seed (seed + i when the request gives one)
+            per_choice = [params if params.seed is None or i == 0 else _reseeded(params, params.seed + i)
+                          for i in range(n)]
+            requests = self._start([ids] * n, per_choice)
+        except _Refusal as exc:
+            return exc.response()
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_request_error", None)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        kind = "chat.completion" if chat else "text_completion"
+        headers = {"x-overdrive-chat-template": self.chat_template} if chat else None
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(self._openai_stream(requests, per_choice, ident, kind, chat, len(ids),
+                                                         include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        done = await self._collect(request, requests)
+        if any(c is None for c in done):
+            return Response(status_code=499)
+        choices = [{"index": i, "finish_reason": c.finish_reason, "logprobs": None,
+                    **({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})}
+                   for i, c in enumerate(done)]
+        completion_tokens = sum(c.completion_tokens for c in done)
+        return JSONResponse({"id": ident, "object": kind, "created": int(time.time()), "model": self.name,
+                             "choices": choices, "usage": {"prompt_tokens": len(ids),
+                                                           "completion_tokens": completion_tokens,
+                                                           "total_tokens": len(ids) + completion_tokens}},
+                            headers=headers)
+
+    async def _openai_stream(self, requests, params, ident, kind, chat, prompt_tokens, include_usage):
+        created, completion_tokens = int(time.time()), 0
+        chunk = f"{kind}.chunk" if chat else kind
+
+        def frame(i, delta, finish):
+            choice = {"index": i, "finish_reason": finish, "logprobs": None,
+                      **({"delta": delta} if chat else {"text": delta})}
+            return _sse({"id": ident, "object": chunk, "created": created, "model": self.name, "choices": [choice]})
+
+        if chat:
+            for i in range(len(requests)):
+                yield frame(i, {"role": "assistant", "content": ""}, None)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, request):
+            async for delta, done in _texts(self, request, params[i]):
+                await merged.put((i, delta, done))
+            await merged.put((i, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+        try:
+            remaining = len(requests)
+            while remaining:
+                i, delta, done = await merged.get()
+                if delta is None and done is None:
+                    remaining -= 1
+                    continue
+                if delta:
+                    yield frame(i, {"content": delta} if chat else delta, None)
+                if done is not None:
+                    completion_tokens += done.completion_tokens
+                    yield frame(i, {} if chat else "", done.finish_reason)
+            if include_usage:
+                yield _sse({"id": ident, "object": chunk, "created": created, "model": self.name, "choices": [],
+                            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                      "total_tokens": prompt_tokens + completion_tokens}})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # --- plumbing ---------------------------------------------------------------------------------------------
+
+    def _chat_prompt(self, messages) -> str:
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise _BadRequest("messages must be a non-empty list of {\"role\": ..., \"content\": ...} with string "
+                              "content", "messages")
+        tok = self.gen.tokenizer
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+    def _start(self, prompts: list[list[int]], params) -> list[_Request]:
+        """Submits each prompt; all or none (a refusal cancels those already queued)."""
+        if self.draining:
+            raise _Refusal(503, "the server is draining (shutting down)", "service_unavailable", None, retry=True)
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        started: list[_Request] = []
+        try:
+            for ids, p in zip(prompts, params):
+                started.append(_Request(self, ids, p))
+        except QueueFull as exc:
+            for r in started:
+                r.cancel()
+            raise _Refusal(429, f"too many requests waiting ({exc}); retry later", "rate_limit_exceeded", None,
+                           retry=True) from None
+        except ValueError:
+            for r in started:
+                r.cancel()
+            raise
+        return started
+
+    async def _collect(self, request: Request, requests: list[_Request]) -> list[Completion | None]:
+        """Each request's completion; on a client's disconnect, every request is cancelled and None returned."""
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            results = asyncio.ensure_future(asyncio.gather(*(r.result() for r in requests)))
+            finished, _ = await asyncio.wait({gone, results}, return_when=asyncio.FIRST_COMPLETED)
+            if results in finished:
+                return results.result()
+            results.cancel()
+            for r in requests:
+                r.cancel()
+            return [None] * len(requests)
+        finally:
+            gone.cancel()
+
+
+class _Request:
+    """One submitted request's tokens as they come, on the event loop."""
+
+    def __init__(self, server: GenerationServer, ids: list[int], params: SamplingParams):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.server, self.started, self.first = server, time.perf_counter(), None
+        self.request_id = server.engine.submit(ids, params, lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e))
+        self.ended = False
+        server.metrics.prompt_tokens.inc(len(ids))
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        try:
+            while True:
+                event = await self.queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                if self.first is None:
+                    self.first = time.perf_counter()
+                    self.server.metrics.ttft.observe(self.first - self.started)
+                self.server.metrics.tokens.inc()
+                yield event
+                if event.finished is not None:
+                    self.ended = True
+                    self.server.metrics.requests.labels(event.finished.finish_reason).inc()
+                    return
+        finally:
+            if not self.ended:
+                self.cancel()
+
+    async def result(self) -> Completion:
+        async for event in self.events():
+            if event.finished is not None:
+                return event.finished
+        raise RuntimeError("the request ended without a completion")
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.server.engine.cancel(self.request_id)
+            self.server.metrics.requests.labels("cancelled").inc()
+
+
+async def _texts(server: GenerationServer, request: _Request, params: SamplingParams):
+    """(text delta, None) as tokens come, then ("", completion) at the end. Text that could still turn out to be
+    the start of a stop string, or an unfinished UTF-8 character, is held back until it cannot."""
+    tok, tokens, sent = server.gen.tokenizer, [], ""
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    async for event in request.events():
+        if event.finished is not None:
+            final = event.finished.text or ""
+            yield final[len(sent):], event.finished
+            return
+        tokens.append(event.token_id)
+        text = tok.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            continue
+        ready = text[:len(text) - hold] if hold else text
+        if len(ready) > len(sent) and ready.startswith(sent):
+            yield ready[len(sent):], None
+            sent = ready
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None, *, retry: bool = False):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.retry = status, kind, param, retry
+
+    def response(self) -> Response:
+        return _error(self.status, str(self), self.kind, self.param, retry=self.retry)
+
+
+class _BadRequest(_Refusal):
+    def __init__(self, message: str, param: str | None):
+        super().__init__(400, message, "invalid_request_error", param)
+
+
+def _error(status: int, message: str, kind: str, param: str | None, *, retry: bool = False) -> Response:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                        status_code=status, headers={"Retry-After": "1"} if retry else None)
+
+
+async def _json(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _BadRequest(f"the body is not JSON: {exc}", None) from None
+    if not isinstance(body, dict):
+        raise _BadRequest("the body must be a JSON object", None)
+    return body
+
+
+def _prompt(prompt):
+    """A completion's prompt: a string, a list of token ids, or a list of one of either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise _BadRequest("prompt must be a non-empty string or list of token ids (one prompt per request here)", "prompt")
+
+
+def _sampling(body: dict, *, default_temperature: float, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+    """OpenAI's fields as `SamplingParams` (max_tokens default 16, as OpenAI's; ending at `stop_token_ids`, the
+    tokenizer's end-of-text). Raises _BadRequest."""
+    stop = body.get("stop")
+    fields = {"max_new_tokens": body.get("max_tokens", body.get("max_completion_tokens", 16)),
+              "temperature": body.get("temperature", default_temperature), "top_p": body.get("top_p"),
+              "top_k": body.get("top_k"), "seed": body.get("seed"),
+              "stop": () if stop is None else stop, "stop_token_ids": stop_token_ids}
+    if fields["temperature"] is None:
+        fields["temperature"] = default_temperature
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        param = next((k for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") if k in str(exc)
+                      or (k == "max_tokens" and "max_new_tokens" in str(exc))), None)
+        raise _BadRequest(str(exc).replace("max_new_tokens", "max_tokens"), param) from None
+
+
+def _reseeded(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+

@@ -1,0 +1,239 @@
+"""Serving a causal LM: OpenAI-compatible completions and chat (plain and streamed), the KServe v2 generate
+extension, errors in OpenAI's shape before any KV block is taken, interleaved seeded streams each getting the
+tokens they get alone, and clients that disconnect mid-stream giving their blocks back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from overdrive.generate import Decoder, SamplingParams
+from overdrive.generate.continuous import ContinuousGenerator
+from overdrive.serve.generation import GenerationServer
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """pydoc-lm's tokenizer and a toy-shaped model trained for 2 steps (as test_generate_cli's fixture)."""
+    from overdrive.workloads import pydoc_lm
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pydoc_lm, "STEPS", 2)
+        patch.setattr(pydoc_lm, "SHAPE", {**pydoc_lm.SHAPE, "hidden_size": 32, "intermediate_size": 48,
+                                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})
+        return pydoc_lm.build_pydoc_lm(log=None)
+
+
+def _server(lm, **settings) -> GenerationServer:
+    gen = ContinuousGenerator(Decoder.from_hf(lm.model), lm.tokenizer, max_batch_size=4, block_size=8)
+    return GenerationServer(gen, "pydoc-lm", **settings)
+
+
+def _alone(server: GenerationServer, prompt: str, params: SamplingParams):
+    """The request answered by a fresh generator of the same decoder, alone."""
+    gen = ContinuousGenerator(server.gen.model, server.gen.tokenizer, max_batch_size=1)
+    return gen.generate([prompt], params)[0]
+
+
+def _events(text: str) -> list:
+    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_completions_chat_and_kserve_answer_what_the_generator_answers_alone(lm):
+    from starlette.testclient import TestClient
+
+    server = _server(lm)
+    eos = (lm.tokenizer.eos_token_id,)
+    with TestClient(server.app) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "pydoc-lm"
+        r = client.post("/v1/completions", json={"model": "pydoc-lm", "prompt": "A list is", "max_tokens": 12,
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        alone = _alone(server, "A list is", SamplingParams(max_new_tokens=12, stop_token_ids=eos))
+        assert body["choices"][0]["text"] == alone.text and body["choices"][0]["finish_reason"] == alone.finish_reason
+        assert body["usage"] == {"prompt_tokens": alone.prompt_tokens, "completion_tokens": alone.completion_tokens,
+                                 "total_tokens": alone.prompt_tokens + alone.completion_tokens}
+        streamed = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 12, "temperature": 0,
+                                                        "stream": True, "stream_options": {"include_usage": True}})
+        chunks = _events(streamed.text)
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == alone.text
+        assert chunks[-1]["usage"]["completion_tokens"] == alone.completion_tokens
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == alone.finish_reason
+
+        messages = [{"role": "user", "content": "What is a tuple?"}]
+        chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 10, "temperature": 0})
+        assert chat.status_code == 200 and chat.headers["x-overdrive-chat-template"].startswith("plain")
+        chat_alone = _alone(server, "user: What is a tuple?\nassistant:",
+                            SamplingParams(max_new_tokens=10, stop_token_ids=eos))
+        assert chat.json()["choices"][0]["message"] == {"role": "assistant", "content": chat_alone.text}
+        chat_stream = _events(client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 10,
+                                                                        "temperature": 0, "stream": True}).text)
+        assert chat_stream[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chat_stream) == chat_alone.text
+
+        kserve = client.post("/v2/models/pydoc-lm/generate", json={"text_input": "A list is",
+                                                                   "parameters": {"max_tokens": 12}})
+        assert kserve.json()["text_output"] == alone.text  # greedy by default, as Triton's generate
+        pieces = _events(client.post("/v2/models/pydoc-lm/generate_stream",
+                                     json={"text_input": "A list is", "parameters": {"max_tokens": 12}}).text + "data: [DONE]\n\n")
+        assert "".join(p["text_output"] for p in pieces) == alone.text
+        n3 = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 6, "n": 3, "seed": 4}).json()
+        assert [c["index"] for c in n3["choices"]] == [0, 1, 2] and n3["usage"]["completion_tokens"] > 0
+        metrics = client.get("/metrics").text
+        assert "overdrive_time_to_first_token_seconds_count" in metrics and "overdrive_kv_blocks_in_use 0.0" in metrics
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"prompt": [5] * 5000, "max_tokens": 16}, 400, None, "exceeds the model's"),
+    ({"prompt": "A list", "model": "gpt-4"}, 404, "model", "no model 'gpt-4'"),
+    ({"prompt": "A list", "temperature": -1}, 400, "temperature", "temperature must be"),
+    ({"prompt": "A list", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be"),
+    ({"prompt": "A list", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ({"prompt": ""}, 400, "prompt", "non-empty"),
+    ({"prompt": "A list", "n": 0}, 400, "n", "n must be"),
+])
+def test_bad_requests_get_openais_error_shape_before_taking_blocks(lm, body, status, param, message):
+    from starlette.testclient import TestClient
+
+    server = _server(lm)
+    with TestClient(server.app) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert message in error["message"] and error["param"] == param and error["type"]
+    assert server.gen.pool.num_free == server.gen.pool.capacity and not server.gen.has_unfinished
+
+
+def test_a_full_queue_gets_429_with_retry_after_and_a_draining_server_503(lm):
+    from starlette.testclient import TestClient
+
+    server = _server(lm, max_waiting=0)
+    with TestClient(server.app) as client:
+        r = client.post("/v1/completions", json={"prompt": "A list", "max_tokens": 4})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1" and r.json()["error"]["type"]
+        server.draining = True
+        assert client.post("/v1/completions", json={"prompt": "A list"}).status_code == 503
+        assert client.get("/v2/health/ready").status_code == 503
+
+
+def test_interleaved_seeded_streams_each_get_the_tokens_they_get_alone(lm):
+    server = _server(lm)
+    prompts = ["A list is", "The dictionary", "Return the", "An iterator", "When the", "A module"]
+    requests = [{"prompt": prompts[i % len(prompts)], "max_tokens": 4 + i % 9, "temperature": 0.9, "seed": i,
+                 "stream": True} for i in range(40)]
+
+    async def main():
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            async def one(body):
+                r = await client.post("/v1/completions", json=body)
+                return "".join(c["choices"][0]["text"] for c in _events(r.text) if c["choices"])
+            return await asyncio.gather(*(one(b) for b in requests))
+
+    texts = asyncio.run(main())
+    eos = (lm.tokenizer.eos_token_id,)
+    for body, text in zip(requests, texts):
+        alone = _alone(server, body["prompt"], SamplingParams(max_new_tokens=body["max_tokens"], temperature=0.9,
+                                                              seed=body["seed"], stop_token_ids=eos))
+        assert text == alone.text
+    assert server.gen.stats.peak_running == 4 and server.gen.pool.num_free == server.gen.pool.capacity
+    assert len(set(texts)) > 10
+
+
+@contextlib.contextmanager
+def _listening(server: GenerationServer):
+    """The app on uvicorn in a thread, on a free port: yields the base URL."""
+    import uvicorn
+
+    web = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not (web.started and web.servers) and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{web.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        web.should_exit = True
+        thread.join(10)
+
+
+def test_clients_that_disconnect_mid_stream_give_their_blocks_back(lm):
+    server = _server(lm)
+    with _listening(server) as url:
+        for _ in range(12):
+            with httpx.Client(base_url=url, timeout=30) as client:
+                with client.stream("POST", "/v1/completions", json={"prompt": "A list is", "max_tokens": 100,
+                                                                    "temperature": 1.0, "stream": True}) as r:
+                    next(r.iter_lines())  # the first token came: the request holds its blocks; then hang up
+        deadline = time.time() + 10
+        while server.gen.has_unfinished and time.time() < deadline:
+            time.sleep(0.05)
+        assert not server.gen.has_unfinished
+        assert server.gen.pool.num_free == server.gen.pool.capacity
+        assert server.metrics.requests.labels("cancelled")._value.get() >= 12
+
+
+def test_the_official_openai_client_streams_a_completion_and_a_chat_completion(lm):
+    openai = pytest.importorskip("openai")
+    server = _server(lm)
+    eos = (lm.tokenizer.eos_token_id,)
+    with _listening(server) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        assert [m.id for m in client.models.list()] == ["pydoc-lm"]
+        stream = client.completions.create(model="pydoc-lm", prompt="A list is", max_tokens=10, temperature=0,
+                                           stream=True)
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == _alone(server, "A list is", SamplingParams(max_new_tokens=10, stop_token_ids=eos)).text
+        chat = client.chat.completions.create(model="pydoc-lm", messages=[{"role": "user", "content": "A dict?"}],
+                                              max_tokens=8, temperature=0, stream=True)
+        said = "".join(chunk.choices[0].delta.content or "" for chunk in chat if chunk.choices)
+        assert said == _alone(server, "user: A dict?\nassistant:", SamplingParams(max_new_tokens=8, stop_token_ids=eos)).text
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            client.completions.create(model="pydoc-lm", prompt="A list", temperature=-2)
+
+
+def test_serve_of_a_generation_plan_starts_the_generation_server_and_refuses_flags_it_would_ignore(
+        lm, tmp_path, monkeypatch, capsys):
+    from overdrive import cli
+    from overdrive.generate.plan import GenerationPlan
+    from overdrive.serve import runner
+    from overdrive.workloads import generation
+
+    monkeypatch.setattr(generation, "create_generation_workload", lambda spec, **kw: lm)
+    started = {}
+
+    def fake_run_server(server, *, host, port, access_log=False, on_started=None):
+        started["server"] = server
+        on_started(4321)
+        return 0
+
+    monkeypatch.setattr(runner, "run_server", fake_run_server)
+    plan = tmp_path / "plan.json"
+    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=2, max_new_tokens=8,
+                   steps=[{"name": "kv-int8"}]).save(plan)
+    assert cli.main(["serve", str(plan), "--port", "0", "--warmup-s", "0"]) == 0
+    said = capsys.readouterr().err
+    assert "/v1/completions" in said and "continuous batching of up to 2 sequences" in said, said
+    assert isinstance(started["server"], GenerationServer) and started["server"].gen.cache.keys[0].dtype.itemsize == 1
+    for extra, message in ((["--grpc-port", "9000"], "--grpc-port 9000: not for a generation plan"),
+                           (["--instances", "2"], "--instances 2: not for a generation plan"),
+                           (["minilm"], "served on its own")):
+        assert cli.main(["serve", str(plan), *extra]) == 2
+        assert message in capsys.readouterr().err
+    lookup = tmp_path / "lookup.json"
+    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=8,
+                   steps=[{"name": "prompt-lookup"}]).save(lookup)
+    assert cli.main(["serve", str(lookup)]) == 2
+    assert "prompt lookup" in capsys.readouterr().err
