@@ -394,58 +394,6 @@ def run_main(args) -> int:
     return 0
 
 
-def serve_main(args) -> int:
-    """`overdrive serve PLAN.json` for a generation plan: continuous batching behind OpenAI-compatible and KServe v2
-    generate endpoints (`serve/generation.py`)."""
-    import logging
-    import sys
-
-    from overdrive.core import devices
-    from overdrive.generate.engine import SamplingParams
-    from overdrive.generate.plan import GenerationPlan, build_generator, is_generation_plan
-    from overdrive.serve.generation import GenerationServer
-    from overdrive.serve.runner import run_server
-    from overdrive.workloads.generation import create_generation_workload
-
-    if len(args.model) > 1:
-        others = [m for m in args.model if not (m.endswith(".json") and is_generation_plan(m))]
-        raise ConfigError(f"a generation plan is served on its own for now; serve {', '.join(others) or 'the others'} "
-                          "from another server")
-    unset = {"grpc_port": None, "batching": "adaptive", "max_queue_delay_ms": None, "instances": None, "weights": None,
-             "request_timeout_ms": 30_000.0}
-    for name, default in unset.items():
-        if getattr(args, name) != default:
-            raise ConfigError(f"{arg(name, getattr(args, name))}: not for a generation plan (it is batched "
-                              "continuously, one instance, HTTP only)")
-    plan = GenerationPlan.load(args.model[0])
-    if "prompt-lookup" in plan.names:
-        raise ConfigError("the plan uses prompt lookup, which verifies one sequence at a time; a server batches "
-                          "continuously: optimize again with --techniques leaving prompt-lookup out")
-    name = args.model_name or plan.workload
-    device = devices.resolve_device(args.device if args.device != "auto" else plan.device)
-    workload = create_generation_workload(plan.workload, log=lambda line: logging.getLogger("overdrive.serve").info(line))
-    gen = build_generator(workload.model, workload.tokenizer, plan.steps, device=device,
-                          max_batch_size=args.max_batch_size or plan.batch_size, continuous=True)
-    started = time.perf_counter()
-    if args.warmup_s:  # the compiled decode step's shapes: every batch size the scheduler rounds to
-        sizes = sorted({1 << k for k in range(gen.max_batch_size.bit_length())} | {gen.max_batch_size})
-        for size in sizes:
-            if time.perf_counter() - started > args.warmup_s:
-                break
-            gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=2))
-    server = GenerationServer(gen, name, max_waiting=args.max_queue_size or 256, drain_timeout_s=args.drain_timeout_s)
-
-    def on_started(port: int) -> None:
-        sys.stderr.write(f"overdrive serve: plan {args.model[0]} ({' + '.join(plan.names) or 'baseline'}) as model "
-                         f"{name!r} on http://{args.host}:{port}/v1/completions, /v1/chat/completions and "
-                         f"/v2/models/{name}/generate; continuous batching of up to {gen.max_batch_size} sequences, "
-                         f"{gen.pool.capacity} KV blocks of {gen.block_size} slots on {devices.describe(device)}; "
-                         f"chat template: {server.chat_template}\n")
-        sys.stderr.flush()
-
-    return run_server(server, host=args.host, port=args.port, access_log=args.access_log, on_started=on_started)
-
-
 class _InOrder:
     """Writes completions to a JSONL file in input order, whatever order they end in: a completion waits until
     every record before it has been written (or refused)."""

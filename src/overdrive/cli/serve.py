@@ -1,5 +1,6 @@
 """`overdrive serve`: a workload, or the plan `optimize` wrote, behind an Open Inference Protocol
-server with dynamic batching (`overdrive.serve.runner.serve`)."""
+server with dynamic batching (`overdrive.serve.runner.serve`); a generation plan behind OpenAI-compatible
+endpoints with continuous batching (`overdrive.serve.generation`)."""
 
 from __future__ import annotations
 
@@ -52,12 +53,63 @@ def main(args, argv: list[str]) -> int:
 
     logging.basicConfig(level=logging.INFO, format="overdrive serve: %(message)s")
     if any(spec.endswith(".json") and is_generation_plan(spec) for spec in args.model):
-        from overdrive.cli.generate import serve_main
-
-        return serve_main(args)
+        return serve_generation(args)
     return serve(args.model, host=args.host, port=args.port, grpc_port=args.grpc_port, device=args.device,
                  model_name=args.model_name, max_batch_size=args.max_batch_size, batching=args.batching,
                  max_queue_delay_ms=args.max_queue_delay_ms,
                  max_queue_size=args.max_queue_size, instances=args.instances, request_timeout_ms=args.request_timeout_ms,
                  drain_timeout_s=args.drain_timeout_s, warmup_s=args.warmup_s, access_log=args.access_log,
                  weights=args.weights)
+
+
+def serve_generation(args) -> int:
+    """`overdrive serve PLAN.json` for a generation plan: continuous batching behind OpenAI-compatible and KServe v2
+    generate endpoints (`serve/generation.py`)."""
+    import sys
+    import time
+
+    from overdrive.core import devices
+    from overdrive.core.errors import ConfigError, arg
+    from overdrive.generate.engine import SamplingParams
+    from overdrive.generate.plan import GenerationPlan, build_generator, is_generation_plan
+    from overdrive.serve.generation import GenerationServer
+    from overdrive.serve.runner import run_server
+    from overdrive.workloads.generation import create_generation_workload
+
+    if len(args.model) > 1:
+        others = [m for m in args.model if not (m.endswith(".json") and is_generation_plan(m))]
+        raise ConfigError(f"a generation plan is served on its own for now; serve {', '.join(others) or 'the others'} "
+                          "from another server")
+    unset = {"grpc_port": None, "batching": "adaptive", "max_queue_delay_ms": None, "instances": None, "weights": None,
+             "request_timeout_ms": 30_000.0}
+    for name, default in unset.items():
+        if getattr(args, name) != default:
+            raise ConfigError(f"{arg(name, getattr(args, name))}: not for a generation plan (it is batched "
+                              "continuously, one instance, HTTP only)")
+    plan = GenerationPlan.load(args.model[0])
+    if "prompt-lookup" in plan.names:
+        raise ConfigError("the plan uses prompt lookup, which verifies one sequence at a time; a server batches "
+                          "continuously: optimize again with --techniques leaving prompt-lookup out")
+    name = args.model_name or plan.workload
+    device = devices.resolve_device(args.device if args.device != "auto" else plan.device)
+    workload = create_generation_workload(plan.workload, log=lambda line: logging.getLogger("overdrive.serve").info(line))
+    gen = build_generator(workload.model, workload.tokenizer, plan.steps, device=device,
+                          max_batch_size=args.max_batch_size or plan.batch_size, continuous=True)
+    started = time.perf_counter()
+    if args.warmup_s:  # the compiled decode step's shapes: every batch size the scheduler rounds to
+        sizes = sorted({1 << k for k in range(gen.max_batch_size.bit_length())} | {gen.max_batch_size})
+        for size in sizes:
+            if time.perf_counter() - started > args.warmup_s:
+                break
+            gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=2))
+    server = GenerationServer(gen, name, max_waiting=args.max_queue_size or 256, drain_timeout_s=args.drain_timeout_s)
+
+    def on_started(port: int) -> None:
+        sys.stderr.write(f"overdrive serve: plan {args.model[0]} ({' + '.join(plan.names) or 'baseline'}) as model "
+                         f"{name!r} on http://{args.host}:{port}/v1/completions, /v1/chat/completions and "
+                         f"/v2/models/{name}/generate; continuous batching of up to {gen.max_batch_size} sequences, "
+                         f"{gen.pool.capacity} KV blocks of {gen.block_size} slots on {devices.describe(device)}; "
+                         f"chat template: {server.chat_template}\n")
+        sys.stderr.flush()
+
+    return run_server(server, host=args.host, port=args.port, access_log=args.access_log, on_started=on_started)
