@@ -124,6 +124,15 @@ class ContinuousGenerator(Generator):
                 positions or the whole KV pool (it could never finish)."""
         ids = self.encode(prompt)
         params = params or self.defaults
+        self.check(ids, params)
+        seq = _Sequence(self._next_id, ids, params, self._generator(params), Completion(prompt_tokens=len(ids)))
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq.request_id
+
+    def check(self, ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError when a prompt of token ids `ids` with `params` could never finish: its prompt plus
+        max_new_tokens beyond the model's positions or the whole KV pool. Reads nothing that changes."""
         need = len(ids) + params.max_new_tokens
         if need > self.model.config.max_positions:
             raise ValueError(f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new ones exceeds the "
@@ -131,10 +140,6 @@ class ContinuousGenerator(Generator):
         if math.ceil(need / self.block_size) > self.pool.capacity:
             raise ValueError(f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new ones needs "
                              f"{math.ceil(need / self.block_size)} KV blocks; the pool holds {self.pool.capacity}")
-        seq = _Sequence(self._next_id, ids, params, self._generator(params), Completion(prompt_tokens=len(ids)))
-        self._next_id += 1
-        self.waiting.append(seq)
-        return seq.request_id
 
     def cancel(self, request_id: int) -> bool:
         """Drops a waiting or running request and gives its blocks back at once (a client that went away); False

@@ -22,11 +22,13 @@ Not built: `logprobs`, `echo`, several prompts in one request, a generator besid
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -48,37 +50,51 @@ class QueueFull(Exception):
 
 
 class GenerationEngine:
-    """Steps a `ContinuousGenerator` in its own thread while it has work; `submit` and `cancel` come from any
-    thread (the event loop's) and take effect between two steps. A listener gets each `TokenEvent` of its request,
-    or the exception that ended every request in flight when a step raised."""
+    """Steps a `ContinuousGenerator` in its own thread while it has work. `submit` and `cancel` come from any thread
+    (the event loop's) without waiting for a step: they are queued and applied by the engine thread between two
+    steps. A listener gets each `TokenEvent` of its request, or the exception that ended it (a step that raised
+    ends every request in flight)."""
 
     def __init__(self, gen: ContinuousGenerator, *, max_waiting: int):
         self.gen, self.max_waiting = gen, max_waiting
         self._cv = threading.Condition()
-        self._listeners: dict[int, Callable] = {}
+        self._inbox: deque[tuple] = deque()  # ("submit", ticket, ids, params, listener) | ("cancel", ticket)
+        self._tickets = itertools.count()
+        self._open: set[int] = set()  # tickets submitted and not yet ended or cancelled
+        self._ids: dict[int, int] = {}  # ticket -> the generator's request id (engine thread only)
+        self._listeners: dict[int, tuple[int, Callable]] = {}  # request id -> (ticket, listener) (engine thread only)
         self._stopped = False
         self.on_step: Callable[[float, int], None] | None = None  # (seconds, sequences) after each step
         self._thread = threading.Thread(target=self._loop, name="overdrive-generate", daemon=True)
         self._thread.start()
 
     def submit(self, ids: list[int], params: SamplingParams, listener: Callable) -> int:
-        """Queues a request. Raises: ValueError (it cannot fit: `ContinuousGenerator.submit`), QueueFull."""
-        with self._cv:
-            if len(self.gen.waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(self.gen.waiting)} requests are waiting already")
-            request_id = self.gen.submit(ids, params)
-            self._listeners[request_id] = listener
-            self._cv.notify()
-            return request_id
+        """Queues a request; returns its ticket (for `cancel`).
 
-    def cancel(self, request_id: int) -> None:
+        Raises:
+            ValueError: it could never fit (`ContinuousGenerator.check`); QueueFull: `max_waiting` requests wait."""
+        self.gen.check(ids, params)
         with self._cv:
-            self._listeners.pop(request_id, None)
-            self.gen.cancel(request_id)
+            waiting = len(self.gen.waiting) + sum(1 for item in self._inbox if item[0] == "submit")
+            if waiting >= self.max_waiting:
+                raise QueueFull(f"{waiting} requests are waiting already")
+            ticket = next(self._tickets)
+            self._open.add(ticket)
+            self._inbox.append(("submit", ticket, ids, params, listener))
+            self._cv.notify()
+        return ticket
+
+    def cancel(self, ticket: int) -> None:
+        with self._cv:
+            if ticket in self._open:
+                self._open.discard(ticket)
+                self._inbox.append(("cancel", ticket))
+                self._cv.notify()
 
     @property
     def in_flight(self) -> int:
-        return len(self._listeners)
+        """Requests submitted and not yet ended or cancelled."""
+        return len(self._open)
 
     def stop(self) -> None:
         with self._cv:
@@ -88,29 +104,68 @@ class GenerationEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self.gen.has_unfinished and not self._stopped:
+                while not self._inbox and not self.gen.has_unfinished and not self._stopped:
                     self._cv.wait()
                 if self._stopped:
                     return
-                running = len(self.gen.running)
-                started = time.perf_counter()
-                try:
-                    events = self.gen.step()
-                except Exception as exc:  # noqa: BLE001 — every request in flight is told; the engine goes on
-                    log.exception("a generation step failed; the requests in flight get 500")
-                    calls = [(listener, exc) for listener in self._listeners.values()]
-                    for request_id in list(self._listeners):
-                        self.gen.cancel(request_id)
-                    self._listeners.clear()
-                else:
-                    calls = [(self._listeners[e.request_id], e) for e in events if e.request_id in self._listeners]
-                    for e in events:
-                        if e.finished is not None:
-                            self._listeners.pop(e.request_id, None)
-                    if self.on_step is not None:
-                        self.on_step(time.perf_counter() - started, max(running, len(self.gen.running)))
+                inbox = list(self._inbox)
+                self._inbox.clear()
+            calls = self._apply(inbox)
+            if self.gen.has_unfinished:
+                calls += self._step()
             for listener, event in calls:
                 listener(event)
+
+    def _apply(self, inbox: list[tuple]) -> list[tuple]:
+        calls = []
+        for item in inbox:
+            if item[0] == "submit":
+                _, ticket, ids, params, listener = item
+                try:
+                    request_id = self.gen.submit(ids, params)
+                except ValueError as exc:  # checked at submit; kept for safety, never silent
+                    calls.append((listener, exc))
+                    self._end(ticket)
+                    continue
+                self._ids[ticket] = request_id
+                self._listeners[request_id] = (ticket, listener)
+            else:
+                request_id = self._ids.pop(item[1], None)
+                if request_id is not None:
+                    self._listeners.pop(request_id, None)
+                    self.gen.cancel(request_id)
+        return calls
+
+    def _step(self) -> list[tuple]:
+        running = len(self.gen.running)
+        started = time.perf_counter()
+        try:
+            events = self.gen.step()
+        except Exception as exc:  # noqa: BLE001 — every request in flight is told; the engine goes on
+            log.exception("a generation step failed; the requests in flight get 500")
+            calls = [(listener, exc) for _, listener in self._listeners.values()]
+            for request_id, (ticket, _) in list(self._listeners.items()):
+                self.gen.cancel(request_id)
+                self._end(ticket)
+            self._listeners.clear()
+            return calls
+        calls = []
+        for e in events:
+            ticket, listener = self._listeners.get(e.request_id, (None, None))
+            if listener is None:
+                continue
+            calls.append((listener, e))
+            if e.finished is not None:
+                del self._listeners[e.request_id]
+                self._end(ticket)
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - started, max(running, len(self.gen.running)))
+        return calls
+
+    def _end(self, ticket: int) -> None:
+        self._ids.pop(ticket, None)
+        with self._cv:
+            self._open.discard(ticket)
 
 
 class _Metrics:
@@ -370,7 +425,7 @@ class _Request:
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.server, self.started, self.first = server, time.perf_counter(), None
-        self.request_id = server.engine.submit(ids, params, lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e))
+        self.ticket = server.engine.submit(ids, params, lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e))
         self.ended = False
         server.metrics.prompt_tokens.inc(len(ids))
 
@@ -402,7 +457,7 @@ class _Request:
     def cancel(self) -> None:
         if not self.ended:
             self.ended = True
-            self.server.engine.cancel(self.request_id)
+            self.server.engine.cancel(self.ticket)
             self.server.metrics.requests.labels("cancelled").inc()
 
 
