@@ -265,3 +265,13 @@ def test_a_generation_plan_given_where_a_one_pass_plan_goes_is_named_for_what_it
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "is a plan for generating text with 'pydoc-lm'" in result.stderr
     assert f"overdrive bench pydoc-lm --plan {plan}" in result.stderr
+
+
+def test_run_reads_a_record_holding_a_line_separator_as_one_line(tmp_path):
+    """str.splitlines would cut the record at U+2028 and shift every later index."""
+    from overdrive.cli.generate import _read_prompts
+
+    source = tmp_path / "p.jsonl"
+    source.write_text(json.dumps({"prompt": "sep\u2028arator"}, ensure_ascii=False) + "\r\n\n" + '{"prompt": "b"}\n',
+                      encoding="utf-8")
+    assert list(_read_prompts(source, "prompt")) == [(0, {"prompt": "sep\u2028arator"}), (2, {"prompt": "b"})]

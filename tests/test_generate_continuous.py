@@ -119,3 +119,12 @@ def test_the_block_pool_refuses_a_double_free():
         pool.free([a])
     with pytest.raises(ValueError, match="not of this pool"):
         pool.free([0])
+
+
+def test_a_request_that_fails_while_joining_gives_its_blocks_back(monkeypatch):
+    gen = ContinuousGenerator(Decoder.from_hf(_hf()), max_batch_size=2, block_size=4)
+    monkeypatch.setattr(gen, "_choose", lambda logits, seqs: (_ for _ in ()).throw(RuntimeError("boom")))
+    gen.submit(_prompts(1)[0], SamplingParams(max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="boom"):
+        gen.step()
+    assert gen.pool.num_free == gen.pool.capacity

@@ -237,3 +237,50 @@ def test_serve_of_a_generation_plan_starts_the_generation_server_and_refuses_fla
                    steps=[{"name": "prompt-lookup"}]).save(lookup)
     assert cli.main(["serve", str(lookup)]) == 2
     assert "prompt lookup" in capsys.readouterr().err
+
+
+def test_a_tiny_temperature_is_greedy_and_a_failed_step_ends_streams_with_an_error_and_frees_blocks(lm, monkeypatch):
+    from starlette.testclient import TestClient
+
+    server = _server(lm)
+    with TestClient(server.app) as client:
+        tiny = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 8, "temperature": 1e-45})
+        greedy = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 8, "temperature": 0})
+        assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+        assert 'overdrive_requests_total{outcome="length"} 2.0' in client.get("/metrics").text  # not "cancelled"
+        real_choose = server.gen._choose
+        calls = {"n": 0}
+
+        def failing_once(logits, seqs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("a kernel failed")
+            return real_choose(logits, seqs)
+
+        monkeypatch.setattr(server.gen, "_choose", failing_once)
+        streamed = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 20, "stream": True})
+        assert "generation failed: a kernel failed" in streamed.text and "[DONE]" not in streamed.text
+        after = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 8, "temperature": 0})
+        assert after.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]  # the engine goes on
+    assert server.gen.pool.num_free == server.gen.pool.capacity and not server.gen.has_unfinished
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"prompt": "A list", "max_tokens": None, "n": None}, 200),
+    ({"prompt": "\ud800 a list"}, 400),
+    ({"prompt": "A list", "seed": 2**70}, 400),
+    ({"prompt": "A list", "stream": "yes"}, 400),
+    ({"prompt": "A list", "frequency_penalty": 0.5}, 400),
+    ({"prompt": "A list", "frequency_penalty": 0}, 200),
+])
+def test_fields_at_their_defaults_are_taken_and_values_it_cannot_follow_are_400(lm, body, expected):
+    from starlette.testclient import TestClient
+
+    server = _server(lm)
+    with TestClient(server.app) as client:
+        r = client.post("/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code == expected, r.text
+        if expected == 400:
+            assert r.json()["error"]["message"]
+        r = client.post("/v2/models/pydoc-lm/generate", json={"text_input": "A list", "parameters": {"bogus": 1}})
+        assert r.status_code == 400 and "unknown parameters ['bogus']" in r.json()["error"]["message"]

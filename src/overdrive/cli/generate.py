@@ -276,6 +276,7 @@ def run_main(args) -> int:
     """`overdrive run PLAN.json --input prompts.jsonl --output completions.jsonl` for a generation plan."""
     from overdrive.core import devices
     from overdrive.core.report import make_console
+    from overdrive.generate.continuous import SchedulerStats
     from overdrive.generate.engine import SamplingParams
     from overdrive.generate.plan import GenerationPlan, build_generator
     from overdrive.workloads.generation import create_generation_workload
@@ -316,6 +317,8 @@ def run_main(args) -> int:
     gen = build_generator(workload.model, workload.tokenizer, plan.steps, device=device, max_batch_size=batch,
                           continuous=continuous)
     gen.generate([workload.prompts[0]] * batch, SamplingParams(max_new_tokens=2))  # compiles, as serving would first
+    if continuous:
+        gen.stats = SchedulerStats()  # the figures printed at the end are the run's, not the warm-up's
     setup_s = time.perf_counter() - setup_started
     default = {"max_new_tokens": args.max_new_tokens or plan.max_new_tokens}
     eos = getattr(workload.tokenizer, "eos_token_id", None)
@@ -385,8 +388,9 @@ def run_main(args) -> int:
     console.print(f"{written:,} of {len(records) - len(done):,} prompts → {output}; {failed:,} failed"
                   + (f" (see {errors_path})" if failed else "") + (f"; {len(done):,} done before the resume" if done else ""),
                   highlight=False)
-    scheduling = (f"continuous batching of up to {batch} sequences (KV blocks {gen.stats.kv_waste:.1%} empty, "
-                  f"{gen.stats.preemptions} preempted)" if continuous else f"one prompt at a time (prompt lookup)")
+    scheduling = (f"continuous batching of up to {batch} sequence{'s' if batch > 1 else ''}"
+                  + (f" (KV blocks {gen.stats.kv_waste:.1%} empty, {gen.stats.preemptions} preempted)" if tokens else "")
+                  if continuous else "one prompt at a time (prompt lookup)")
     console.print(f"{tokens:,} new tokens in {wall:.3g} s = {tokens / max(wall, 1e-9):,.1f} tokens/s on "
                   f"{devices.describe(device)}, {scheduling} (plan: {' + '.join(plan.names) or 'baseline'}); set-up "
                   f"before that {setup_s:.1f} s (model, warm-up)",
@@ -443,7 +447,9 @@ def _indices(path: Path) -> set[int]:
 def _read_prompts(path: Path, field: str):
     """(index, record) for each line that is not blank (index: its line number from 0): a JSON object from .jsonl,
     the text itself from any other file; a line that is not JSON is a ValueError, refused by `_request`."""
-    for index, line in enumerate(path.read_text(errors="replace").splitlines()):
+    # Lines end at "\n" only: str.splitlines would also split at U+2028 and other separators a JSON string may hold.
+    for index, line in enumerate(path.read_text(errors="replace").removesuffix("\n").split("\n")):
+        line = line.removesuffix("\r")
         if not line.strip():  # a blank line is no record (its index is kept: indices are line numbers)
             continue
         if path.suffix == ".jsonl":

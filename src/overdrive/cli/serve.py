@@ -73,7 +73,7 @@ def serve_generation(args) -> int:
     from overdrive.generate.engine import SamplingParams
     from overdrive.generate.plan import GenerationPlan, build_generator, is_generation_plan
     from overdrive.serve.generation import GenerationServer
-    from overdrive.serve.runner import run_server
+    from overdrive.serve.runner import bind, run_server
     from overdrive.workloads.generation import create_generation_workload
 
     if len(args.model) > 1:
@@ -86,6 +86,7 @@ def serve_generation(args) -> int:
         if getattr(args, name) != default:
             raise ConfigError(f"{arg(name, getattr(args, name))}: not for a generation plan (it is batched "
                               "continuously, one instance, HTTP only)")
+    bind(args.host, args.port).close()  # a port in use is said now, not after the model is built
     plan = GenerationPlan.load(args.model[0])
     if "prompt-lookup" in plan.names:
         raise ConfigError("the plan uses prompt lookup, which verifies one sequence at a time; a server batches "

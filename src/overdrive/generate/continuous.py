@@ -202,9 +202,14 @@ class ContinuousGenerator(Generator):
                 return  # first come, first served: it waits for blocks, and so do those behind it
             self.waiting.popleft()
             seq.blocks = [self.pool.allocate() for _ in range(need)]
-            logits = self._prefill(seq, tokens)
-            if not seq.completion.token_ids:  # a new request: its first token
-                self._emit(seq, self._choose(logits[None], [seq])[0], events)
+            try:
+                logits = self._prefill(seq, tokens)
+                if not seq.completion.token_ids:  # a new request: its first token
+                    self._emit(seq, self._choose(logits[None], [seq])[0], events)
+            except BaseException:
+                self.pool.free(seq.blocks)  # in neither queue: nobody else could give its blocks back
+                seq.blocks = []
+                raise
             if seq.completion.finish_reason is None:
                 self.running.append(seq)
                 self.stats.peak_running = max(self.stats.peak_running, len(self.running))

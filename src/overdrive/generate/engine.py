@@ -76,6 +76,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number, got {value!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be ≥ 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -125,7 +127,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """The next token from one row's logits float32 [vocab]."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    scores = logits / params.temperature
+    # Shifted so the largest score is 0 before dividing: a tiny temperature then gives -inf, never inf or NaN.
+    scores = (logits - logits.max()) / params.temperature
     if params.top_k is not None and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, -math.inf)

@@ -266,19 +266,29 @@ class GenerationServer:
             parameters = body.get("parameters", {})
             if not isinstance(parameters, dict):
                 raise _BadRequest("parameters must be an object", "parameters")
+            unknown = sorted(set(parameters) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+            if unknown:
+                raise _BadRequest(f"unknown parameters {unknown}; known: max_tokens, temperature, top_p, top_k, seed, "
+                                  "stop", "parameters")
             params = _sampling(parameters, default_temperature=0.0, stop_token_ids=self.gen.defaults.stop_token_ids)
             requests = self._start([self.gen.encode(text)], params)
         except _Refusal as exc:
             return exc.response()
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # TypeError: text the tokenizer cannot take (a lone surrogate)
             return _error(400, str(exc), "invalid_request_error", None)
         if stream:
             async def events():
-                async for delta, done in _texts(self, requests[0], params):
-                    yield _sse({"model_name": self.name, "model_version": "1", "text_output": delta,
-                                **({"finish_reason": done.finish_reason} if done else {})})
+                try:
+                    async for delta, done in _texts(self, requests[0], params):
+                        yield _sse({"model_name": self.name, "model_version": "1", "text_output": delta,
+                                    **({"finish_reason": done.finish_reason} if done else {})})
+                except Exception as exc:  # noqa: BLE001 — the engine's step failed: the stream ends with the error
+                    yield _sse({"error": f"generation failed: {exc}"})
             return StreamingResponse(events(), media_type="text/event-stream")
-        (done,) = await self._collect(request, requests)
+        try:
+            (done,) = await self._collect(request, requests)
+        except Exception as exc:  # noqa: BLE001 — the engine's step failed (logged there)
+            return _error(500, f"generation failed: {exc}", "server_error", None)
         if done is None:
             return Response(status_code=499)
         return JSONResponse({"model_name": self.name, "model_version": "1", "text_output": done.text,
@@ -290,10 +300,15 @@ class GenerationServer:
             if body.get("model") not in (None, self.name):
                 raise _Refusal(404, f"no model {body.get('model')!r}; this server has {self.name!r}", "model_not_found",
                                "model")
-            for field in ("logprobs", "echo", "top_logprobs"):
-                if body.get(field) not in (None, False, 0):
+            for field in ("logprobs", "echo", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+                          "suffix", "tools", "response_format"):
+                if body.get(field) not in (None, False, 0, {}, []):  # asked for, not only sent at its default
                     raise _BadRequest(f"{field} is not supported by this server", field)
-            n = body.get("n", 1)
+            if body.get("best_of") not in (None, 1):
+                raise _BadRequest("best_of is not supported by this server", "best_of")
+            if not isinstance(body.get("stream", False), bool):
+                raise _BadRequest(f"stream must be true or false, got {body['stream']!r}", "stream")
+            n = 1 if body.get("n") is None else body["n"]
             if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
                 raise _BadRequest(f"n must be an integer from 1 to 16, got {n!r}", "n")
             prompt = self._chat_prompt(body.get("messages")) if chat else _prompt(body.get("prompt"))
@@ -305,7 +320,7 @@ class GenerationServer:
             requests = self._start([ids] * n, per_choice)
         except _Refusal as exc:
             return exc.response()
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # TypeError: text the tokenizer cannot take (a lone surrogate)
             return _error(400, str(exc), "invalid_request_error", None)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
@@ -315,7 +330,10 @@ class GenerationServer:
             return StreamingResponse(self._openai_stream(requests, per_choice, ident, kind, chat, len(ids),
                                                          include_usage),
                                      media_type="text/event-stream", headers=headers)
-        done = await self._collect(request, requests)
+        try:
+            done = await self._collect(request, requests)
+        except Exception as exc:  # noqa: BLE001 — the engine's step failed (logged there)
+            return _error(500, f"generation failed: {exc}", "server_error", None)
         if any(c is None for c in done):
             return Response(status_code=499)
         choices = [{"index": i, "finish_reason": c.finish_reason, "logprobs": None,
@@ -343,8 +361,11 @@ class GenerationServer:
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, request):
-            async for delta, done in _texts(self, request, params[i]):
-                await merged.put((i, delta, done))
+            try:
+                async for delta, done in _texts(self, request, params[i]):
+                    await merged.put((i, delta, done))
+            except Exception as exc:  # noqa: BLE001 — the engine's step failed: the stream ends with the error
+                await merged.put((i, exc, None))
             await merged.put((i, None, None))
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
@@ -352,6 +373,10 @@ class GenerationServer:
             remaining = len(requests)
             while remaining:
                 i, delta, done = await merged.get()
+                if isinstance(delta, Exception):
+                    yield _sse({"error": {"message": f"generation failed: {delta}", "type": "server_error",
+                                          "param": None, "code": None}})
+                    return
                 if delta is None and done is None:
                     remaining -= 1
                     continue
@@ -407,6 +432,7 @@ class GenerationServer:
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             results = asyncio.ensure_future(asyncio.gather(*(r.result() for r in requests)))
+            results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
             finished, _ = await asyncio.wait({gone, results}, return_when=asyncio.FIRST_COMPLETED)
             if results in finished:
                 return results.result()
@@ -439,11 +465,12 @@ class _Request:
                     self.first = time.perf_counter()
                     self.server.metrics.ttft.observe(self.first - self.started)
                 self.server.metrics.tokens.inc()
-                yield event
-                if event.finished is not None:
+                if event.finished is not None:  # ended before the consumer sees it: it may stop reading here
                     self.ended = True
                     self.server.metrics.requests.labels(event.finished.finish_reason).inc()
+                    yield event
                     return
+                yield event
         finally:
             if not self.ended:
                 self.cancel()
@@ -525,7 +552,8 @@ def _sampling(body: dict, *, default_temperature: float, stop_token_ids: tuple[i
     """OpenAI's fields as `SamplingParams` (max_tokens default 16, as OpenAI's; ending at `stop_token_ids`, the
     tokenizer's end-of-text). Raises _BadRequest."""
     stop = body.get("stop")
-    fields = {"max_new_tokens": body.get("max_tokens", body.get("max_completion_tokens", 16)),
+    fields = {"max_new_tokens": next((body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None),
+                                     16),
               "temperature": body.get("temperature", default_temperature), "top_p": body.get("top_p"),
               "top_k": body.get("top_k"), "seed": body.get("seed"),
               "stop": () if stop is None else stop, "stop_token_ids": stop_token_ids}
