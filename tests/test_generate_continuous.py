@@ -128,3 +128,15 @@ def test_a_request_that_fails_while_joining_gives_its_blocks_back(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         gen.step()
     assert gen.pool.num_free == gen.pool.capacity
+
+
+def test_static_scheduling_admits_a_batch_only_when_the_last_has_ended_and_gives_the_same_tokens():
+    decoder = Decoder.from_hf(_hf())
+    prompts, params = _prompts(7, seed=12), _lengths(7)
+    continuous = ContinuousGenerator(decoder, max_batch_size=3, block_size=4)
+    static = ContinuousGenerator(decoder, max_batch_size=3, block_size=4, scheduling="static")
+    assert [c.token_ids for c in static.generate(prompts, params)] == \
+        [c.token_ids for c in continuous.generate(prompts, params)]
+    assert static.stats.steps > continuous.stats.steps  # rows that ended early waited for their batch's longest
+    with pytest.raises(ValueError, match="scheduling"):
+        ContinuousGenerator(decoder, scheduling="dynamic")

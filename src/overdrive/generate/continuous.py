@@ -90,6 +90,8 @@ class ContinuousGenerator(Generator):
         num_blocks: blocks in the pool (one is scratch). Default: enough for `max_batch_size` sequences of the
             model's full context, capped at `kv_memory_fraction` of the device's free memory.
         kv_memory_fraction: see num_blocks.
+        scheduling: "continuous" (default), or "static" — a batch is admitted only when the last one has ended
+            entirely (rows that end early wait for the longest, as static batching does); for comparison.
 
     Raises:
         ValueError: a speculative generator asked for (prompt lookup verifies one sequence at a time), a pool too
@@ -99,7 +101,10 @@ class ContinuousGenerator(Generator):
     def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16, block_size: int = 16,
                  num_blocks: int | None = None, kv_memory_fraction: float = 0.25,
                  cache_dtype: torch.dtype | None = None, compile: bool = False,
-                 defaults: SamplingParams | None = None):
+                 defaults: SamplingParams | None = None, scheduling: str = "continuous"):
+        if scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling is 'continuous' or 'static', got {scheduling!r}")
+        self.scheduling = scheduling
         super().__init__(model, tokenizer, max_batch_size=max_batch_size, cache_dtype=cache_dtype, compile=compile,
                          defaults=defaults)
         config = model.config
@@ -194,6 +199,8 @@ class ContinuousGenerator(Generator):
     # --- scheduling -------------------------------------------------------------------------------------------
 
     def _admit(self, events: list[TokenEvent]) -> None:
+        if self.scheduling == "static" and self.running:
+            return  # static batching: the batch runs until its longest answer ends
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             tokens = seq.prompt + seq.completion.token_ids[:-1]  # a preempted sequence's own tokens come back too

@@ -1,0 +1,159 @@
+"""Serving generation under load: continuous batching against static batching and one request at a time, the same
+server code and the same requests, side by side in one run (the CPU).
+
+The server (`serve/generation.py`, uvicorn in a thread of this process) serves the workload's model with the decode
+step compiled, its scheduler one of:
+- continuous: `ContinuousGenerator(max_batch_size=streams)`, a request joins at the next step;
+- static: the same with scheduling="static": a batch is admitted only when the last one has ended entirely;
+- one-at-a-time: max_batch_size 1.
+A load generator in its own process (multiprocessing, spawn) keeps `streams` clients busy: each sends its next
+request (streamed, greedy, `max_tokens` drawn once per request, seeded, from --min-new..--max-new; the workload's
+held-out prompts) after an exponential pause (mean --think-ms: Poisson-like arrivals), and records time to first
+token (TTFT) and the gaps between streamed chunks (inter-token latency, ITL). Per entry and stream count: total
+tokens/s (completion tokens over the wall time from the first request to the last answer), TTFT and ITL p50/p99,
+the KV cache's empty share (a property of each sequence's length and the block size, so the same for every
+scheduler), and whether each answer equals the first entry's (greedy: it must). Each entry first serves a short
+untimed load (its engine thread's first steps), then the timed one.
+
+    .venv/bin/python benchmarks/serve_generate_cpu.py [--workload pydoc-lm] [--streams 1,8,32] [--requests 64]
+        [--min-new 8] [--max-new 96] [--think-ms 20] [--entries continuous,static,one-at-a-time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import multiprocessing
+import random
+import statistics
+import threading
+import time
+
+import torch
+
+
+def load(url: str, requests: list[dict], streams: int, think_ms: float, seed: int, out) -> None:
+    """The load generator (its own process): `streams` clients share `requests`; sends the results to `out`."""
+    import httpx
+
+    async def main():
+        queue = list(enumerate(requests))
+        results = {}
+        rng = random.Random(seed)
+
+        async def client(http):
+            while queue:
+                index, body = queue.pop(0)
+                await asyncio.sleep(rng.expovariate(1000 / think_ms) if think_ms else 0)
+                sent = time.perf_counter()
+                chunks, text, usage = [], "", None
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if event.get("usage"):
+                            usage = event["usage"]
+                        if event.get("choices") and event["choices"][0]["text"]:
+                            chunks.append(time.perf_counter())
+                            text += event["choices"][0]["text"]
+                results[index] = {"sent": sent, "chunks": chunks, "text": text, "ended": time.perf_counter(),
+                                  "tokens": usage["completion_tokens"] if usage else 0}
+
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=streams)) as http:
+            await asyncio.gather(*(client(http) for _ in range(streams)))
+        return results
+
+    out.send(asyncio.run(main()))
+
+
+@contextlib.contextmanager
+def listening(server):
+    import uvicorn
+
+    web = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    while not (web.started and web.servers):
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{web.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        web.should_exit = True
+        thread.join(10)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="pydoc-lm")
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--min-new", type=int, default=8)
+    parser.add_argument("--max-new", type=int, default=96)
+    parser.add_argument("--think-ms", type=float, default=20.0)
+    parser.add_argument("--entries", default="continuous,static,one-at-a-time")
+    args = parser.parse_args()
+
+    from overdrive.generate import Decoder, SamplingParams
+    from overdrive.generate.continuous import ContinuousGenerator
+    from overdrive.serve.generation import GenerationServer
+    from overdrive.workloads.generation import create_generation_workload
+
+    workload = create_generation_workload(args.workload, num_prompts=args.requests)
+    decoder = Decoder.from_hf(workload.model)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.min_new, args.max_new + 1, (args.requests,), generator=g).tolist()
+    requests = [{"prompt": workload.prompts[i % len(workload.prompts)], "max_tokens": n, "temperature": 0,
+                 "stream": True, "stream_options": {"include_usage": True}} for i, n in enumerate(lengths)]
+    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {args.workload} "
+          f"({sum(p.numel() for p in decoder.parameters()) / 1e6:.1f} M parameters), {args.requests} requests, "
+          f"max_tokens {min(lengths)}–{max(lengths)}, greedy, streamed; think time {args.think_ms:g} ms (mean); "
+          "decode step compiled", flush=True)
+    context = multiprocessing.get_context("spawn")
+    print(f"\n{'streams':>7} {'entry':<14}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+          f"{'ITL p99':>9}{'KV empty':>10}  answers", flush=True)
+    for streams in [int(x) for x in args.streams.split(",")]:
+        reference = None
+        for entry in args.entries.split(","):
+            batch = 1 if entry == "one-at-a-time" else streams
+            gen = ContinuousGenerator(decoder, workload.tokenizer, max_batch_size=batch, compile=True,
+                                      scheduling="static" if entry == "static" else "continuous",
+                                      defaults=SamplingParams(stop_token_ids=(workload.tokenizer.eos_token_id,)))
+            sizes = sorted({min(1 << k, batch) for k in range(batch.bit_length() + 1)})
+            for size in sizes:  # warm-up: the compiled shapes the load will meet
+                gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=args.max_new))
+            server = GenerationServer(gen, args.workload, max_waiting=10 * args.requests)
+            with listening(server) as url:
+                for timed in (False, True):  # first a short untimed load: the engine thread's first steps
+                    gen.stats = type(gen.stats)()
+                    receive, send = context.Pipe(duplex=False)
+                    todo = requests if timed else requests[:2 * streams]
+                    client = context.Process(target=load, args=(url, todo, streams, args.think_ms, streams, send))
+                    client.start()
+                    results = receive.recv()
+                    client.join()
+            server.engine.stop()
+            wall = max(r["ended"] for r in results.values()) - min(r["sent"] for r in results.values())
+            tokens = sum(r["tokens"] for r in results.values())
+            ttft = [r["chunks"][0] - r["sent"] for r in results.values() if r["chunks"]]
+            itl = [b - a for r in results.values() for a, b in zip(r["chunks"], r["chunks"][1:])]
+            texts = [results[i]["text"] for i in range(len(requests))]
+            reference = reference or texts
+            same = sum(a == b for a, b in zip(texts, reference))
+            print(f"{streams:>7} {entry:<14}{tokens / wall:>10.1f}{percentile(ttft, .5) * 1e3:>8.0f}ms"
+                  f"{percentile(ttft, .99) * 1e3:>8.0f}ms{percentile(itl, .5) * 1e3:>7.0f}ms"
+                  f"{percentile(itl, .99) * 1e3:>7.0f}ms{gen.stats.kv_waste:>10.1%}  {same}/{len(texts)} equal the "
+                  f"first entry's", flush=True)
+
+
+if __name__ == "__main__":
+    main()
