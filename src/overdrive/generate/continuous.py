@@ -259,7 +259,7 @@ class ContinuousGenerator(Generator):
         tokens[:b, 0] = torch.tensor([s.completion.token_ids[-1] for s in self.running])
         self.cache.read_index = read_index.to(dev)
         logits = self._decode(tokens.to(dev), at[:, None].to(dev), self.cache, slots.to(dev),
-                                   mask[:, None, None].to(dev))[:b, 0]
+                              mask[:, None, None].to(dev))[:b, 0]
         held = sum(len(s.blocks) for s in self.running) * size
         self.stats.steps += 1
         self.stats.slots_held += held
