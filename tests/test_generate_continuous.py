@@ -140,3 +140,19 @@ def test_static_scheduling_admits_a_batch_only_when_the_last_has_ended_and_gives
     assert static.stats.steps > continuous.stats.steps  # rows that ended early waited for their batch's longest
     with pytest.raises(ValueError, match="scheduling"):
         ContinuousGenerator(decoder, scheduling="dynamic")
+
+
+def test_requests_joining_together_are_prefilled_in_one_forward_within_the_budget(monkeypatch):
+    decoder = Decoder.from_hf(_hf())
+    prompts, params = _prompts(8, seed=13), _lengths(8)
+    expected = [c.token_ids for c in ContinuousGenerator(decoder, max_batch_size=8,
+                                                         max_prefill_tokens=1).generate(prompts, params)]
+    gen = ContinuousGenerator(decoder, max_batch_size=8, max_prefill_tokens=20)
+    widths = []
+    real = gen._prefill
+    monkeypatch.setattr(gen, "_prefill", lambda joining: widths.append(len(joining)) or real(joining))
+    assert [c.token_ids for c in gen.generate(prompts, params)] == expected  # left padding changes no token
+    assert max(widths) > 1 and sum(widths) == 8  # several joined in one forward, each once
+    lengths = [len(p) for p in prompts]
+    assert all(sum(lengths[i] for i in range(sum(widths[:k]), sum(widths[:k + 1]))) <= 20 or widths[k] == 1
+               for k in range(len(widths)))  # a step's prefill keeps to the budget (one long prompt still joins)

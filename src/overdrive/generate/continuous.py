@@ -2,14 +2,15 @@
 
 The running batch is formed again at every decode step: a request joins as soon as a row and the KV blocks for its
 prompt are free (first come, first served), and leaves the step after its last token, giving its blocks back, so
-a batch stays full while answers of different lengths finish. A request is prefilled on its own (one forward over
-its prompt) when it joins, then decodes one token per step with the others. When a running sequence needs a block
+a batch stays full while answers of different lengths finish. The requests joining at a step are prefilled together
+(one forward, left-padded, each into its own blocks; up to `max_prefill_tokens` prompt tokens a step, so joining
+stalls the running sequences little), then decode one token per step with the others. When a running sequence needs a block
 and none is free, the latest-admitted sequence is preempted: its blocks are freed and it waits at the head of the
 queue, to be prefilled again over its prompt and the tokens it had (recomputation, as vLLM's default), keeping its
 sampling generator, so its answer is the one it would have had.
 
-Each sequence reads only its own blocks at its own positions (0 up to its length: no padding); its batch-mates
-change nothing but the floating-point summation order of the shared matrix products, and each request samples
+Each sequence reads only its own blocks at its own positions (0 up to its length; prefill's padding positions are
+masked out and write to a scratch block); its batch-mates change nothing but the floating-point summation order of the shared matrix products, and each request samples
 from its own seeded `torch.Generator`, so a request alone and in a busy batch gives the same tokens (a test).
 """
 
@@ -90,6 +91,8 @@ class ContinuousGenerator(Generator):
         num_blocks: blocks in the pool (one is scratch). Default: enough for `max_batch_size` sequences of the
             model's full context, capped at `kv_memory_fraction` of the device's free memory.
         kv_memory_fraction: see num_blocks.
+        max_prefill_tokens: prompt tokens prefilled in one step at most (requests joining together are prefilled in
+            one forward; a longer prompt still joins, alone), so joining requests stall the running ones little.
         scheduling: "continuous" (default), or "static" — a batch is admitted only when the last one has ended
             entirely (rows that end early wait for the longest, as static batching does); for comparison.
 
@@ -101,10 +104,13 @@ class ContinuousGenerator(Generator):
     def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16, block_size: int = 16,
                  num_blocks: int | None = None, kv_memory_fraction: float = 0.25,
                  cache_dtype: torch.dtype | None = None, compile: bool = False,
-                 defaults: SamplingParams | None = None, scheduling: str = "continuous"):
+                 defaults: SamplingParams | None = None, scheduling: str = "continuous",
+                 max_prefill_tokens: int = 1024):
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling is 'continuous' or 'static', got {scheduling!r}")
-        self.scheduling = scheduling
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be ≥ 1, got {max_prefill_tokens}")
+        self.scheduling, self.max_prefill_tokens = scheduling, max_prefill_tokens
         super().__init__(model, tokenizer, max_batch_size=max_batch_size, cache_dtype=cache_dtype, compile=compile,
                          defaults=defaults)
         config = model.config
@@ -199,41 +205,66 @@ class ContinuousGenerator(Generator):
     # --- scheduling -------------------------------------------------------------------------------------------
 
     def _admit(self, events: list[TokenEvent]) -> None:
+        """Admits waiting requests while a row, their blocks and the step's prefill budget allow (at least one), and
+        prefills them together in one forward."""
         if self.scheduling == "static" and self.running:
             return  # static batching: the batch runs until its longest answer ends
-        while self.waiting and len(self.running) < self.max_batch_size:
+        joining: list[tuple[_Sequence, list[int]]] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(joining) < self.max_batch_size:
             seq = self.waiting[0]
             tokens = seq.prompt + seq.completion.token_ids[:-1]  # a preempted sequence's own tokens come back too
             need = len(tokens) // self.block_size + 1  # its tokens and the slot of the next one
-            if self.pool.num_free < need:
-                return  # first come, first served: it waits for blocks, and so do those behind it
+            if self.pool.num_free < need or (joining and len(tokens) > budget):
+                break  # first come, first served: it waits for blocks or the next step, and so do those behind it
             self.waiting.popleft()
             seq.blocks = [self.pool.allocate() for _ in range(need)]
-            try:
-                logits = self._prefill(seq, tokens)
-                if not seq.completion.token_ids:  # a new request: its first token
-                    self._emit(seq, self._choose(logits[None], [seq])[0], events)
-            except BaseException:
-                self.pool.free(seq.blocks)  # in neither queue: nobody else could give its blocks back
-                seq.blocks = []
-                raise
-            if seq.completion.finish_reason is None:
+            joining.append((seq, tokens))
+            budget -= len(tokens)
+        if not joining:
+            return
+        try:
+            logits = self._prefill(joining)
+            fresh = [row for row, (seq, _) in enumerate(joining) if not seq.completion.token_ids]
+            chosen = dict(zip(fresh, self._choose(logits[fresh], [joining[row][0] for row in fresh]))) if fresh else {}
+            for row, (seq, _) in enumerate(joining):
                 self.running.append(seq)
-                self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+                if row in chosen:  # a new request: its first token (it may end there and leave at once)
+                    self._emit(seq, chosen[row], events)
+        except BaseException:
+            for seq, _ in joining:  # those not running are in neither queue: nobody else could free their blocks
+                if seq not in self.running and seq.blocks:
+                    self.pool.free(seq.blocks)
+                    seq.blocks = []
+            raise
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         self._note_blocks()
 
-    def _prefill(self, seq: _Sequence, tokens: list[int]) -> torch.Tensor:
-        """One forward over `tokens` into the sequence's blocks; the last token's logits [vocab]."""
-        n, dev = len(tokens), self.device
-        rows = self._rows(seq.blocks)  # [S] its slots, in order
-        self.cache.read_index = rows[None]
-        position = torch.arange(n, device=dev)
-        span = torch.arange(rows.numel(), device=dev)
-        mask = (span[None, :] <= position[:, None])[None, None]  # [1, 1, T, S]: causal over its own tokens
-        logits = self.model(torch.tensor([tokens], device=dev), position[None], self.cache, rows[None, :n], mask,
-                            last_only=True)
-        seq.cached = n
-        return logits[0, 0]
+    def _prefill(self, joining: list[tuple[_Sequence, list[int]]]) -> torch.Tensor:
+        """One forward over the joining sequences' tokens, left-padded to the longest, into their own blocks (a
+        padding position writes to the scratch block and attends to one slot; its output is dropped); the logits
+        [J, vocab] of each one's last token."""
+        dev, j = self.device, len(joining)
+        longest = max(len(tokens) for _, tokens in joining)
+        tables = [self._rows(seq.blocks) for seq, _ in joining]
+        read_index = torch.zeros((j, max(t.numel() for t in tables)), dtype=torch.long)  # beyond its blocks: scratch
+        tokens = torch.zeros((j, longest), dtype=torch.long)
+        pad = torch.tensor([longest - len(t) for _, t in joining])
+        for row, ((_, ids), table) in enumerate(zip(joining, tables)):
+            read_index[row, :table.numel()] = table
+            tokens[row, longest - len(ids):] = torch.tensor(ids)
+        position = torch.arange(longest)[None, :] - pad[:, None]  # [J, T] each token's place in its sequence
+        real = position >= 0
+        slots = read_index.gather(1, position.clamp(min=0)).masked_fill(~real, 0)
+        span = torch.arange(read_index.shape[1])
+        mask = (real[:, :, None] & (span[None, None, :] <= position[:, :, None])) | \
+            (~real[:, :, None] & (span[None, None, :] == 0))  # [J, T, S]: causal over its own tokens
+        self.cache.read_index = read_index.to(dev)
+        logits = self.model(tokens.to(dev), position.clamp(min=0).to(dev), self.cache, slots.to(dev),
+                            mask[:, None].to(dev), last_only=True)
+        for seq, ids in joining:
+            seq.cached = len(ids)
+        return logits[:, 0]
 
     def _decode_running(self, events: list[TokenEvent]) -> None:
         """One token for every running sequence, in one forward (compiled when asked: `self._decode`)."""
@@ -307,9 +338,9 @@ class ContinuousGenerator(Generator):
         events.append(TokenEvent(seq.request_id, int(token), c if c.finish_reason is not None else None))
 
     def _rows(self, blocks: list[int]) -> torch.Tensor:
-        """The pool rows of `blocks`' slots, in order: int64 [len(blocks) · block_size]."""
+        """The pool rows of `blocks`' slots, in order: int64 [len(blocks) · block_size] (on the host)."""
         table = torch.tensor(blocks, dtype=torch.long)
-        return (table[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1).to(self.device)
+        return (table[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
 
     def _note_blocks(self) -> None:
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.capacity - self.pool.num_free)
