@@ -284,3 +284,27 @@ def test_fields_at_their_defaults_are_taken_and_values_it_cannot_follow_are_400(
             assert r.json()["error"]["message"]
         r = client.post("/v2/models/pydoc-lm/generate", json={"text_input": "A list", "parameters": {"bogus": 1}})
         assert r.status_code == 400 and "unknown parameters ['bogus']" in r.json()["error"]["message"]
+
+
+def test_a_chat_template_writes_its_own_special_tokens_and_encoding_adds_none(lm):
+    import copy
+
+    from starlette.testclient import TestClient
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(lm.tokenizer)
+    eos = tok.eos_token  # as a BOS too: encoding with special tokens now prepends one, as Llama's tokenizer does
+    tok._tokenizer.post_processor = TemplateProcessing(single=f"{eos} $A", special_tokens=[(eos, tok.eos_token_id)])
+    tok.bos_token = eos
+    assert tok("x")["input_ids"][0] == tok.eos_token_id
+    tok.chat_template = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    gen = ContinuousGenerator(Decoder.from_hf(lm.model), tok, max_batch_size=2)
+    server = GenerationServer(gen, "pydoc-lm")
+    messages = [{"role": "user", "content": "What is a tuple?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    with TestClient(server.app) as client:
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0})
+    assert r.headers["x-overdrive-chat-template"] == "the tokenizer's"
+    assert r.json()["usage"]["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])

@@ -313,6 +313,9 @@ class GenerationServer:
                 raise _BadRequest(f"n must be an integer from 1 to 16, got {n!r}", "n")
             prompt = self._chat_prompt(body.get("messages")) if chat else _prompt(body.get("prompt"))
             params = _sampling(body, default_temperature=1.0, stop_token_ids=self.gen.defaults.stop_token_ids)
+            if chat and getattr(self.gen.tokenizer, "chat_template", None):
+                # The template writes its own special tokens (a BOS among them): encoding adds none (as vLLM does).
+                prompt = list(self.gen.tokenizer(prompt, add_special_tokens=False)["input_ids"])
             ids = self.gen.encode(prompt)
             # n choices: the same prompt n times, each with its own seed (seed + i when the request gives one)
             per_choice = [params if params.seed is None or i == 0 else _reseeded(params, params.seed + i)
