@@ -1,0 +1,164 @@
+"""The generation server's engine: a `ContinuousGenerator` stepped by one thread, requests submitted and cancelled
+from the event loop through an inbox applied between steps, and the Prometheus metrics read from it
+(`serve/generation.py` serves them)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from overdrive.generate.continuous import ContinuousGenerator
+from overdrive.generate.engine import SamplingParams
+
+log = logging.getLogger("overdrive.serve")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class GenerationEngine:
+    """Steps a `ContinuousGenerator` in its own thread while it has work. `submit` and `cancel` come from any thread
+    (the event loop's) without waiting for a step: they are queued and applied by the engine thread between two
+    steps. A listener gets each `TokenEvent` of its request, or the exception that ended it (a step that raised
+    ends every request in flight)."""
+
+    def __init__(self, gen: ContinuousGenerator, *, max_waiting: int):
+        self.gen, self.max_waiting = gen, max_waiting
+        self._cv = threading.Condition()
+        self._inbox: deque[tuple] = deque()  # ("submit", ticket, ids, params, listener) | ("cancel", ticket)
+        self._tickets = itertools.count()
+        self._open: set[int] = set()  # tickets submitted and not yet ended or cancelled
+        self._ids: dict[int, int] = {}  # ticket -> the generator's request id (engine thread only)
+        self._listeners: dict[int, tuple[int, Callable]] = {}  # request id -> (ticket, listener) (engine thread only)
+        self._stopped = False
+        self.on_step: Callable[[float, int], None] | None = None  # (seconds, sequences) after each step
+        self._thread = threading.Thread(target=self._loop, name="overdrive-generate", daemon=True)
+        self._thread.start()
+
+    def submit(self, ids: list[int], params: SamplingParams, listener: Callable) -> int:
+        """Queues a request; returns its ticket (for `cancel`).
+
+        Raises:
+            ValueError: it could never fit (`ContinuousGenerator.check`); QueueFull: `max_waiting` requests wait."""
+        self.gen.check(ids, params)
+        with self._cv:
+            waiting = len(self.gen.waiting) + sum(1 for item in self._inbox if item[0] == "submit")
+            if waiting >= self.max_waiting:
+                raise QueueFull(f"{waiting} requests are waiting already")
+            ticket = next(self._tickets)
+            self._open.add(ticket)
+            self._inbox.append(("submit", ticket, ids, params, listener))
+            self._cv.notify()
+        return ticket
+
+    def cancel(self, ticket: int) -> None:
+        with self._cv:
+            if ticket in self._open:
+                self._open.discard(ticket)
+                self._inbox.append(("cancel", ticket))
+                self._cv.notify()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet ended or cancelled."""
+        return len(self._open)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self.gen.has_unfinished and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                inbox = list(self._inbox)
+                self._inbox.clear()
+            calls = self._apply(inbox)
+            if self.gen.has_unfinished:
+                calls += self._step()
+            for listener, event in calls:
+                listener(event)
+
+    def _apply(self, inbox: list[tuple]) -> list[tuple]:
+        calls = []
+        for item in inbox:
+            if item[0] == "submit":
+                _, ticket, ids, params, listener = item
+                try:
+                    request_id = self.gen.submit(ids, params)
+                except ValueError as exc:  # checked at submit; kept for safety, never silent
+                    calls.append((listener, exc))
+                    self._end(ticket)
+                    continue
+                self._ids[ticket] = request_id
+                self._listeners[request_id] = (ticket, listener)
+            else:
+                request_id = self._ids.pop(item[1], None)
+                if request_id is not None:
+                    self._listeners.pop(request_id, None)
+                    self.gen.cancel(request_id)
+        return calls
+
+    def _step(self) -> list[tuple]:
+        running = len(self.gen.running)
+        started = time.perf_counter()
+        try:
+            events = self.gen.step()
+        except Exception as exc:  # noqa: BLE001 — every request in flight is told; the engine goes on
+            log.exception("a generation step failed; the requests in flight get 500")
+            calls = [(listener, exc) for _, listener in self._listeners.values()]
+            for request_id, (ticket, _) in list(self._listeners.items()):
+                self.gen.cancel(request_id)
+                self._end(ticket)
+            self._listeners.clear()
+            return calls
+        calls = []
+        for e in events:
+            ticket, listener = self._listeners.get(e.request_id, (None, None))
+            if listener is None:
+                continue
+            calls.append((listener, e))
+            if e.finished is not None:
+                del self._listeners[e.request_id]
+                self._end(ticket)
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - started, max(running, len(self.gen.running)))
+        return calls
+
+    def _end(self, ticket: int) -> None:
+        self._ids.pop(ticket, None)
+        with self._cv:
+            self._open.discard(ticket)
+
+
+class GenerationMetrics:
+    def __init__(self, gen: ContinuousGenerator):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("overdrive_time_to_first_token_seconds", "time to first token", registry=r,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.itl = Histogram("overdrive_inter_token_latency_seconds", "time per decode step", registry=r,
+                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        self.tokens = Counter("overdrive_generation_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter("overdrive_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.requests = Counter("overdrive_requests", "requests by outcome", ["outcome"], registry=r)
+        for name, doc, read in (
+                ("overdrive_running_requests", "sequences decoding", lambda: len(gen.running)),
+                ("overdrive_waiting_requests", "requests waiting for a row or KV blocks", lambda: len(gen.waiting)),
+                ("overdrive_kv_blocks_in_use", "KV cache blocks held", lambda: gen.pool.capacity - gen.pool.num_free),
+                ("overdrive_kv_blocks_total", "KV cache blocks in the pool", lambda: gen.pool.capacity),
+                ("overdrive_kv_waste_ratio", "share of held KV slots that are empty, over all decode steps",
+                 lambda: gen.stats.kv_waste),
+                ("overdrive_preemptions", "sequences preempted for KV blocks (recomputed later)",
+                 lambda: gen.stats.preemptions)):
+            Gauge(name, doc, registry=r).set_function(read)
