@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
 import multiprocessing
 import random
 import statistics
-import threading
 import time
 
 import torch
@@ -70,22 +68,6 @@ def load(url: str, requests: list[dict], streams: int, think_ms: float, seed: in
     out.send(asyncio.run(main()))
 
 
-@contextlib.contextmanager
-def listening(server):
-    import uvicorn
-
-    web = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    while not (web.started and web.servers):
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{web.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        web.should_exit = True
-        thread.join(10)
-
-
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
@@ -104,7 +86,7 @@ def main() -> None:
 
     from overdrive.generate import Decoder, SamplingParams
     from overdrive.generate.continuous import ContinuousGenerator
-    from overdrive.serve.generation import GenerationServer
+    from overdrive.serve.generation import GenerationServer, listening
     from overdrive.workloads.generation import create_generation_workload
 
     workload = create_generation_workload(args.workload, num_prompts=args.requests)
@@ -132,7 +114,7 @@ def main() -> None:
             for size in sizes:  # warm-up: the compiled shapes the load will meet
                 gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=args.max_new))
             server = GenerationServer(gen, args.workload, max_waiting=10 * args.requests)
-            with listening(server) as url:
+            with listening(server.app) as url:
                 for timed in (False, True):  # first a short untimed load: the engine thread's first steps
                     gen.stats = type(gen.stats)()
                     receive, send = context.Pipe(duplex=False)

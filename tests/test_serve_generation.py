@@ -5,9 +5,7 @@ tokens they get alone, and clients that disconnect mid-stream giving their block
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import threading
 import time
 
 import httpx
@@ -15,7 +13,7 @@ import pytest
 
 from overdrive.generate import Decoder, SamplingParams
 from overdrive.generate.continuous import ContinuousGenerator
-from overdrive.serve.generation import GenerationServer
+from overdrive.serve.generation import GenerationServer, listening
 
 pytest.importorskip("transformers")
 
@@ -151,27 +149,9 @@ def test_interleaved_seeded_streams_each_get_the_tokens_they_get_alone(lm):
     assert len(set(texts)) > 10
 
 
-@contextlib.contextmanager
-def _listening(server: GenerationServer):
-    """The app on uvicorn in a thread, on a free port: yields the base URL."""
-    import uvicorn
-
-    web = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not (web.started and web.servers) and time.time() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{web.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        web.should_exit = True
-        thread.join(10)
-
-
 def test_clients_that_disconnect_mid_stream_give_their_blocks_back(lm):
     server = _server(lm)
-    with _listening(server) as url:
+    with listening(server.app) as url:
         for _ in range(12):
             with httpx.Client(base_url=url, timeout=30) as client:
                 with client.stream("POST", "/v1/completions", json={"prompt": "A list is", "max_tokens": 100,
@@ -189,7 +169,7 @@ def test_the_official_openai_client_streams_a_completion_and_a_chat_completion(l
     openai = pytest.importorskip("openai")
     server = _server(lm)
     eos = (lm.tokenizer.eos_token_id,)
-    with _listening(server) as url:
+    with listening(server.app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         assert [m.id for m in client.models.list()] == ["pydoc-lm"]
         stream = client.completions.create(model="pydoc-lm", prompt="A list is", max_tokens=10, temperature=0,

@@ -22,6 +22,7 @@ Not built: `logprobs`, `echo`, several prompts in one request, a generator besid
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -431,3 +432,28 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+@contextlib.contextmanager
+def listening(app, *, host: str = "127.0.0.1", start_timeout_s: float = 30.0):
+    """Serves `app` on uvicorn in a daemon thread on a free port of `host` (no signal handling: for tests and
+    benchmarks in one process); yields the base URL and stops the server on exit.
+
+    Raises:
+        RuntimeError: the server did not start within `start_timeout_s`."""
+    import threading
+
+    import uvicorn
+
+    web = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    deadline = time.time() + start_timeout_s
+    while not (web.started and web.servers) and time.time() < deadline:
+        time.sleep(0.05)
+    if not (web.started and web.servers):
+        web.should_exit = True
+        raise RuntimeError(f"the server did not start within {start_timeout_s:g} s")
+    try:
+        yield f"http://{host}:{web.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        web.should_exit = True
+        thread.join(10)
