@@ -113,6 +113,23 @@ def test_bad_requests_get_openais_error_shape_before_taking_blocks(lm, body, sta
     assert server.gen.pool.num_free == server.gen.pool.capacity and not server.gen.has_unfinished
 
 
+def test_an_oversized_or_too_deeply_nested_body_is_refused_in_openais_shape(lm):
+    from starlette.testclient import TestClient
+
+    from overdrive.serve.generation import MAX_REQUEST_BYTES
+
+    server = _server(lm)
+    with TestClient(server.app) as client:
+        big = client.post("/v1/completions", content=b'{"prompt": "' + b"a" * MAX_REQUEST_BYTES + b'"}',
+                          headers={"content-type": "application/json"})
+        assert big.status_code == 413 and "at most" in big.json()["error"]["message"]
+        chunked = client.post("/v1/completions", content=iter([b'{"prompt": "'] + [b"a" * (1 << 20)] * 5 + [b'"}']))
+        assert chunked.status_code == 413 and "more than" in chunked.json()["error"]["message"]
+        deep = client.post("/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+        assert deep.status_code == 400 and "nested too deep" in deep.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"prompt": "A list", "max_tokens": 2}).status_code == 200
+
+
 def test_a_full_queue_gets_429_with_retry_after_and_a_draining_server_503(lm):
     from starlette.testclient import TestClient
 

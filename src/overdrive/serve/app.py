@@ -34,12 +34,13 @@ import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from overdrive import __version__
 from overdrive.serve.batcher import BatcherError, DynamicBatcher, QueueFull, RequestTooLarge, ShuttingDown
+from overdrive.serve.http_util import BodyCut, disconnected, read_body
 from overdrive.serve.metrics import Metrics
 from overdrive.serve.model import ServedModel, ValidationError
 from overdrive.serve.protocol import (
@@ -369,7 +370,7 @@ class InferenceServer:
             return _error(exc.status, str(exc))
         try:
             response = await self._infer(slot, request)
-        except _BodyCut as cut:  # the body never arrived whole: nobody to answer
+        except BodyCut as cut:  # the body never arrived whole: nobody to answer
             log.warning("%s: a client disconnected while sending its request body (%d of %s bytes came); dropped",
                         slot.name, cut.received, request.headers.get("content-length", "unknown"))
             slot.metrics.rejected("client_disconnected")
@@ -384,12 +385,8 @@ class InferenceServer:
     async def _infer(self, slot: ModelSlot, request: Request) -> Response:
         lease = self.admit(slot)
         limit = self.config.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            slot.metrics.rejected(RequestTooLarge.reason)
-            raise InferError(413, f"the body is {declared} bytes; this server takes at most {limit}")
         try:
-            raw = await _read_body(request, limit)
+            raw = await read_body(request, limit)
             encoding, header = request.headers.get("content-encoding"), request.headers.get(HEADER_LENGTH.lower())
             if len(raw) > OFF_LOOP_BYTES:
                 # json.loads of 60 MB takes seconds and holds the GIL even in a thread: a request with more rows
@@ -408,7 +405,7 @@ class InferenceServer:
             slot.metrics.rejected("invalid")
             raise InferError(400, str(exc)) from None
         payload = await self.validate(slot, lease, parsed, len(raw))
-        parts = await self.execute(slot, lease, parsed, payload, lambda: _disconnected(request))
+        parts = await self.execute(slot, lease, parsed, payload, lambda: disconnected(request))
         binary = {n for n, _ in parts if parsed.binary_outputs or parsed.outputs.get(n)}
         bad = sum(int((~np.isfinite(a)).sum()) for n, a in parts if n not in binary)
         if bad:  # JSON has no NaN or infinity; never send invalid JSON
@@ -426,8 +423,8 @@ async def _repository_body(request: Request, allowed: tuple[str, ...]) -> dict |
         InferError: 400 a body that is not a JSON object, or has keys other than `allowed`.
     """
     try:
-        raw = await _read_body(request, 1 << 20)
-    except _BodyCut:
+        raw = await read_body(request, 1 << 20)
+    except BodyCut:
         return None
     except TooLarge as exc:
         raise InferError(413, str(exc)) from None
@@ -451,32 +448,6 @@ def _object_param(value) -> dict:
     return value
 
 
-class _BodyCut(Exception):
-    """The client went away before its body's end (`received` bytes came)."""
-
-    def __init__(self, received: int):
-        self.received = received
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, read as it streams in (also chunked), refused as soon as it passes `limit` bytes.
-
-    Raises:
-        TooLarge: over `limit`.
-        _BodyCut: the client went away before the body's end.
-    """
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise TooLarge(f"the body is more than {limit} bytes, the most this server takes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise _BodyCut(size) from None
-    return b"".join(chunks)
-
-
 def _timeout_s(value, default_ms: float | None) -> float | None:
     """A request's `timeout` parameter (µs; 0 means none, as in Triton) or the server default, in s."""
     if value is None:
@@ -484,14 +455,6 @@ def _timeout_s(value, default_ms: float | None) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ProtocolError(f'the "timeout" parameter is in microseconds and must be an integer ≥ 0, got {value!r}')
     return value / 1e6 if value else None
-
-
-async def _disconnected(request: Request) -> None:
-    """Completes when the client closes its connection (the ASGI `http.disconnect` message)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -36,8 +36,9 @@ from starlette.routing import Route
 
 from overdrive.generate.continuous import ContinuousGenerator, TokenEvent
 from overdrive.generate.engine import Completion, SamplingParams
-from overdrive.serve.app import _disconnected
 from overdrive.serve.generation_engine import GenerationEngine, GenerationMetrics, QueueFull
+from overdrive.serve.http_util import BodyCut, disconnected, read_body
+from overdrive.serve.protocol import TooLarge
 
 PLAIN_CHAT = "plain (role: content lines, then 'assistant:')"
 
@@ -284,7 +285,7 @@ class GenerationServer:
 
     async def _collect(self, request: Request, requests: list[_Request]) -> list[Completion | None]:
         """Each request's completion; on a client's disconnect, every request is cancelled and None returned."""
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             results = asyncio.ensure_future(asyncio.gather(*(r.result() for r in requests)))
             results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
@@ -382,11 +383,21 @@ def _error(status: int, message: str, kind: str, param: str | None, *, retry: bo
                         status_code=status, headers={"Retry-After": "1"} if retry else None)
 
 
+MAX_REQUEST_BYTES = 1 << 22  # 4 MiB: a prompt of a million characters; more is refused (413) as it streams in
+
+
 async def _json(request: Request) -> dict:
+    """The request's JSON object. Raises _Refusal: 413 over `MAX_REQUEST_BYTES`, 400 not a JSON object or a body
+    the client cut short."""
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _BadRequest(f"the body is not JSON: {exc}", None) from None
+        body = json.loads(await read_body(request, MAX_REQUEST_BYTES))
+    except TooLarge as exc:
+        raise _Refusal(413, str(exc), "invalid_request_error", None) from None
+    except BodyCut as exc:
+        raise _BadRequest(str(exc), None) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise _BadRequest(f"the body is not JSON: {exc}" if not isinstance(exc, RecursionError)
+                          else "the body is not JSON this server reads: nested too deep", None) from None
     if not isinstance(body, dict):
         raise _BadRequest("the body must be a JSON object", None)
     return body
