@@ -64,6 +64,20 @@ class Guard:
         if not 0 <= self.min_gain < math.inf:
             raise ConfigError(f"{arg('min_gain', self.min_gain)}: expected a finite ratio ≥ 0 (e.g. 1.02)")
 
+    def check_baseline_metric(self, workload: str, metric: dict | None) -> None:
+        """Refuses an accuracy budget that the task metric cannot judge.
+
+        Raises:
+            WorkloadError: `max_accuracy_drop` is set and the metric on the eager fp32 outputs has a value that is
+                not a finite number.
+        """
+        if self.max_accuracy_drop is None or not metric:
+            return
+        broken = {k: v for k, v in metric.items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
+        if broken:
+            raise WorkloadError(f"{workload}: the task metric gives {broken} on the eager fp32 outputs: an accuracy "
+                                "budget cannot be judged by it (does the metric divide by zero, or read NaN labels?)")
+
     @property
     def lossless_only(self) -> str | None:
         """Why only lossless techniques may be kept, or None."""

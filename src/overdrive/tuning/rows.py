@@ -49,6 +49,23 @@ class Row:
             "trial_s": self.trial_s,
         }
 
+    def plan_figures(self) -> dict:
+        """The plan row's figures as the plan file records them (`Plan.measured`): throughput, latency, the quoted
+        speedup (None: uncertain, the machine was busy), its 99% confidence interval, the 99% interval a
+        re-measurement (`overdrive bench`) lands in (`Gain.predict_rounds`), the point figure, fidelity, task metric."""
+        m, gain = self.measurement, self.gain
+        return {
+            "samples_per_s": m.samples_per_s,
+            "latency_ms": m.latency_ms,
+            "speedup_vs_baseline": self.speedup,
+            "speedup_ci99": [gain.low, gain.high] if gain else [1.0, 1.0],
+            "speedup_interval99": list(gain.interval) if gain else [1.0, 1.0],
+            "speedup_point": gain.ratio if gain else 1.0,
+            "speedup_uncertain": gain.uncertain if gain else None,
+            "fidelity": m.fidelity,
+            "task_metric": m.task_metric,
+        }
+
 
 @dataclass(kw_only=True)
 class TuneResult:

@@ -25,7 +25,6 @@ The guard (DESIGN.md's "what every kept technique must pass"):
 from __future__ import annotations
 
 import gc
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -289,13 +288,7 @@ class Tuner:
         base, self.reference, flops = self._baseline()
         self.baseline_task_metric = self.workload.task_metric(self.reference, self.indices) if self.workload.has_task_metric \
             else None
-        if self.guard.max_accuracy_drop is not None and self.baseline_task_metric:
-            broken = {k: v for k, v in self.baseline_task_metric.items()
-                      if not isinstance(v, (int, float)) or not math.isfinite(v)}
-            if broken:
-                raise WorkloadError(f"{self.workload.name}: the task metric gives {broken} on the eager fp32 outputs: "
-                                    "an accuracy budget cannot be judged by it (does the metric divide by zero, or "
-                                    "read NaN labels?)")
+        self.guard.check_baseline_metric(self.workload.name, self.baseline_task_metric)
         # The probe judges lossy candidates; the model's own batch dependence is worth knowing whatever is tried.
         self.probe = InvarianceProbe(self.workload, base.model, device=self.device, batch_size=self.batch_size,
                                      indices=self.indices)
@@ -450,24 +443,12 @@ class Tuner:
         self._release(current_runner if current_runner is not base else None, base)
         if above_roof(r.measurement.roofline for r in rows if r.measurement is not None):
             self.warnings.append(f"a roofline share is {ABOVE_ROOF}")
-        plan_m = plan_row.measurement
         plan = Plan(
             workload=self.workload_spec or self.workload.name,
             device=self.device.type,
             batch_size=self.batch_size,
             steps=current,
-            measured={
-                "samples_per_s": plan_m.samples_per_s,
-                "latency_ms": plan_m.latency_ms,
-                "speedup_vs_baseline": plan_row.speedup,  # the quoted figure (None: uncertain, the machine was busy)
-                "speedup_ci99": [plan_row.gain.low, plan_row.gain.high] if plan_row.gain else [1.0, 1.0],
-                # the 99% interval a re-measurement (`overdrive bench`) lands in: the headline's (`Gain.predict_rounds`)
-                "speedup_interval99": list(plan_row.gain.interval) if plan_row.gain else [1.0, 1.0],
-                "speedup_point": plan_row.gain.ratio if plan_row.gain else 1.0,
-                "speedup_uncertain": plan_row.gain.uncertain if plan_row.gain else None,
-                "fidelity": plan_m.fidelity,
-                "task_metric": plan_m.task_metric,
-            },
+            measured=plan_row.plan_figures(),
             environment={"torch": torch.__version__, "device_name": devices.describe(self.device)},
             batch_dependence=self.workload.batch_dependence.to_dict() if self.workload.batch_dependence else None,
         )
