@@ -142,17 +142,62 @@ def test_static_scheduling_admits_a_batch_only_when_the_last_has_ended_and_gives
         ContinuousGenerator(decoder, scheduling="dynamic")
 
 
+def _chunk_log(gen: ContinuousGenerator, monkeypatch) -> list[list[tuple[int, int]]]:
+    """Each prefill forward of `gen` as [(request id, tokens it prefilled)]."""
+    log = []
+    real = gen._prefill
+    monkeypatch.setattr(gen, "_prefill", lambda chunks: log.append([(s.request_id, len(c)) for s, c in chunks])
+                        or real(chunks))
+    return log
+
+
 def test_requests_joining_together_are_prefilled_in_one_forward_within_the_budget(monkeypatch):
     decoder = Decoder.from_hf(_hf())
     prompts, params = _prompts(8, seed=13), _lengths(8)
-    expected = [c.token_ids for c in ContinuousGenerator(decoder, max_batch_size=8,
-                                                         max_prefill_tokens=1).generate(prompts, params)]
+    expected = [c.token_ids for c in ContinuousGenerator(decoder, max_batch_size=1).generate(prompts, params)]
     gen = ContinuousGenerator(decoder, max_batch_size=8, max_prefill_tokens=20)
-    widths = []
-    real = gen._prefill
-    monkeypatch.setattr(gen, "_prefill", lambda joining: widths.append(len(joining)) or real(joining))
+    log = _chunk_log(gen, monkeypatch)
     assert [c.token_ids for c in gen.generate(prompts, params)] == expected  # left padding changes no token
-    assert max(widths) > 1 and sum(widths) == 8  # several joined in one forward, each once
-    lengths = [len(p) for p in prompts]
-    assert all(sum(lengths[i] for i in range(sum(widths[:k]), sum(widths[:k + 1]))) <= 20 or widths[k] == 1
-               for k in range(len(widths)))  # a step's prefill keeps to the budget (one long prompt still joins)
+    assert max(len(forward) for forward in log) > 1  # several joined in one forward ...
+    assert all(sum(n for _, n in forward) <= 20 for forward in log)  # ... within the step's budget
+    for i, prompt in enumerate(prompts):  # every prompt token prefilled once, in chunks if the budget cut it
+        assert sum(n for forward in log for r, n in forward if r == i) == len(prompt)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode_and_gives_hugging_faces_tokens(
+        kind, monkeypatch):
+    """Chunked prefill (Sarathi): a 40-token prompt joins a running batch under a budget of 8 tokens a step; its
+    chunks sit at their own positions (gpt2's learned position embeddings read them), and the running sequences get
+    a token at every step meanwhile."""
+    hf = _hf(kind)
+    g = torch.Generator().manual_seed(21)
+    long = torch.randint(1, 90, (40,), generator=g).tolist()
+    prompts = _prompts(3, seed=22) + [long]
+    params = [SamplingParams(max_new_tokens=12)] * 3 + [SamplingParams(max_new_tokens=6)]
+    gen = ContinuousGenerator(Decoder.from_hf(hf), max_batch_size=4, block_size=4, max_prefill_tokens=8)
+    log = _chunk_log(gen, monkeypatch)
+    for p, q in zip(prompts[:3], params):
+        gen.submit(p, q)
+    done, produced = {}, []
+    while len(gen.running) < 3:
+        gen.step()
+    gen.submit(long, params[3])
+    while gen.has_unfinished:
+        events = gen.step()
+        produced.append({e.request_id for e in events})
+        done.update((e.request_id, e.finished.token_ids) for e in events if e.finished is not None)
+    long_chunks = [n for forward in log for r, n in forward if r == 3]
+    assert long_chunks == [8, 8, 8, 8, 8]
+    assert all({0, 1, 2} <= ids for ids in produced[:4])  # the long prompt's chunks stalled nobody's next token
+    expected = _hf_greedy(hf, prompts, new=12)
+    assert [done[i] for i in range(4)] == [e[:q.max_new_tokens] for e, q in zip(expected, params)]
+    assert gen.pool.num_free == gen.pool.capacity
+
+
+def test_a_cancelled_request_partway_through_its_prefill_gives_its_blocks_back():
+    gen = ContinuousGenerator(Decoder.from_hf(_hf()), max_batch_size=2, block_size=4, max_prefill_tokens=4)
+    rid = gen.submit(list(range(1, 30)), SamplingParams(max_new_tokens=3))
+    gen.step()
+    assert [s.request_id for s in gen.prefilling] == [rid] and gen.pool.num_free < gen.pool.capacity
+    assert gen.cancel(rid) and not gen.has_unfinished and gen.pool.num_free == gen.pool.capacity

@@ -3,8 +3,10 @@
 The running batch is formed again at every decode step: a request joins as soon as a row and the KV blocks for its
 prompt are free (first come, first served), and leaves the step after its last token, giving its blocks back, so
 a batch stays full while answers of different lengths finish. The requests joining at a step are prefilled together
-(one forward, left-padded, each into its own blocks; up to `max_prefill_tokens` prompt tokens a step, so joining
-stalls the running sequences little), then decode one token per step with the others. When a running sequence needs a block
+(one forward, left-padded, each into its own blocks), then decode one token per step with the others. A step
+prefills at most `max_prefill_tokens` prompt tokens: a longer prompt, or the rest of the budget, is prefilled in
+chunks over the following steps (chunked prefill, Sarathi: Agrawal et al., 2023), so a long prompt joining delays
+the running sequences' next token by one chunk's forward at most, not by its whole prompt's. When a running sequence needs a block
 and none is free, the latest-admitted sequence is preempted: its blocks are freed and it waits at the head of the
 queue, to be prefilled again over its prompt and the tokens it had (recomputation, as vLLM's default), keeping its
 sampling generator, so its answer is the one it would have had.
@@ -67,6 +69,12 @@ class _Sequence:
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose keys and values are in the cache; the last chosen token is fed next step
 
+    @property
+    def context(self) -> list[int]:
+        """What its prefill puts in the cache: the prompt, and a preempted sequence's tokens but the last (which
+        the next decode step feeds)."""
+        return self.prompt + self.completion.token_ids[:-1]
+
 
 def _available_memory(device: torch.device) -> int:
     """Bytes free on `device` (CUDA: the driver's free memory; CPU: the system's available pages)."""
@@ -92,7 +100,8 @@ class ContinuousGenerator(Generator):
             model's full context, capped at `kv_memory_fraction` of the device's free memory.
         kv_memory_fraction: see num_blocks.
         max_prefill_tokens: prompt tokens prefilled in one step at most (requests joining together are prefilled in
-            one forward; a longer prompt still joins, alone), so joining requests stall the running ones little.
+            one forward; a longer prompt is prefilled in chunks of at most this many over several steps), so joining
+            requests stall the running ones little.
         scheduling: "continuous" (default), or "static" — a batch is admitted only when the last one has ended
             entirely (rows that end early wait for the longest, as static batching does); for comparison.
 
@@ -124,6 +133,7 @@ class ContinuousGenerator(Generator):
         self.cache = PagedKVCache(config, num_blocks, block_size, device=self.device, dtype=self.cache_dtype)
         self.stats = SchedulerStats()
         self.waiting: deque[_Sequence] = deque()
+        self.prefilling: list[_Sequence] = []  # admitted, their blocks held, part of their prompt still to prefill
         self.running: list[_Sequence] = []  # in admission order: the last is the first preempted
         self._next_id = 0
 
@@ -155,7 +165,7 @@ class ContinuousGenerator(Generator):
     def cancel(self, request_id: int) -> bool:
         """Drops a waiting or running request and gives its blocks back at once (a client that went away); False
         when it is not queued or running (it ended, or was never submitted)."""
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.prefilling, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -166,7 +176,7 @@ class ContinuousGenerator(Generator):
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     @torch.no_grad()
     def step(self) -> list[TokenEvent]:
@@ -205,65 +215,82 @@ class ContinuousGenerator(Generator):
     # --- scheduling -------------------------------------------------------------------------------------------
 
     def _admit(self, events: list[TokenEvent]) -> None:
-        """Admits waiting requests while a row, their blocks and the step's prefill budget allow (at least one), and
-        prefills them together in one forward."""
-        if self.scheduling == "static" and self.running:
-            return  # static batching: the batch runs until its longest answer ends
-        joining: list[tuple[_Sequence, list[int]]] = []
+        """Prefills, in one forward and within the step's `max_prefill_tokens`: the next chunk of each sequence
+        partway through its prompt, then waiting requests while a row and the blocks for their whole context are
+        free (their first chunk). A sequence whose last chunk this was starts decoding (a new request's first token
+        comes from this forward)."""
+        # static batching: a batch is admitted only when the last has ended (it runs until its longest answer ends)
+        admit = not (self.scheduling == "static" and (self.running or self.prefilling))
+        chunks: list[tuple[_Sequence, list[int]]] = []  # (sequence, the tokens this forward puts after its cached ones)
         budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) + len(joining) < self.max_batch_size:
+        for seq in self.prefilling:
+            if budget == 0:
+                break
+            chunks.append((seq, seq.context[seq.cached:seq.cached + budget]))
+            budget -= len(chunks[-1][1])
+        admitted: list[_Sequence] = []
+        while admit and self.waiting and budget > 0 and \
+                len(self.running) + len(self.prefilling) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
-            tokens = seq.prompt + seq.completion.token_ids[:-1]  # a preempted sequence's own tokens come back too
-            need = len(tokens) // self.block_size + 1  # its tokens and the slot of the next one
-            if self.pool.num_free < need or (joining and len(tokens) > budget):
-                break  # first come, first served: it waits for blocks or the next step, and so do those behind it
+            need = len(seq.context) // self.block_size + 1  # its context and the slot of the next token
+            if self.pool.num_free < need:
+                break  # first come, first served: it waits for blocks, and so do those behind it
             self.waiting.popleft()
             seq.blocks = [self.pool.allocate() for _ in range(need)]
-            joining.append((seq, tokens))
-            budget -= len(tokens)
-        if not joining:
+            admitted.append(seq)
+            chunks.append((seq, seq.context[:budget]))
+            budget -= len(chunks[-1][1])
+        if not chunks:
             return
         try:
-            logits = self._prefill(joining)
-            fresh = [row for row, (seq, _) in enumerate(joining) if not seq.completion.token_ids]
-            chosen = dict(zip(fresh, self._choose(logits[fresh], [joining[row][0] for row in fresh]))) if fresh else {}
-            for row, (seq, _) in enumerate(joining):
+            self.prefilling += admitted
+            logits = self._prefill(chunks)
+            done = [row for row, (seq, _) in enumerate(chunks) if seq.cached == len(seq.context)]
+            fresh = [row for row in done if not chunks[row][0].completion.token_ids]
+            chosen = dict(zip(fresh, self._choose(logits[fresh], [chunks[row][0] for row in fresh]))) if fresh else {}
+            for row in done:  # its whole context is cached: it decodes from the next step
+                seq = chunks[row][0]
+                self.prefilling.remove(seq)
                 self.running.append(seq)
                 if row in chosen:  # a new request: its first token (it may end there and leave at once)
                     self._emit(seq, chosen[row], events)
         except BaseException:
-            for seq, _ in joining:  # those not running are in neither queue: nobody else could free their blocks
+            for seq in admitted:  # those not running are in neither queue: nobody else could free their blocks
                 if seq not in self.running and seq.blocks:
+                    if seq in self.prefilling:
+                        self.prefilling.remove(seq)
                     self.pool.free(seq.blocks)
                     seq.blocks = []
             raise
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         self._note_blocks()
 
-    def _prefill(self, joining: list[tuple[_Sequence, list[int]]]) -> torch.Tensor:
-        """One forward over the joining sequences' tokens, left-padded to the longest, into their own blocks (a
-        padding position writes to the scratch block and attends to one slot; its output is dropped); the logits
-        [J, vocab] of each one's last token."""
-        dev, j = self.device, len(joining)
-        longest = max(len(tokens) for _, tokens in joining)
-        tables = [self._rows(seq.blocks) for seq, _ in joining]
+    def _prefill(self, chunks: list[tuple[_Sequence, list[int]]]) -> torch.Tensor:
+        """One forward over each sequence's `chunk` of tokens, at its positions after the `cached` ones already in
+        its blocks, left-padded to the longest chunk (a padding position writes to the scratch block and attends to
+        one slot; its output is dropped); the logits [J, vocab] of each chunk's last token. Advances `cached`."""
+        dev, j = self.device, len(chunks)
+        longest = max(len(chunk) for _, chunk in chunks)
+        tables = [self._rows(seq.blocks) for seq, _ in chunks]
         read_index = torch.zeros((j, max(t.numel() for t in tables)), dtype=torch.long)  # beyond its blocks: scratch
         tokens = torch.zeros((j, longest), dtype=torch.long)
-        pad = torch.tensor([longest - len(t) for _, t in joining])
-        for row, ((_, ids), table) in enumerate(zip(joining, tables)):
+        pad = torch.tensor([longest - len(chunk) for _, chunk in chunks])
+        start = torch.tensor([seq.cached for seq, _ in chunks])
+        for row, ((_, chunk), table) in enumerate(zip(chunks, tables)):
             read_index[row, :table.numel()] = table
-            tokens[row, longest - len(ids):] = torch.tensor(ids)
-        position = torch.arange(longest)[None, :] - pad[:, None]  # [J, T] each token's place in its sequence
-        real = position >= 0
-        slots = read_index.gather(1, position.clamp(min=0)).masked_fill(~real, 0)
+            tokens[row, longest - len(chunk):] = torch.tensor(chunk)
+        offset = torch.arange(longest)[None, :] - pad[:, None]  # [J, T] each token's place in its chunk
+        real = offset >= 0
+        position = (start[:, None] + offset).clamp(min=0)  # [J, T] its place in its sequence
+        slots = read_index.gather(1, position).masked_fill(~real, 0)
         span = torch.arange(read_index.shape[1])
         mask = (real[:, :, None] & (span[None, None, :] <= position[:, :, None])) | \
             (~real[:, :, None] & (span[None, None, :] == 0))  # [J, T, S]: causal over its own tokens
         self.cache.read_index = read_index.to(dev)
-        logits = self.model(tokens.to(dev), position.clamp(min=0).to(dev), self.cache, slots.to(dev),
-                            mask[:, None].to(dev), last_only=True)
-        for seq, ids in joining:
-            seq.cached = len(ids)
+        logits = self.model(tokens.to(dev), position.to(dev), self.cache, slots.to(dev), mask[:, None].to(dev),
+                            last_only=True)
+        for seq, chunk in chunks:
+            seq.cached += len(chunk)
         return logits[:, 0]
 
     def _decode_running(self, events: list[TokenEvent]) -> None:

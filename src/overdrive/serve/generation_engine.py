@@ -153,7 +153,8 @@ class GenerationMetrics:
         self.prompt_tokens = Counter("overdrive_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.requests = Counter("overdrive_requests", "requests by outcome", ["outcome"], registry=r)
         for name, doc, read in (
-                ("overdrive_running_requests", "sequences decoding", lambda: len(gen.running)),
+                ("overdrive_running_requests", "sequences admitted: decoding, or their prompt prefilling in chunks",
+                 lambda: len(gen.running) + len(gen.prefilling)),
                 ("overdrive_waiting_requests", "requests waiting for a row or KV blocks", lambda: len(gen.waiting)),
                 ("overdrive_kv_blocks_in_use", "KV cache blocks held", lambda: gen.pool.capacity - gen.pool.num_free),
                 ("overdrive_kv_blocks_total", "KV cache blocks in the pool", lambda: gen.pool.capacity),
