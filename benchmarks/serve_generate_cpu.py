@@ -5,7 +5,8 @@ The server (`serve/generation.py`, uvicorn in a thread of this process) serves t
 step compiled, its scheduler one of:
 - continuous: `ContinuousGenerator(max_batch_size=streams)`, a request joins at the next step;
 - static: the same with scheduling="static": a batch is admitted only when the last one has ended entirely;
-- one-at-a-time: max_batch_size 1.
+- one-at-a-time: max_batch_size 1;
+an entry "continuous/N" prefills at most N prompt tokens a step (`max_prefill_tokens`; chunked prefill beyond it).
 A load generator in its own process (multiprocessing, spawn) keeps `streams` clients busy: each sends its next
 request (streamed, greedy, `max_tokens` drawn once per request, seeded, from --min-new..--max-new; the workload's
 held-out prompts) after an exponential pause (mean --think-ms: Poisson-like arrivals), and records time to first
@@ -16,7 +17,7 @@ scheduler), and whether each answer equals the first entry's (greedy: it must). 
 untimed load (its engine thread's first steps), then the timed one.
 
     .venv/bin/python benchmarks/serve_generate_cpu.py [--workload pydoc-lm] [--streams 1,8,32] [--requests 64]
-        [--min-new 8] [--max-new 96] [--think-ms 20] [--entries continuous,static,one-at-a-time]
+        [--min-new 8] [--max-new 96] [--think-ms 20] [--entries continuous,continuous/64,static,one-at-a-time]
 """
 
 from __future__ import annotations
@@ -101,14 +102,16 @@ def main() -> None:
           f"max_tokens {min(lengths)}–{max(lengths)}, greedy, streamed; think time {args.think_ms:g} ms (mean); "
           "decode step compiled", flush=True)
     context = multiprocessing.get_context("spawn")
-    print(f"\n{'streams':>7} {'entry':<14}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+    print(f"\n{'streams':>7} {'entry':<16}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
           f"{'ITL p99':>9}{'KV empty':>10}  answers", flush=True)
     for streams in [int(x) for x in args.streams.split(",")]:
         reference = None
         for entry in args.entries.split(","):
-            batch = 1 if entry == "one-at-a-time" else streams
-            gen = ContinuousGenerator(decoder, workload.tokenizer, max_batch_size=batch, compile=True,
-                                      scheduling="static" if entry == "static" else "continuous",
+            name, _, budget = entry.partition("/")
+            batch = 1 if name == "one-at-a-time" else streams
+            chunk = {"max_prefill_tokens": int(budget)} if budget else {}
+            gen = ContinuousGenerator(decoder, workload.tokenizer, max_batch_size=batch, compile=True, **chunk,
+                                      scheduling="static" if name == "static" else "continuous",
                                       defaults=SamplingParams(stop_token_ids=(workload.tokenizer.eos_token_id,)))
             sizes = sorted({min(1 << k, batch) for k in range(batch.bit_length() + 1)})
             for size in sizes:  # warm-up: the compiled shapes the load will meet
@@ -131,7 +134,7 @@ def main() -> None:
             texts = [results[i]["text"] for i in range(len(requests))]
             reference = reference or texts
             same = sum(a == b for a, b in zip(texts, reference))
-            print(f"{streams:>7} {entry:<14}{tokens / wall:>10.1f}{percentile(ttft, .5) * 1e3:>8.0f}ms"
+            print(f"{streams:>7} {entry:<16}{tokens / wall:>10.1f}{percentile(ttft, .5) * 1e3:>8.0f}ms"
                   f"{percentile(ttft, .99) * 1e3:>8.0f}ms{percentile(itl, .5) * 1e3:>7.0f}ms"
                   f"{percentile(itl, .99) * 1e3:>7.0f}ms{gen.stats.kv_waste:>10.1%}  {same}/{len(texts)} equal the "
                   f"first entry's", flush=True)

@@ -45,7 +45,10 @@ def test_a_pass_load_with_run_queue_wait_ran_preempted():
     busy = PassLoad(wall_s=1.0, cpu_s=1.1, waited_s=0.8)
     stolen = PassLoad(wall_s=1.0, cpu_s=2.0, waited_s=0.0, stolen_s=0.3)  # a hypervisor took the time
     assert not idle.preempted() and busy.preempted() and stolen.preempted()
-    assert busy.waited_share == pytest.approx(0.8) and stolen.waited_share == pytest.approx(0.3)
+    assert busy.waited_share == pytest.approx(0.8) and stolen.waited_share == pytest.approx(0.29)  # less a tick
+    one_tick = PassLoad(wall_s=0.2, cpu_s=0.4, waited_s=0.001, stolen_s=0.01)  # /proc/stat's steal moved by one tick
+    two_ticks = PassLoad(wall_s=0.2, cpu_s=0.4, waited_s=0.001, stolen_s=0.03)
+    assert not one_tick.preempted() and two_ticks.preempted()
     # Without schedstats, the CPU share against the runner's best stands in.
     blind = PassLoad(wall_s=1.0, cpu_s=1.0)
     assert blind.waited_share is None

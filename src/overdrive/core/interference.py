@@ -43,6 +43,7 @@ BUSY_THREAD_SHARE = 0.1
 CPU_SHARE_DROP = 0.8
 
 _TASKS = "/proc/self/task/*/schedstat"
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01  # /proc/stat's unit
 _STAT = Path("/proc/stat")
 
 
@@ -137,10 +138,15 @@ class PassLoad:
 
     @property
     def waited_share(self) -> float | None:
-        """Run-queue wait plus stolen time per wall second, in thread-seconds per second; None without schedstats."""
+        """Run-queue wait plus stolen time per wall second, in thread-seconds per second; None without schedstats.
+
+        /proc/stat counts steal in scheduler ticks (10 ms at USER_HZ 100): a stretch over which the count moved by
+        one tick may have lost anything from nothing to two ticks, so one tick less is counted, the least it lost (a
+        single tick in a 0.2 s stretch would otherwise read as 5% stolen and set the round aside)."""
         if self.waited_s is None:
             return None
-        return (self.waited_s + (self.stolen_s or 0.0)) / self.wall_s
+        stolen = max(0.0, (self.stolen_s or 0.0) - _TICK_S)
+        return (self.waited_s + stolen) / self.wall_s
 
     @property
     def self_contended(self) -> bool:
