@@ -17,8 +17,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/overdrive optimize minilm --overwrite
 
+# Two workers, each on CPUs of its own (tests/conftest.py), a test file to a worker; a worker that crashes stops the run
+# and names its test (pytest-xdist would otherwise restart it, and under --dist loadfile can then hang).
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart 0 --durations=20
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/minilm_cpu.py

@@ -23,6 +23,19 @@ if _run_id:
 else:
     os.environ.setdefault("OVERDRIVE_CACHE", tempfile.mkdtemp(prefix="overdrive-test-cache-"))
 
+# Under pytest-xdist (`make test` runs a worker per 2 CPUs' share): each worker on CPUs of its own, its torch threads
+# as many. A test that times something then never shares a CPU with the other worker's test, which the measuring code
+# would see as other work and set aside (the run-queue waits `core.interference` reads), and the processes a test starts
+# (the command line, torchrun's ranks) inherit the same CPUs.
+_worker, _workers = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _worker and _workers > 1 and hasattr(os, "sched_setaffinity"):
+    _cpus = sorted(os.sched_getaffinity(0))
+    if len(_cpus) >= _workers:
+        _mine = set(_cpus[int(_worker.removeprefix("gw")) % _workers::_workers])
+        os.sched_setaffinity(0, _mine)
+        torch.set_num_threads(len(_mine))
+
+
 def requires_cuda(test):
     """Skipped without a CUDA GPU, and marked `cuda`, so `pytest -m cuda` (what `make gpu-check` runs) selects it."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
