@@ -10,8 +10,11 @@ an entry "continuous/N" prefills at most N prompt tokens a step (`max_prefill_to
 A load generator in its own process (multiprocessing, spawn) keeps `streams` clients busy: each sends its next
 request (streamed, greedy, `max_tokens` drawn once per request, seeded, from --min-new..--max-new; the workload's
 held-out prompts) after an exponential pause (mean --think-ms: Poisson-like arrivals), and records time to first
-token (TTFT) and the gaps between streamed chunks (inter-token latency, ITL). Per entry and stream count: total
-tokens/s (completion tokens over the wall time from the first request to the last answer), TTFT and ITL p50/p99,
+token (TTFT) and the gaps between streamed chunks (inter-token latency as a client sees it: a token whose text is
+held back, an unfinished UTF-8 character or a random-weight model's id beyond its tokenizer's 4,096, comes with the
+next chunk), and the server side records when the engine produced each token (ITL per token, at the engine). Per
+entry and stream count: total tokens/s (completion tokens over the wall time from the first request to the last
+answer), TTFT and both ITLs p50/p99,
 the KV cache's empty share (a property of each sequence's length and the block size, so the same for every
 scheduler), and whether each answer equals the first entry's (greedy: it must). Each entry first serves a short
 untimed load (its engine thread's first steps), then the timed one.
@@ -103,7 +106,8 @@ def main() -> None:
           "decode step compiled", flush=True)
     context = multiprocessing.get_context("spawn")
     print(f"\n{'streams':>7} {'entry':<16}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-          f"{'ITL p99':>9}{'KV empty':>10}  answers", flush=True)
+          f"{'ITL p99':>9}{'tok p50':>9}{'tok p99':>9}{'KV empty':>10}  answers   (ITL: client chunks; tok: engine)",
+          flush=True)
     for streams in [int(x) for x in args.streams.split(",")]:
         reference = None
         for entry in args.entries.split(","):
@@ -116,10 +120,22 @@ def main() -> None:
             sizes = sorted({min(1 << k, batch) for k in range(batch.bit_length() + 1)})
             for size in sizes:  # warm-up: the compiled shapes the load will meet
                 gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=args.max_new))
+            produced: dict[int, list[float]] = {}  # request id -> when the engine produced each of its tokens
+            step = gen.step
+
+            def timed_step(step=step, produced=produced):
+                events = step()
+                now = time.perf_counter()
+                for e in events:
+                    produced.setdefault(e.request_id, []).append(now)
+                return events
+
+            gen.step = timed_step
             server = GenerationServer(gen, args.workload, max_waiting=10 * args.requests)
             with listening(server.app) as url:
                 for timed in (False, True):  # first a short untimed load: the engine thread's first steps
                     gen.stats = type(gen.stats)()
+                    produced.clear()
                     receive, send = context.Pipe(duplex=False)
                     todo = requests if timed else requests[:2 * streams]
                     client = context.Process(target=load, args=(url, todo, streams, args.think_ms, streams, send))
@@ -131,12 +147,14 @@ def main() -> None:
             tokens = sum(r["tokens"] for r in results.values())
             ttft = [r["chunks"][0] - r["sent"] for r in results.values() if r["chunks"]]
             itl = [b - a for r in results.values() for a, b in zip(r["chunks"], r["chunks"][1:])]
+            engine_itl = [b - a for times in produced.values() for a, b in zip(times, times[1:])]
             texts = [results[i]["text"] for i in range(len(requests))]
             reference = reference or texts
             same = sum(a == b for a, b in zip(texts, reference))
             print(f"{streams:>7} {entry:<16}{tokens / wall:>10.1f}{percentile(ttft, .5) * 1e3:>8.0f}ms"
                   f"{percentile(ttft, .99) * 1e3:>8.0f}ms{percentile(itl, .5) * 1e3:>7.0f}ms"
-                  f"{percentile(itl, .99) * 1e3:>7.0f}ms{gen.stats.kv_waste:>10.1%}  {same}/{len(texts)} equal the "
+                  f"{percentile(itl, .99) * 1e3:>7.0f}ms{percentile(engine_itl, .5) * 1e3:>7.0f}ms"
+                  f"{percentile(engine_itl, .99) * 1e3:>7.0f}ms{gen.stats.kv_waste:>10.1%}  {same}/{len(texts)} equal the "
                   f"first entry's", flush=True)
 
 
