@@ -34,6 +34,37 @@ if _worker and _workers > 1 and hasattr(os, "sched_setaffinity"):
         _mine = set(_cpus[int(_worker.removeprefix("gw")) % _workers::_workers])
         os.sched_setaffinity(0, _mine)
         torch.set_num_threads(len(_mine))
+if _worker:  # a worker killed by a signal other than SIGKILL leaves the stacks of its threads on stderr
+    import faulthandler
+    import signal
+
+    for _sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        faulthandler.register(_sig, all_threads=True, chain=True)
+
+
+def pytest_testnodedown(node, error):
+    """Under pytest-xdist, a worker that went down without finishing ("node down: Not properly terminated") is
+    named with how its process ended (the signal, or the exit code) and the memory then free: a crash
+    otherwise leaves no trace."""
+    if not error:
+        return
+    import signal
+    import subprocess
+    import sys
+
+    popen = getattr(getattr(node.gateway, "_io", None), "popen", None)
+    try:
+        code = popen.wait(timeout=10) if popen is not None else None
+    except subprocess.TimeoutExpired:
+        code = "still running"
+    if isinstance(code, int) and code < 0:
+        code = f"killed by {signal.Signals(-code).name}"
+    try:
+        free = next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+        free = f"{int(free) / 2**20:.1f} GiB"
+    except (OSError, StopIteration):
+        free = "unknown"
+    sys.stderr.write(f"[{node.gateway.id}] worker process ended: {code}; memory available now: {free}\n")
 
 
 def requires_cuda(test):
