@@ -62,9 +62,11 @@ def pytest_testnodedown(node, error):
     try:
         free = next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
         free = f"{int(free) / 2**20:.1f} GiB"
+        kills = next(line.split()[1] for line in open("/proc/vmstat") if line.startswith("oom_kill "))
     except (OSError, StopIteration):
-        free = "unknown"
-    sys.stderr.write(f"[{node.gateway.id}] worker process ended: {code}; memory available now: {free}\n")
+        free = kills = "unknown"
+    sys.stderr.write(f"[{node.gateway.id}] worker process ended: {code}; memory available now: {free}; processes "
+                     f"the kernel's OOM killer has ended since boot: {kills}\n")
 
 
 def requires_cuda(test):
