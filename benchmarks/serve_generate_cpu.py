@@ -6,7 +6,10 @@ step compiled, its scheduler one of:
 - continuous: `ContinuousGenerator(max_batch_size=streams)`, a request joins at the next step;
 - static: the same with scheduling="static": a batch is admitted only when the last one has ended entirely;
 - one-at-a-time: max_batch_size 1;
-an entry "continuous/N" prefills at most N prompt tokens a step (`max_prefill_tokens`; chunked prefill beyond it).
+an entry "continuous/N" prefills at most N prompt tokens a step (`max_prefill_tokens`; chunked prefill beyond it);
+"-nocache" after a scheduler's name turns prefix caching off (`prefix_caching=False`; on for the others).
+With --shared-prefix, every prompt starts with the same text (a chat's system prompt, as an API's users send it),
+the case prefix caching is for.
 A load generator in its own process (multiprocessing, spawn) keeps `streams` clients busy: each sends its next
 request (streamed, greedy, `max_tokens` drawn once per request, seeded, from --min-new..--max-new; the workload's
 held-out prompts) after an exponential pause (mean --think-ms: Poisson-like arrivals), and records time to first
@@ -16,11 +19,13 @@ next chunk), and the server side records when the engine produced each token (IT
 entry and stream count: total tokens/s (completion tokens over the wall time from the first request to the last
 answer), TTFT and both ITLs p50/p99,
 the KV cache's empty share (a property of each sequence's length and the block size, so the same for every
-scheduler), and whether each answer equals the first entry's (greedy: it must). Each entry first serves a short
+scheduler), the share of prompt tokens the prefix cache held ("cached"; the untimed load has warmed it, as a
+running server's would be), and whether each answer equals the first entry's (greedy: it must). Each entry first serves a short
 untimed load (its engine thread's first steps), then the timed one.
 
     .venv/bin/python benchmarks/serve_generate_cpu.py [--workload pydoc-lm] [--streams 1,8,32] [--requests 64]
-        [--min-new 8] [--max-new 96] [--think-ms 20] [--entries continuous,continuous/64,static,one-at-a-time]
+        [--min-new 8] [--max-new 96] [--think-ms 20] [--block-size 16] [--shared-prefix]
+        [--entries continuous,continuous/64,continuous-nocache,static,one-at-a-time]
 """
 
 from __future__ import annotations
@@ -72,6 +77,11 @@ def load(url: str, requests: list[dict], streams: int, think_ms: float, seed: in
     out.send(asyncio.run(main()))
 
 
+SYSTEM = ("You answer questions about Python from its documentation. Answer in one or two sentences, name the "
+          "module or the statement the question is about, give a short example where one helps, and say so when the "
+          "documentation does not answer the question.\n\n")
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
@@ -86,6 +96,8 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=96)
     parser.add_argument("--think-ms", type=float, default=20.0)
     parser.add_argument("--entries", default="continuous,static,one-at-a-time")
+    parser.add_argument("--block-size", type=int, default=16, help="KV slots per block")
+    parser.add_argument("--shared-prefix", action="store_true", help="every prompt after the same system text")
     args = parser.parse_args()
 
     from overdrive.generate import Decoder, SamplingParams
@@ -97,24 +109,29 @@ def main() -> None:
     decoder = Decoder.from_hf(workload.model)
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.min_new, args.max_new + 1, (args.requests,), generator=g).tolist()
-    requests = [{"prompt": workload.prompts[i % len(workload.prompts)], "max_tokens": n, "temperature": 0,
+    prefix = SYSTEM if args.shared_prefix else ""
+    requests = [{"prompt": prefix + workload.prompts[i % len(workload.prompts)], "max_tokens": n, "temperature": 0,
                  "stream": True, "stream_options": {"include_usage": True}} for i, n in enumerate(lengths)]
     print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.workload} "
           f"({sum(p.numel() for p in decoder.parameters()) / 1e6:.1f} M parameters), {args.requests} requests, "
           f"max_tokens {min(lengths)}–{max(lengths)}, greedy, streamed; think time {args.think_ms:g} ms (mean); "
-          "decode step compiled", flush=True)
+          f"decode step compiled; KV blocks of {args.block_size}"
+          + (f"; every prompt after the same {len(workload.tokenizer.encode(SYSTEM))}-token system text"
+             if args.shared_prefix else ""), flush=True)
     context = multiprocessing.get_context("spawn")
     print(f"\n{'streams':>7} {'entry':<16}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-          f"{'ITL p99':>9}{'tok p50':>9}{'tok p99':>9}{'KV empty':>10}  answers   (ITL: client chunks; tok: engine)",
+          f"{'ITL p99':>9}{'tok p50':>9}{'tok p99':>9}{'KV empty':>10}{'cached':>8}  answers   (ITL: client chunks; tok: engine)",
           flush=True)
     for streams in [int(x) for x in args.streams.split(",")]:
         reference = None
         for entry in args.entries.split(","):
             name, _, budget = entry.partition("/")
+            name, nocache = name.removesuffix("-nocache"), name.endswith("-nocache")
             batch = 1 if name == "one-at-a-time" else streams
             chunk = {"max_prefill_tokens": int(budget)} if budget else {}
             gen = ContinuousGenerator(decoder, workload.tokenizer, max_batch_size=batch, compile=True, **chunk,
+                                      block_size=args.block_size, prefix_caching=not nocache,
                                       scheduling="static" if name == "static" else "continuous",
                                       defaults=SamplingParams(stop_token_ids=(workload.tokenizer.eos_token_id,)))
             sizes = sorted({min(1 << k, batch) for k in range(batch.bit_length() + 1)})
@@ -154,7 +171,7 @@ def main() -> None:
             print(f"{streams:>7} {entry:<16}{tokens / wall:>10.1f}{percentile(ttft, .5) * 1e3:>8.0f}ms"
                   f"{percentile(ttft, .99) * 1e3:>8.0f}ms{percentile(itl, .5) * 1e3:>7.0f}ms"
                   f"{percentile(itl, .99) * 1e3:>7.0f}ms{percentile(engine_itl, .5) * 1e3:>7.0f}ms"
-                  f"{percentile(engine_itl, .99) * 1e3:>7.0f}ms{gen.stats.kv_waste:>10.1%}  {same}/{len(texts)} equal the "
+                  f"{percentile(engine_itl, .99) * 1e3:>7.0f}ms{gen.stats.kv_waste:>10.1%}{gen.stats.prefix_hit_rate:>8.0%}  {same}/{len(texts)} equal the "
                   f"first entry's", flush=True)
 
 

@@ -10,7 +10,7 @@ import torch
 from overdrive.generate import Decoder, Generator, SamplingParams
 from overdrive.generate.continuous import ContinuousGenerator
 from overdrive.generate.paged import BlockPool
-from tests.test_generate import _hf, _hf_greedy, _prompts
+from tests.test_generate import VOCAB, _hf, _hf_greedy, _prompts
 
 pytest.importorskip("transformers")
 
@@ -201,3 +201,77 @@ def test_a_cancelled_request_partway_through_its_prefill_gives_its_blocks_back()
     gen.step()
     assert [s.request_id for s in gen.prefilling] == [rid] and gen.pool.num_free < gen.pool.capacity
     assert gen.cancel(rid) and not gen.has_unfinished and gen.pool.num_free == gen.pool.capacity
+
+
+# -- prefix caching -----------------------------------------------------------------------------------------------
+
+def test_the_prefix_cache_matches_exact_prefixes_only_and_forgets_what_it_evicts():
+    pool = BlockPool(4)  # 3 usable blocks
+    a, b = pool.allocate(), pool.allocate()
+    after_a = pool.register(a, -1, (1, 2, 3, 4))
+    pool.register(b, after_a, (5, 6, 7, 8))
+    assert pool.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == [a, b]
+    assert pool.lookup([1, 2, 3, 4, 5, 6, 7], 4) == [a]  # whole blocks only
+    assert pool.lookup([1, 2, 3, 4, 9, 6, 7, 8], 4) == [a] and pool.lookup([5, 6, 7, 8], 4) == []  # by position
+    pool.free([a])
+    pool.free([b])  # nobody holds them: kept, a the least recently released
+    assert pool.num_free == 3 and pool.num_cached == 2
+    assert pool.unheld([a, b]) == 2
+    c = pool.allocate()  # the free block first ...
+    assert c not in (a, b) and pool.num_cached == 2
+    assert pool.allocate() == a  # ... then the least recently used cached one, its registration dropped
+    assert pool.lookup([1, 2, 3, 4, 5, 6, 7, 8], 4) == []
+    # the same tokens again in block a: a new content, so b (computed after the old one) is not its successor
+    pool.register(a, -1, (1, 2, 3, 4))
+    assert pool.lookup([1, 2, 3, 4, 5, 6, 7, 8], 4) == [a]
+    pool.free([a, c])
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free([a])
+
+
+def test_a_block_computed_twice_is_registered_once_and_the_copy_is_freed():
+    pool = BlockPool(4)
+    a, b = pool.allocate(), pool.allocate()
+    first = pool.register(a, -1, (1, 2))
+    assert pool.register(b, -1, (1, 2)) == first  # the same content: a's id, and b stays unregistered
+    pool.free([b])
+    assert pool.num_cached == 0 and pool.num_free == 2
+    pool.acquire(pool.lookup([1, 2, 3], 2))
+    pool.free([a])
+    pool.free([a])  # two holders, two frees
+    assert pool.num_cached == 1 and pool.num_free == 3
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_shared_prompt_prefix_is_computed_once_and_gives_hugging_faces_tokens(kind, monkeypatch):
+    hf = _hf(kind)
+    g = torch.Generator().manual_seed(21)
+    system = torch.randint(1, VOCAB, (21,), generator=g).tolist()  # 5 whole blocks of 4 and one token
+    prompts = [system + torch.randint(1, VOCAB, (2 + i,), generator=g).tolist() for i in range(5)] + [system]
+    params = _lengths(len(prompts))
+    gen = ContinuousGenerator(Decoder.from_hf(hf), max_batch_size=3, block_size=4)
+    prefilled = []
+    prefill = gen._prefill
+    monkeypatch.setattr(gen, "_prefill", lambda chunks: prefilled.extend(len(c) for _, c in chunks) or prefill(chunks))
+    first = gen.generate(prompts[:1], params[:1])
+    rest = gen.generate(prompts[1:], params[1:])
+    expected = _hf_greedy(hf, prompts, new=13)
+    assert [c.token_ids for c in first + rest] == [e[:q.max_new_tokens] for e, q in zip(expected, params)]
+    # the later requests took the 5 blocks the first one computed (the system prompt alone: 5 blocks, its last token)
+    assert prefilled == [len(prompts[0])] + [len(p) - 20 for p in prompts[1:]]
+    assert gen.stats.prefix_hits == 20 * (len(prompts) - 1)
+    assert gen.stats.prefix_queries == sum(map(len, prompts))
+    assert gen.pool.num_free == gen.pool.capacity and gen.pool.num_cached > 0
+
+
+def test_prefix_caching_off_computes_every_prompt_and_gives_the_same_tokens():
+    decoder = Decoder.from_hf(_hf())
+    prompts = [[7, 8, 9, 10, 11, 12, 13, 14, 15]] * 3 + _prompts(3, seed=22)
+    params = [SamplingParams(max_new_tokens=6, temperature=0.9, seed=s) for s in range(6)]
+    on = ContinuousGenerator(decoder, max_batch_size=2, block_size=4)
+    off = ContinuousGenerator(decoder, max_batch_size=2, block_size=4, prefix_caching=False)
+    alone = Generator(decoder, max_batch_size=1)
+    expected = [alone.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert [c.token_ids for c in on.generate(prompts, params)] == expected
+    assert [c.token_ids for c in off.generate(prompts, params)] == expected
+    assert on.stats.prefix_hits == 8 and off.stats.prefix_hits == 0  # the third copy: the first's blocks, ended

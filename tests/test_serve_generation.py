@@ -90,6 +90,7 @@ def test_completions_chat_and_kserve_answer_what_the_generator_answers_alone(lm)
         assert [c["index"] for c in n3["choices"]] == [0, 1, 2] and n3["usage"]["completion_tokens"] > 0
         metrics = client.get("/metrics").text
         assert "overdrive_time_to_first_token_seconds_count" in metrics and "overdrive_kv_blocks_in_use 0.0" in metrics
+        assert "overdrive_prefix_cache_hit_rate" in metrics and "overdrive_kv_blocks_cached" in metrics
 
 
 @pytest.mark.parametrize("body, status, param, message", [

@@ -11,6 +11,13 @@ and none is free, the latest-admitted sequence is preempted: its blocks are free
 queue, to be prefilled again over its prompt and the tokens it had (recomputation, as vLLM's default), keeping its
 sampling generator, so its answer is the one it would have had.
 
+Prefix caching (vLLM's automatic prefix caching): each block whose slots all hold computed keys and values is
+registered in the pool under the exact tokens it and every block before it hold (`BlockPool`); a sequence admitted
+later takes the registered blocks its context starts with, held by others or kept after their sequences ended,
+and prefills only the rest (always its last token, whose logits it needs). A shared block is never written again:
+a sequence writes only at positions after those it took. A preempted sequence finds its own blocks again unless
+they were needed meanwhile.
+
 Each sequence reads only its own blocks at its own positions (0 up to its length; prefill's padding positions are
 masked out and write to a scratch block); its batch-mates change nothing but the floating-point summation order of the shared matrix products, and each request samples
 from its own seeded `torch.Generator`, so a request alone and in a busy batch gives the same tokens (a test).
@@ -45,7 +52,8 @@ class TokenEvent:
 class SchedulerStats:
     """Counters since the generator was made: decode `steps`, `preemptions`, the most sequences running at once,
     the most KV blocks in use, and the slots the running sequences held against those their tokens fill (summed over
-    decode steps; `kv_waste` is the share held but empty, at most block_size - 1 slots per sequence)."""
+    decode steps; `kv_waste` is the share held but empty, at most block_size - 1 slots per sequence), and the context
+    tokens admitted sequences asked the prefix cache for (`prefix_queries`) against those it held (`prefix_hits`)."""
 
     steps: int = 0
     preemptions: int = 0
@@ -53,10 +61,17 @@ class SchedulerStats:
     peak_blocks: int = 0
     slots_held: int = 0
     slots_filled: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
     @property
     def kv_waste(self) -> float:
         return 1 - self.slots_filled / self.slots_held if self.slots_held else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of the context tokens of admitted sequences whose keys and values came from the prefix cache."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
 @dataclass
@@ -68,6 +83,8 @@ class _Sequence:
     completion: Completion
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose keys and values are in the cache; the last chosen token is fed next step
+    registered: int = 0  # its leading blocks registered in the prefix cache
+    parent: int = -1  # the content id of the last of them (-1: none)
 
     @property
     def context(self) -> list[int]:
@@ -104,6 +121,7 @@ class ContinuousGenerator(Generator):
             requests stall the running ones little.
         scheduling: "continuous" (default), or "static" — a batch is admitted only when the last one has ended
             entirely (rows that end early wait for the longest, as static batching does); for comparison.
+        prefix_caching: reuse the blocks of a context's leading tokens computed before (the module docstring).
 
     Raises:
         ValueError: a speculative generator asked for (prompt lookup verifies one sequence at a time), a pool too
@@ -114,12 +132,12 @@ class ContinuousGenerator(Generator):
                  num_blocks: int | None = None, kv_memory_fraction: float = 0.25,
                  cache_dtype: torch.dtype | None = None, compile: bool = False,
                  defaults: SamplingParams | None = None, scheduling: str = "continuous",
-                 max_prefill_tokens: int = 1024):
+                 max_prefill_tokens: int = 1024, prefix_caching: bool = True):
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling is 'continuous' or 'static', got {scheduling!r}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be ≥ 1, got {max_prefill_tokens}")
-        self.scheduling, self.max_prefill_tokens = scheduling, max_prefill_tokens
+        self.scheduling, self.max_prefill_tokens, self.prefix_caching = scheduling, max_prefill_tokens, prefix_caching
         super().__init__(model, tokenizer, max_batch_size=max_batch_size, cache_dtype=cache_dtype, compile=compile,
                          defaults=defaults)
         config = model.config
@@ -232,13 +250,20 @@ class ContinuousGenerator(Generator):
         while admit and self.waiting and budget > 0 and \
                 len(self.running) + len(self.prefilling) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
-            need = len(seq.context) // self.block_size + 1  # its context and the slot of the next token
-            if self.pool.num_free < need:
+            context = seq.context
+            need = len(context) // self.block_size + 1  # its context and the slot of the next token
+            shared = self.pool.lookup(context[:-1], self.block_size) if self.prefix_caching else []
+            if self.pool.num_free - self.pool.unheld(shared) < need - len(shared):
                 break  # first come, first served: it waits for blocks, and so do those behind it
             self.waiting.popleft()
-            seq.blocks = [self.pool.allocate() for _ in range(need)]
+            self.pool.acquire(shared)
+            seq.blocks = shared + [self.pool.allocate() for _ in range(need - len(shared))]
+            seq.cached, seq.registered = len(shared) * self.block_size, len(shared)
+            seq.parent = self.pool.content_id(shared[-1]) if shared else -1
+            self.stats.prefix_queries += len(context)
+            self.stats.prefix_hits += seq.cached
             admitted.append(seq)
-            chunks.append((seq, seq.context[:budget]))
+            chunks.append((seq, context[seq.cached:seq.cached + budget]))
             budget -= len(chunks[-1][1])
         if not chunks:
             return
@@ -291,6 +316,7 @@ class ContinuousGenerator(Generator):
                             last_only=True)
         for seq, chunk in chunks:
             seq.cached += len(chunk)
+            self._register(seq)
         return logits[:, 0]
 
     def _decode_running(self, events: list[TokenEvent]) -> None:
@@ -325,6 +351,7 @@ class ContinuousGenerator(Generator):
         chosen = self._choose(logits, self.running)
         for s in list(self.running):
             s.cached += 1
+            self._register(s)
         for s, token in zip(list(self.running), chosen):
             self._emit(s, token, events)
 
@@ -337,7 +364,7 @@ class ContinuousGenerator(Generator):
             while self.pool.num_free == 0:
                 victim = self.running.pop()
                 self.pool.free(victim.blocks)
-                victim.blocks, victim.cached = [], 0
+                victim.blocks, victim.cached = [], 0  # its registered blocks stay cached: it may find them again
                 self.waiting.appendleft(victim)
                 self.stats.preemptions += 1
                 if victim is seq:  # it was the latest: the sequences before it all have their blocks
@@ -363,6 +390,17 @@ class ContinuousGenerator(Generator):
             self.pool.free(seq.blocks)
             seq.blocks = []
         events.append(TokenEvent(seq.request_id, int(token), c if c.finish_reason is not None else None))
+
+    def _register(self, seq: _Sequence) -> None:
+        """Registers in the prefix cache the blocks of `seq` that its cached tokens have filled since the last call."""
+        size = self.block_size
+        if not self.prefix_caching or seq.registered == seq.cached // size:
+            return
+        tokens = seq.prompt + seq.completion.token_ids  # the token at each position
+        while seq.registered < seq.cached // size:
+            k = seq.registered
+            seq.parent = self.pool.register(seq.blocks[k], seq.parent, tuple(tokens[k * size:(k + 1) * size]))
+            seq.registered += 1
 
     def _rows(self, blocks: list[int]) -> torch.Tensor:
         """The pool rows of `blocks`' slots, in order: int64 [len(blocks) · block_size] (on the host)."""

@@ -161,5 +161,9 @@ class GenerationMetrics:
                 ("overdrive_kv_waste_ratio", "share of held KV slots that are empty, over all decode steps",
                  lambda: gen.stats.kv_waste),
                 ("overdrive_preemptions", "sequences preempted for KV blocks (recomputed later)",
-                 lambda: gen.stats.preemptions)):
+                 lambda: gen.stats.preemptions),
+                ("overdrive_kv_blocks_cached", "KV blocks nobody holds, kept for the prefix they hold",
+                 lambda: gen.pool.num_cached),
+                ("overdrive_prefix_cache_hit_rate", "share of admitted context tokens found in the prefix cache",
+                 lambda: gen.stats.prefix_hit_rate)):
             Gauge(name, doc, registry=r).set_function(read)
