@@ -109,15 +109,22 @@ def main() -> None:
     decoder = Decoder.from_hf(workload.model)
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.min_new, args.max_new + 1, (args.requests,), generator=g).tolist()
-    prefix = SYSTEM if args.shared_prefix else ""
-    requests = [{"prompt": prefix + workload.prompts[i % len(workload.prompts)], "max_tokens": n, "temperature": 0,
+    system_ids = workload.tokenizer.encode(SYSTEM, add_special_tokens=False)
+
+    def prompt(i: int):  # a workload's prompts are texts, or token ids (a random-weight model's)
+        p = workload.prompts[i % len(workload.prompts)]
+        if not args.shared_prefix:
+            return p
+        return SYSTEM + p if isinstance(p, str) else system_ids + list(p)
+
+    requests = [{"prompt": prompt(i), "max_tokens": n, "temperature": 0,
                  "stream": True, "stream_options": {"include_usage": True}} for i, n in enumerate(lengths)]
     print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.workload} "
           f"({sum(p.numel() for p in decoder.parameters()) / 1e6:.1f} M parameters), {args.requests} requests, "
           f"max_tokens {min(lengths)}–{max(lengths)}, greedy, streamed; think time {args.think_ms:g} ms (mean); "
           f"decode step compiled; KV blocks of {args.block_size}"
-          + (f"; every prompt after the same {len(workload.tokenizer.encode(SYSTEM))}-token system text"
+          + (f"; every prompt after the same {len(system_ids)}-token system text"
              if args.shared_prefix else ""), flush=True)
     context = multiprocessing.get_context("spawn")
     print(f"\n{'streams':>7} {'entry':<16}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"

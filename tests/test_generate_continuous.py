@@ -68,6 +68,39 @@ def test_the_compiled_decode_step_gives_the_eager_tokens():
     assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
 
 
+def test_a_compiled_step_in_a_servers_engine_thread_may_build_more_than_dynamos_default_8_graphs(monkeypatch):
+    """A server steps the generator in a thread of its own; torch ≥ 2.13 keeps a config value set by the user per
+    thread, so a recompile limit raised in the main thread left the engine thread at 8 graphs, and the ninth shape
+    (prompts of 69+ tokens at 32 streams) failed every request in the step."""
+    import threading
+
+    import overdrive.generate.engine as engine
+
+    compile_ = torch.compile  # Dynamo's graphs without Inductor's code: the limit is Dynamo's, the test seconds
+    monkeypatch.setattr(engine.torch, "compile", lambda model, **kw: compile_(model, backend="eager", dynamic=False,
+                                                                             fullgraph=True))
+    decoder = Decoder.from_hf(_hf())
+    g = torch.Generator().manual_seed(30)
+    prompts = [torch.randint(1, VOCAB, (3 + 4 * i,), generator=g).tolist() for i in range(12)]
+    params = [SamplingParams(max_new_tokens=3)] * len(prompts)
+    eager = ContinuousGenerator(decoder, max_batch_size=1, block_size=4).generate(prompts, params)
+    compiled = ContinuousGenerator(decoder, max_batch_size=1, block_size=4, compile=True)
+    compiled.SLOT_ROUNDING = 4  # a graph per 4 slots: one request at a time, 12 prompts of 3 to 47 tokens meet 12
+    result = {}
+
+    def engine_thread():
+        try:
+            result["out"] = compiled.generate(prompts, params)
+        except Exception as exc:  # noqa: BLE001 — reported below
+            result["error"] = exc
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert "error" not in result, result.get("error")
+    assert [c.token_ids for c in result["out"]] == [c.token_ids for c in eager]
+
+
 def test_an_int8_paged_cache_gives_the_int8_contiguous_caches_tokens():
     decoder = Decoder.from_hf(_hf())
     prompts, params = _prompts(6, seed=10), _lengths(6)

@@ -144,6 +144,22 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 RECOMPILE_LIMIT = 64
 
 
+class _CompiledStep:
+    """A compiled decode step that raises Dynamo's recompile limit (8 by default) to `limit` in the thread that
+    calls it: Dynamo keeps its graphs per code object, so every compiled Generator in a process (each batch size,
+    slot count, dtype and cache dtype a tuner tries, each a server meets) counts against one limit, and past it a
+    fullgraph step fails. Set where it runs, as torch ≥ 2.13 keeps a config value set by the user per thread (a
+    ContextVar): set once in the main thread, a server's engine thread would still see 8."""
+
+    def __init__(self, compiled, limit: int):
+        self.compiled, self.limit = compiled, limit
+
+    def __call__(self, *args, **kwargs):
+        if torch._dynamo.config.recompile_limit < self.limit:
+            torch._dynamo.config.recompile_limit = self.limit
+        return self.compiled(*args, **kwargs)
+
+
 class Generator:
     """Generates continuations with a `Decoder`.
 
@@ -176,11 +192,11 @@ class Generator:
         self.compiled = compile
         self._decode = model
         if compile:
-            # Dynamo keeps its graphs per code object, so every compiled Generator in a process (each batch size,
-            # slot count, dtype and cache dtype a tuner tries) counts against one recompile limit (8 by default).
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
-            self._decode = torch.compile(model, dynamic=False, fullgraph=True, mode=mode)
+            # One graph per batch size (powers of two) and slot count (multiples of SLOT_ROUNDING) a step may meet
+            graphs = (max_batch_size.bit_length() + 1) * -(-model.config.max_positions // self.SLOT_ROUNDING)
+            self._decode = _CompiledStep(torch.compile(model, dynamic=False, fullgraph=True, mode=mode),
+                                         max(RECOMPILE_LIMIT, graphs))
         reference = next(model.parameters())
         self.device, self.dtype = reference.device, reference.dtype
         self.cache_dtype = cache_dtype or self.dtype
