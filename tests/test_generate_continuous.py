@@ -308,3 +308,27 @@ def test_prefix_caching_off_computes_every_prompt_and_gives_the_same_tokens():
     assert [c.token_ids for c in on.generate(prompts, params)] == expected
     assert [c.token_ids for c in off.generate(prompts, params)] == expected
     assert on.stats.prefix_hits == 8 and off.stats.prefix_hits == 0  # the third copy: the first's blocks, ended
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_logprobs_are_the_models_log_softmax_in_a_busy_batch_and_in_a_static_one(kind):
+    hf = _hf(kind)
+    decoder = Decoder.from_hf(hf)
+    prompts = _prompts(5, seed=31)
+    params = [SamplingParams(max_new_tokens=6, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=3) for i in range(5)]
+    busy = ContinuousGenerator(decoder, max_batch_size=3, block_size=4).generate(prompts, params)
+    static = Generator(decoder, max_batch_size=2).generate(prompts, params)
+    for p, c, s in zip(prompts, busy, static):
+        assert c.token_ids == s.token_ids and [e.token_id for e in c.logprobs] == c.token_ids
+        with torch.no_grad():  # the model's distribution at each new token's step, the whole sequence at once
+            reference = torch.log_softmax(hf(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1:-1].float(), -1)
+        got = torch.tensor([e.logprob for e in c.logprobs])
+        torch.testing.assert_close(got, reference[torch.arange(len(c.token_ids)), c.token_ids], atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor([e.logprob for e in s.logprobs]), got, atol=1e-4, rtol=0)
+        for j, e in enumerate(c.logprobs):
+            top = reference[j].topk(3)
+            assert [t for t, _ in e.top] == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in e.top]), top.values, atol=1e-4, rtol=0)
+    assert ContinuousGenerator(decoder).generate(prompts[:1], SamplingParams(max_new_tokens=2))[0].logprobs is None
+    with pytest.raises(ValueError, match="logprobs must be from 0 to 20"):
+        SamplingParams(logprobs=21)

@@ -98,7 +98,9 @@ def test_completions_chat_and_kserve_answer_what_the_generator_answers_alone(lm)
     ({"prompt": "A list", "model": "gpt-4"}, 404, "model", "no model 'gpt-4'"),
     ({"prompt": "A list", "temperature": -1}, 400, "temperature", "temperature must be"),
     ({"prompt": "A list", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be"),
-    ({"prompt": "A list", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ({"prompt": "A list", "logprobs": 21}, 400, "logprobs", "logprobs must be an integer from 0 to 20"),
+    ({"prompt": "A list", "top_logprobs": 2}, 400, "top_logprobs", "a chat completion's field"),
+    ({"prompt": "A list", "echo": True}, 400, "echo", "not supported"),
     ({"prompt": ""}, 400, "prompt", "non-empty"),
     ({"prompt": "A list", "n": 0}, 400, "n", "n must be"),
 ])
@@ -200,6 +202,40 @@ def test_the_official_openai_client_streams_a_completion_and_a_chat_completion(l
         assert said == _alone(server, "user: A dict?\nassistant:", SamplingParams(max_new_tokens=8, stop_token_ids=eos)).text
         with pytest.raises(openai.BadRequestError, match="temperature"):
             client.completions.create(model="pydoc-lm", prompt="A list", temperature=-2)
+        plain = client.completions.create(model="pydoc-lm", prompt="A list is", max_tokens=6, temperature=0, logprobs=2)
+        assert len(plain.choices[0].logprobs.token_logprobs) == 6 and plain.usage.completion_tokens == 6
+        chat = client.chat.completions.create(model="pydoc-lm", messages=[{"role": "user", "content": "A dict?"}],
+                                              max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+        assert [len(t.top_logprobs) for t in chat.choices[0].logprobs.content] == [2] * 4
+
+
+def test_logprobs_are_the_models_and_a_stream_carries_the_same_as_a_whole_answer(lm):
+    from starlette.testclient import TestClient
+
+    server = _server(lm)
+    eos = (lm.tokenizer.eos_token_id,)
+    alone = _alone(server, "A list is", SamplingParams(max_new_tokens=8, stop_token_ids=eos, logprobs=3))
+    body = {"prompt": "A list is", "max_tokens": 8, "temperature": 0, "logprobs": 3}
+    with TestClient(server.app) as client:
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        stream = _events(client.post("/v1/completions", json={**body, "stream": True}).text)
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "A dict?"}],
+                                                         "max_tokens": 5, "temperature": 0, "logprobs": True})
+        plain = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 3}).json()
+    assert whole["token_logprobs"] == pytest.approx([e.logprob for e in alone.logprobs], abs=1e-4)
+    assert whole["tokens"] == [lm.tokenizer.decode([t]) for t in alone.token_ids]
+    for j, top in enumerate(whole["top_logprobs"]):  # greedy: the chosen token is the most likely one
+        assert max(top.values()) == pytest.approx(whole["token_logprobs"][j], abs=1e-6) and len(top) <= 3
+        assert all(v <= 0 for v in top.values())
+    assert whole["text_offset"] == [sum(len(t) for t in whole["tokens"][:j]) for j in range(len(whole["tokens"]))]
+    parts = [c["choices"][0]["logprobs"] for c in stream if c.get("choices") and c["choices"][0]["logprobs"]]
+    assert [t for p in parts for t in p["tokens"]] == whole["tokens"]
+    assert [x for p in parts for x in p["token_logprobs"]] == pytest.approx(whole["token_logprobs"], abs=1e-4)
+    assert [x for p in parts for x in p["text_offset"]] == whole["text_offset"]
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat.json()["usage"]["completion_tokens"]
+    assert all(e["top_logprobs"] == [] and e["bytes"] == list(e["token"].encode()) for e in content)
+    assert plain["choices"][0]["logprobs"] is None
 
 
 def test_serve_of_a_generation_plan_starts_the_generation_server_and_refuses_flags_it_would_ignore(

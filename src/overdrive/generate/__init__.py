@@ -2,7 +2,8 @@
 engine that prefills and decodes batches of prompts (`engine`)."""
 
 from overdrive.generate.decoder import Decoder, DecoderConfig, KVCache
-from overdrive.generate.engine import Completion, Generator, SamplingParams
+from overdrive.generate.engine import Completion, Generator, SamplingParams, TokenLogprob
 from overdrive.generate.speculative import PromptLookup
 
-__all__ = ["Completion", "Decoder", "DecoderConfig", "Generator", "KVCache", "PromptLookup", "SamplingParams"]
+__all__ = ["Completion", "Decoder", "DecoderConfig", "Generator", "KVCache", "PromptLookup", "SamplingParams",
+           "TokenLogprob"]

@@ -34,18 +34,19 @@ from dataclasses import dataclass, field
 import torch
 
 from overdrive.generate.decoder import Decoder
-from overdrive.generate.engine import Completion, Generator, SamplingParams, sample_next
+from overdrive.generate.engine import Completion, Generator, SamplingParams, TokenLogprob, sample_next, token_logprob
 from overdrive.generate.paged import BlockPool, PagedKVCache
 
 
 @dataclass
 class TokenEvent:
-    """One step's news for a request: the token it produced (`token_id`), and its `Completion` when that token
-    ended it (`finished`; None while it runs)."""
+    """One step's news for a request: the token it produced (`token_id`), its `TokenLogprob` when the request asked
+    for logprobs, and its `Completion` when that token ended it (`finished`; None while it runs)."""
 
     request_id: int
     token_id: int
     finished: Completion | None = None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -164,7 +165,8 @@ class ContinuousGenerator(Generator):
         ids = self.encode(prompt)
         params = params or self.defaults
         self.check(ids, params)
-        seq = _Sequence(self._next_id, ids, params, self._generator(params), Completion(prompt_tokens=len(ids)))
+        seq = _Sequence(self._next_id, ids, params, self._generator(params),
+                        Completion(prompt_tokens=len(ids), logprobs=None if params.logprobs is None else []))
         self._next_id += 1
         self.waiting.append(seq)
         return seq.request_id
@@ -272,13 +274,15 @@ class ContinuousGenerator(Generator):
             logits = self._prefill(chunks)
             done = [row for row, (seq, _) in enumerate(chunks) if seq.cached == len(seq.context)]
             fresh = [row for row in done if not chunks[row][0].completion.token_ids]
-            chosen = dict(zip(fresh, self._choose(logits[fresh], [chunks[row][0] for row in fresh]))) if fresh else {}
+            seqs = [chunks[row][0] for row in fresh]
+            tokens = self._choose(logits[fresh], seqs) if fresh else []
+            chosen = dict(zip(fresh, zip(tokens, self._logprobs(logits[fresh], seqs, tokens))))
             for row in done:  # its whole context is cached: it decodes from the next step
                 seq = chunks[row][0]
                 self.prefilling.remove(seq)
                 self.running.append(seq)
                 if row in chosen:  # a new request: its first token (it may end there and leave at once)
-                    self._emit(seq, chosen[row], events)
+                    self._emit(seq, *chosen[row], events)
         except BaseException:
             for seq in admitted:  # those not running are in neither queue: nobody else could free their blocks
                 if seq not in self.running and seq.blocks:
@@ -349,11 +353,12 @@ class ContinuousGenerator(Generator):
         self.stats.slots_held += held
         self.stats.slots_filled += sum(s.cached + 1 for s in self.running)
         chosen = self._choose(logits, self.running)
+        logprobs = self._logprobs(logits, self.running, chosen)
         for s in list(self.running):
             s.cached += 1
             self._register(s)
-        for s, token in zip(list(self.running), chosen):
-            self._emit(s, token, events)
+        for s, token, logprob in zip(list(self.running), chosen, logprobs):
+            self._emit(s, token, logprob, events)
 
     def _grow_or_preempt(self) -> None:
         """Gives each running sequence the block its next token needs, preempting the latest-admitted sequences
@@ -378,9 +383,17 @@ class ContinuousGenerator(Generator):
             return logits.argmax(-1).tolist()
         return [sample_next(logits[row], s.params, s.generator) for row, s in enumerate(seqs)]
 
-    def _emit(self, seq: _Sequence, token: int, events: list[TokenEvent]) -> None:
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, seqs: list[_Sequence], chosen: list[int]) -> list[TokenLogprob | None]:
+        """Each sequence's `TokenLogprob` of its chosen token when it asked for logprobs (else None)."""
+        return [None if s.params.logprobs is None else token_logprob(logits[row], token, s.params.logprobs)
+                for row, (s, token) in enumerate(zip(seqs, chosen))]
+
+    def _emit(self, seq: _Sequence, token: int, logprob: TokenLogprob | None, events: list[TokenEvent]) -> None:
         c = seq.completion
         c.token_ids.append(int(token))
+        if logprob is not None:
+            c.logprobs.append(logprob)
         self._finish_if_done(c, seq.params)
         if c.finish_reason is not None:
             if self.tokenizer is not None:
@@ -389,7 +402,7 @@ class ContinuousGenerator(Generator):
                 self.running.remove(seq)
             self.pool.free(seq.blocks)
             seq.blocks = []
-        events.append(TokenEvent(seq.request_id, int(token), c if c.finish_reason is not None else None))
+        events.append(TokenEvent(seq.request_id, int(token), c if c.finish_reason is not None else None, logprob))
 
     def _register(self, seq: _Sequence) -> None:
         """Registers in the prefix cache the blocks of `seq` that its cached tokens have filled since the last call."""

@@ -38,7 +38,8 @@ from overdrive.generate.speculative import PromptLookup, accepted
 class SamplingParams:
     """How one request picks its tokens. `temperature` 0 is greedy (argmax; top-k/top-p ignored);
     `seed` seeds the request's own generator (None: a fresh seed from torch's global generator);
-    `stop_token_ids` and `stop` take one token id / string or several.
+    `stop_token_ids` and `stop` take one token id / string or several; `logprobs` k (0 to `MAX_LOGPROBS`) records
+    each new token's log-probability and the k most likely tokens' at its step (`Completion.logprobs`).
 
     Raises:
         ValueError: a value of the wrong type or out of range (named)."""
@@ -50,9 +51,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "top_k", "seed"):
+        for name in ("max_new_tokens", "top_k", "seed", "logprobs"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -82,18 +84,44 @@ class SamplingParams:
             raise ValueError(f"top_k must be ≥ 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be from 0 to {MAX_LOGPROBS}, got {self.logprobs}")
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """A new token's log-probability (natural log) under the model at its step, `logprob`, and the `top` k most
+    likely tokens' there, (token id, log-probability), most likely first. The model's own distribution: the
+    log-softmax of its float32 logits, before temperature, top-k and top-p (as vLLM returns them by default)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """`TokenLogprob` of `token` and the k most likely tokens from one step's logits [vocab]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, k) if k else None
+    return TokenLogprob(int(token), float(logprobs[token]),
+                        list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
 
 
 @dataclass
 class Completion:
     """One request's answer: the new token ids (stop token included when one ended it, as Hugging Face
     returns it), their text when a tokenizer is known (cut before a stop string), and why it ended:
-    "stop" (a stop token or string) or "length" (max_new_tokens)."""
+    "stop" (a stop token or string) or "length" (max_new_tokens); `logprobs`, one `TokenLogprob` per new token
+    when `SamplingParams.logprobs` asked for them (else None)."""
 
     prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -241,8 +269,8 @@ class Generator:
 
         Raises:
             ValueError: an empty or out-of-vocabulary prompt, a text prompt without a tokenizer, a prompt plus
-                max_new_tokens longer than the model's positions, or a sampled request to a speculative generator
-                (its drafts are verified exactly under greedy decoding only).
+                max_new_tokens longer than the model's positions, or a sampled request (or one asking for
+                logprobs) to a speculative generator (its drafts are verified exactly under greedy decoding only).
         """
         if isinstance(prompts, str) or _is_int(prompts):
             raise ValueError(f"generate takes a list of prompts, got {prompts!r}: wrap one prompt in a list")
@@ -258,6 +286,9 @@ class Generator:
         if self.speculative is not None and any(p.temperature != 0 for p in per_request):
             raise ValueError("speculative decoding here keeps greedy decoding's tokens only: give temperature 0, or a "
                              "Generator without `speculative` for sampled requests")
+        if self.speculative is not None and any(p.logprobs is not None for p in per_request):
+            raise ValueError("logprobs are not recorded under speculative decoding: use a Generator without "
+                             "`speculative`")
         out: list[Completion] = []
         self.timings = []
         if self.speculative is not None:
@@ -296,7 +327,8 @@ class Generator:
         logits = self.model(tokens, positions, cache, query, mask[:, None], last_only=True)[:, 0]  # [B, V]
 
         generators = [self._generator(q) for q in params]
-        done = [Completion(prompt_tokens=len(p)) for p in prompts]
+        done = [Completion(prompt_tokens=len(p), logprobs=None if q.logprobs is None else []) for p, q in
+                zip(prompts, params)]
         greedy = all(q.temperature == 0 for q in params)
         for step in range(max(q.max_new_tokens for q in params)):
             chosen = logits.argmax(-1).cpu() if greedy else torch.zeros(b, dtype=torch.long)
@@ -304,6 +336,8 @@ class Generator:
                 if c.finish_reason is None:
                     c.token_ids.append(int(chosen[row]) if greedy else sample_next(logits[row], q, generators[row]))
                     chosen[row] = c.token_ids[-1]
+                    if q.logprobs is not None:
+                        c.logprobs.append(token_logprob(logits[row], c.token_ids[-1], q.logprobs))
                     timings.new_tokens += 1
                     self._finish_if_done(c, q)
             now = time.perf_counter()  # the tokens are on the host: the device has finished

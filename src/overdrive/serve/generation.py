@@ -4,8 +4,9 @@ thread, behind OpenAI-compatible and KServe v2 generate endpoints (Starlette on 
 HTTP endpoints:
     GET  /v1/models
     POST /v1/completions        {"model", "prompt", "max_tokens"?=16, "temperature"?=1, "top_p"?, "seed"?, "stop"?,
-                                 "n"?=1, "stream"?, "stream_options"?: {"include_usage"}}
-    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens"?, ... as above}
+                                 "n"?=1, "logprobs"?: k, "stream"?, "stream_options"?: {"include_usage"}}
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens"?, ... as above but
+                                 "logprobs"?: bool, "top_logprobs"?: k}   (logprobs: `serve.logprobs`)
     POST /v2/models/{name}/generate, /v2/models/{name}/generate_stream
                                 {"text_input", "parameters"?: {"max_tokens", "temperature", "top_p", "seed", "stop"}}
                                 (the KServe v2 generate extension, as Triton has it)
@@ -16,7 +17,7 @@ Streams are server-sent events (`data: {...}` lines, OpenAI's ending `data: [DON
 it takes any KV block), 404 another model, 429 the waiting queue full (Retry-After), 503 draining. A client that
 disconnects has its request cancelled and its blocks freed at once. Chat prompts use the tokenizer's chat template,
 or, without one, a plain template ("role: content" lines, then "assistant:"), said at start and in a response header.
-Not built: `logprobs`, `echo`, several prompts in one request, a generator beside encoders in one server.
+Not built: `echo`, several prompts in one request, a generator beside encoders in one server.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -38,6 +40,7 @@ from overdrive.generate.continuous import ContinuousGenerator, TokenEvent
 from overdrive.generate.engine import Completion, SamplingParams
 from overdrive.serve.generation_engine import GenerationEngine, GenerationMetrics, QueueFull
 from overdrive.serve.http_util import BodyCut, disconnected, read_body
+from overdrive.serve.logprobs import chat_logprobs, completion_logprobs, requested
 from overdrive.serve.protocol import TooLarge
 
 PLAIN_CHAT = "plain (role: content lines, then 'assistant:')"
@@ -132,7 +135,7 @@ class GenerationServer:
         if stream:
             async def events():
                 try:
-                    async for delta, done in _texts(self, requests[0], params):
+                    async for delta, done, _ in _texts(self, requests[0], params):
                         yield _sse({"model_name": self.name, "model_version": "1", "text_output": delta,
                                     **({"finish_reason": done.finish_reason} if done else {})})
                 except Exception as exc:  # noqa: BLE001 — the engine's step failed: the stream ends with the error
@@ -153,8 +156,8 @@ class GenerationServer:
             if body.get("model") not in (None, self.name):
                 raise _Refusal(404, f"no model {body.get('model')!r}; this server has {self.name!r}", "model_not_found",
                                "model")
-            for field in ("logprobs", "echo", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-                          "suffix", "tools", "response_format"):
+            for field in ("echo", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "tools",
+                          "response_format"):
                 if body.get(field) not in (None, False, 0, {}, []):  # asked for, not only sent at its default
                     raise _BadRequest(f"{field} is not supported by this server", field)
             if body.get("best_of") not in (None, 1):
@@ -166,6 +169,10 @@ class GenerationServer:
                 raise _BadRequest(f"n must be an integer from 1 to 16, got {n!r}", "n")
             prompt = self._chat_prompt(body.get("messages")) if chat else _prompt(body.get("prompt"))
             params = _sampling(body, default_temperature=1.0, stop_token_ids=self.gen.defaults.stop_token_ids)
+            try:
+                params = replace(params, logprobs=requested(body, chat=chat))
+            except ValueError as exc:
+                raise _BadRequest(*exc.args) from None
             if chat and getattr(self.gen.tokenizer, "chat_template", None):
                 # The template writes its own special tokens (a BOS among them): encoding adds none (as vLLM does).
                 prompt = list(self.gen.tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -192,7 +199,7 @@ class GenerationServer:
             return _error(500, f"generation failed: {exc}", "server_error", None)
         if any(c is None for c in done):
             return Response(status_code=499)
-        choices = [{"index": i, "finish_reason": c.finish_reason, "logprobs": None,
+        choices = [{"index": i, "finish_reason": c.finish_reason, "logprobs": self._logprobs(c.logprobs, chat),
                     **({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})}
                    for i, c in enumerate(done)]
         completion_tokens = sum(c.completion_tokens for c in done)
@@ -205,9 +212,13 @@ class GenerationServer:
     async def _openai_stream(self, requests, params, ident, kind, chat, prompt_tokens, include_usage):
         created, completion_tokens = int(time.time()), 0
         chunk = f"{kind}.chunk" if chat else kind
+        offsets = [0] * len(requests)  # a completion's text_offset: the characters of each choice's tokens so far
 
-        def frame(i, delta, finish):
-            choice = {"index": i, "finish_reason": finish, "logprobs": None,
+        def frame(i, delta, finish, entries=None):
+            logprobs = self._logprobs(entries, chat, offsets[i]) if params[i].logprobs is not None else None
+            if logprobs and not chat:
+                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            choice = {"index": i, "finish_reason": finish, "logprobs": logprobs,
                       **({"delta": delta} if chat else {"text": delta})}
             return _sse({"id": ident, "object": chunk, "created": created, "model": self.name, "choices": [choice]})
 
@@ -218,17 +229,17 @@ class GenerationServer:
 
         async def pump(i, request):
             try:
-                async for delta, done in _texts(self, request, params[i]):
-                    await merged.put((i, delta, done))
+                async for delta, done, entries in _texts(self, request, params[i]):
+                    await merged.put((i, delta, done, entries))
             except Exception as exc:  # noqa: BLE001 — the engine's step failed: the stream ends with the error
-                await merged.put((i, exc, None))
-            await merged.put((i, None, None))
+                await merged.put((i, exc, None, None))
+            await merged.put((i, None, None, None))
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
         try:
             remaining = len(requests)
             while remaining:
-                i, delta, done = await merged.get()
+                i, delta, done, entries = await merged.get()
                 if isinstance(delta, Exception):
                     yield _sse({"error": {"message": f"generation failed: {delta}", "type": "server_error",
                                           "param": None, "code": None}})
@@ -236,11 +247,11 @@ class GenerationServer:
                 if delta is None and done is None:
                     remaining -= 1
                     continue
-                if delta:
-                    yield frame(i, {"content": delta} if chat else delta, None)
+                if delta:  # the logprobs of the tokens this text came from (held-back text's come later)
+                    yield frame(i, {"content": delta} if chat else delta, None, entries)
                 if done is not None:
                     completion_tokens += done.completion_tokens
-                    yield frame(i, {} if chat else "", done.finish_reason)
+                    yield frame(i, {} if chat else "", done.finish_reason, None if delta else entries)
             if include_usage:
                 yield _sse({"id": ident, "object": chunk, "created": created, "model": self.name, "choices": [],
                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -251,6 +262,12 @@ class GenerationServer:
                 t.cancel()
 
     # --- plumbing ---------------------------------------------------------------------------------------------
+
+    def _logprobs(self, entries, chat: bool, offset: int = 0) -> dict | None:
+        if entries is None:
+            return None
+        return chat_logprobs(entries, self.gen.tokenizer) if chat else \
+            completion_logprobs(entries, self.gen.tokenizer, offset)
 
     def _chat_prompt(self, messages) -> str:
         if not isinstance(messages, list) or not messages or not all(
@@ -345,14 +362,18 @@ class _Request:
 
 
 async def _texts(server: GenerationServer, request: _Request, params: SamplingParams):
-    """(text delta, None) as tokens come, then ("", completion) at the end. Text that could still turn out to be
-    the start of a stop string, or an unfinished UTF-8 character, is held back until it cannot."""
+    """(text delta, None, logprobs) as tokens come, then (the rest, completion, logprobs) at the end; logprobs: the
+    `TokenLogprob`s of the tokens since the last yield (None when the request asked for none). Text that could still
+    turn out to be the start of a stop string, or an unfinished UTF-8 character, is held back until it cannot."""
     tok, tokens, sent = server.gen.tokenizer, [], ""
     hold = max((len(s) for s in params.stop), default=1) - 1
+    pending = [] if params.logprobs is not None else None
     async for event in request.events():
+        if pending is not None and event.logprob is not None:
+            pending.append(event.logprob)
         if event.finished is not None:
             final = event.finished.text or ""
-            yield final[len(sent):], event.finished
+            yield final[len(sent):], event.finished, pending
             return
         tokens.append(event.token_id)
         text = tok.decode(tokens, skip_special_tokens=True)
@@ -360,8 +381,9 @@ async def _texts(server: GenerationServer, request: _Request, params: SamplingPa
             continue
         ready = text[:len(text) - hold] if hold else text
         if len(ready) > len(sent) and ready.startswith(sent):
-            yield ready[len(sent):], None
+            yield ready[len(sent):], None, pending
             sent = ready
+            pending = [] if pending is not None else None
 
 
 class _Refusal(Exception):
@@ -434,8 +456,6 @@ def _sampling(body: dict, *, default_temperature: float, stop_token_ids: tuple[i
 
 
 def _reseeded(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, seed=seed)
 
 
