@@ -7,7 +7,8 @@ step compiled, its scheduler one of:
 - static: the same with scheduling="static": a batch is admitted only when the last one has ended entirely;
 - one-at-a-time: max_batch_size 1;
 an entry "continuous/N" prefills at most N prompt tokens a step (`max_prefill_tokens`; chunked prefill beyond it);
-"-nocache" after a scheduler's name turns prefix caching off (`prefix_caching=False`; on for the others).
+"-nocache" after a scheduler's name turns prefix caching off (`prefix_caching=False`; on for the others); ":bK" at
+the end of an entry gives it KV blocks of K slots (else --block-size), e.g. "continuous:b4".
 With --shared-prefix, every prompt starts with the same text (a chat's system prompt, as an API's users send it),
 the case prefix caching is for.
 A load generator in its own process (multiprocessing, spawn) keeps `streams` clients busy: each sends its next
@@ -24,8 +25,8 @@ running server's would be), and whether each answer equals the first entry's (gr
 untimed load (its engine thread's first steps), then the timed one.
 
     .venv/bin/python benchmarks/serve_generate_cpu.py [--workload pydoc-lm] [--streams 1,8,32] [--requests 64]
-        [--min-new 8] [--max-new 96] [--think-ms 20] [--block-size 16] [--shared-prefix]
-        [--entries continuous,continuous/64,continuous-nocache,static,one-at-a-time]
+        [--min-new 8] [--max-new 96] [--think-ms 20] [--block-size K] [--shared-prefix]
+        [--entries continuous,continuous/64,continuous-nocache,continuous:b4,static,one-at-a-time]
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=96)
     parser.add_argument("--think-ms", type=float, default=20.0)
     parser.add_argument("--entries", default="continuous,static,one-at-a-time")
-    parser.add_argument("--block-size", type=int, default=16, help="KV slots per block")
+    parser.add_argument("--block-size", type=int, help="KV slots per block (default: the generator's)")
     parser.add_argument("--shared-prefix", action="store_true", help="every prompt after the same system text")
     args = parser.parse_args()
 
@@ -123,7 +124,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; {args.workload} "
           f"({sum(p.numel() for p in decoder.parameters()) / 1e6:.1f} M parameters), {args.requests} requests, "
           f"max_tokens {min(lengths)}–{max(lengths)}, greedy, streamed; think time {args.think_ms:g} ms (mean); "
-          f"decode step compiled; KV blocks of {args.block_size}"
+          f"decode step compiled; KV blocks of {args.block_size or 'the default'} unless an entry says"
           + (f"; every prompt after the same {len(system_ids)}-token system text"
              if args.shared_prefix else ""), flush=True)
     context = multiprocessing.get_context("spawn")
@@ -133,12 +134,14 @@ def main() -> None:
     for streams in [int(x) for x in args.streams.split(",")]:
         reference = None
         for entry in args.entries.split(","):
-            name, _, budget = entry.partition("/")
+            entry_, _, block = entry.partition(":b")
+            name, _, budget = entry_.partition("/")
             name, nocache = name.removesuffix("-nocache"), name.endswith("-nocache")
             batch = 1 if name == "one-at-a-time" else streams
             chunk = {"max_prefill_tokens": int(budget)} if budget else {}
             gen = ContinuousGenerator(decoder, workload.tokenizer, max_batch_size=batch, compile=True, **chunk,
-                                      block_size=args.block_size, prefix_caching=not nocache,
+                                      prefix_caching=not nocache, **({"block_size": int(block or args.block_size)}
+                                                                     if block or args.block_size else {}),
                                       scheduling="static" if name == "static" else "continuous",
                                       defaults=SamplingParams(stop_token_ids=(workload.tokenizer.eos_token_id,)))
             sizes = sorted({min(1 << k, batch) for k in range(batch.bit_length() + 1)})

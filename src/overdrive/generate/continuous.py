@@ -113,7 +113,10 @@ class ContinuousGenerator(Generator):
             sizes rounded up to a power of two and attention spans to a multiple of `SLOT_ROUNDING`, so a few
             graphs serve every batch).
         max_batch_size: sequences decoding together at most.
-        block_size: KV slots per block.
+        block_size: KV slots per block. Small by default: attention here gathers the pool's rows one by one (no
+            kernel that wants large pages), so a block of 2 costs no measurable speed, wastes at most one slot per
+            sequence and lets the prefix cache share prompts at every second token (vLLM's GPU default is 16;
+            SGLang's RadixAttention shares single tokens); the measurements are in benchmarks/RESULTS.md.
         num_blocks: blocks in the pool (one is scratch). Default: enough for `max_batch_size` sequences of the
             model's full context, capped at `kv_memory_fraction` of the device's free memory.
         kv_memory_fraction: see num_blocks.
@@ -129,7 +132,7 @@ class ContinuousGenerator(Generator):
             small for one full-context sequence when `num_blocks` is not given and memory is short (named).
     """
 
-    def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16, block_size: int = 16,
+    def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16, block_size: int = 2,
                  num_blocks: int | None = None, kv_memory_fraction: float = 0.25,
                  cache_dtype: torch.dtype | None = None, compile: bool = False,
                  defaults: SamplingParams | None = None, scheduling: str = "continuous",
