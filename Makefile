@@ -18,9 +18,13 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/overdrive optimize minilm --overwrite
 
 # Two workers, each on CPUs of its own (tests/conftest.py), a test file to a worker; a worker that crashes stops the run
-# and names its test (pytest-xdist would otherwise restart it, and under --dist loadfile can then hang).
+# and names its test and how its process ended (pytest-xdist would otherwise restart it, and under --dist loadfile can
+# then hang). ALONE runs after them in a pytest of its own: in 3 of 9 runs on two workers (CI's among them) the worker
+# running it died at once, no traceback, cause not found (benchmarks/RESULTS.md); alone it never has.
+ALONE := tests/test_input_limits.py::test_run_with_a_compiled_plan_survives_an_out_of_range_id
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart 0 --durations=20
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart 0 --durations=20 --deselect $(ALONE)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(ALONE)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/minilm_cpu.py
