@@ -143,6 +143,13 @@ def test_requests_that_cannot_fit_are_refused_before_taking_blocks():
         gen.generate([[1, 2]])
 
 
+@pytest.mark.parametrize("bad", [dict(block_size=0), dict(block_size=-1), dict(block_size=2.5), dict(max_batch_size=0),
+                                 dict(max_prefill_tokens=0), dict(block_size=True)])
+def test_settings_that_cannot_work_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an integer ≥ 1"):
+        ContinuousGenerator(Decoder.from_hf(_hf()), **bad)
+
+
 def test_the_block_pool_refuses_a_double_free():
     pool = BlockPool(4)
     a, b = pool.allocate(), pool.allocate()

@@ -140,6 +140,11 @@ def test_a_full_queue_gets_429_with_retry_after_and_a_draining_server_503(lm):
     with TestClient(server.app) as client:
         r = client.post("/v1/completions", json={"prompt": "A list", "max_tokens": 4})
         assert r.status_code == 429 and r.headers["Retry-After"] == "1" and r.json()["error"]["type"]
+        several = _server(lm, max_waiting=2)
+        with TestClient(several.app) as other:  # n choices the queue could never hold at once: 400, not "retry"
+            r = other.post("/v1/completions", json={"prompt": "A list", "max_tokens": 4, "n": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "Retry-After" not in r.headers
+            assert other.post("/v1/completions", json={"prompt": "A list", "max_tokens": 4, "n": 2}).status_code == 200
         server.draining = True
         assert client.post("/v1/completions", json={"prompt": "A list"}).status_code == 503
         assert client.get("/v2/health/ready").status_code == 503
@@ -222,8 +227,11 @@ def test_logprobs_are_the_models_and_a_stream_carries_the_same_as_a_whole_answer
         chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "A dict?"}],
                                                          "max_tokens": 5, "temperature": 0, "logprobs": True})
         plain = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 3}).json()
+        one = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "A dict?"}],
+                                                        "logprobs": 1})  # true or false only, as OpenAI's
+        assert one.status_code == 400 and one.json()["error"]["param"] == "logprobs"
     assert whole["token_logprobs"] == pytest.approx([e.logprob for e in alone.logprobs], abs=1e-4)
-    assert whole["tokens"] == [lm.tokenizer.decode([t]) for t in alone.token_ids]
+    assert "".join(whole["tokens"]) == lm.tokenizer.decode(alone.token_ids)  # the stop token's string included
     for j, top in enumerate(whole["top_logprobs"]):  # greedy: the chosen token is the most likely one
         assert max(top.values()) == pytest.approx(whole["token_logprobs"][j], abs=1e-6) and len(top) <= 3
         assert all(v <= 0 for v in top.values())

@@ -128,8 +128,9 @@ class ContinuousGenerator(Generator):
         prefix_caching: reuse the blocks of a context's leading tokens computed before (the module docstring).
 
     Raises:
-        ValueError: a speculative generator asked for (prompt lookup verifies one sequence at a time), a pool too
-            small for one full-context sequence when `num_blocks` is not given and memory is short (named).
+        ValueError: max_batch_size, block_size or max_prefill_tokens not an integer ≥ 1, a speculative generator
+            asked for (prompt lookup verifies one sequence at a time), a pool too small for one full-context
+            sequence when `num_blocks` is not given and memory is short (named).
     """
 
     def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16, block_size: int = 2,
@@ -139,8 +140,10 @@ class ContinuousGenerator(Generator):
                  max_prefill_tokens: int = 1024, prefix_caching: bool = True):
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling is 'continuous' or 'static', got {scheduling!r}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be ≥ 1, got {max_prefill_tokens}")
+        for name, value in (("max_batch_size", max_batch_size), ("block_size", block_size),
+                            ("max_prefill_tokens", max_prefill_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
         self.scheduling, self.max_prefill_tokens, self.prefix_caching = scheduling, max_prefill_tokens, prefix_caching
         super().__init__(model, tokenizer, max_batch_size=max_batch_size, cache_dtype=cache_dtype, compile=compile,
                          defaults=defaults)

@@ -190,8 +190,7 @@ class GenerationServer:
         headers = {"x-overdrive-chat-template": self.chat_template} if chat else None
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._openai_stream(requests, per_choice, ident, kind, chat, len(ids),
-                                                         include_usage),
+            return StreamingResponse(self._openai_stream(requests, per_choice, ident, kind, chat, ids, include_usage),
                                      media_type="text/event-stream", headers=headers)
         try:
             done = await self._collect(request, requests)
@@ -199,7 +198,7 @@ class GenerationServer:
             return _error(500, f"generation failed: {exc}", "server_error", None)
         if any(c is None for c in done):
             return Response(status_code=499)
-        choices = [{"index": i, "finish_reason": c.finish_reason, "logprobs": self._logprobs(c.logprobs, chat),
+        choices = [{"index": i, "finish_reason": c.finish_reason, "logprobs": self._logprobs(c.logprobs, chat, ids),
                     **({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})}
                    for i, c in enumerate(done)]
         completion_tokens = sum(c.completion_tokens for c in done)
@@ -209,13 +208,16 @@ class GenerationServer:
                                                            "total_tokens": len(ids) + completion_tokens}},
                             headers=headers)
 
-    async def _openai_stream(self, requests, params, ident, kind, chat, prompt_tokens, include_usage):
-        created, completion_tokens = int(time.time()), 0
+    async def _openai_stream(self, requests, params, ident, kind, chat, ids, include_usage):
+        created, completion_tokens, prompt_tokens = int(time.time()), 0, len(ids)
         chunk = f"{kind}.chunk" if chat else kind
         offsets = [0] * len(requests)  # a completion's text_offset: the characters of each choice's tokens so far
+        history = [list(ids) for _ in requests]  # each choice's tokens so far, its logprob strings' context
 
         def frame(i, delta, finish, entries=None):
-            logprobs = self._logprobs(entries, chat, offsets[i]) if params[i].logprobs is not None else None
+            logprobs = self._logprobs(entries, chat, history[i], offsets[i]) if params[i].logprobs is not None else None
+            if entries:
+                history[i] += [e.token_id for e in entries]
             if logprobs and not chat:
                 offsets[i] += sum(len(t) for t in logprobs["tokens"])
             choice = {"index": i, "finish_reason": finish, "logprobs": logprobs,
@@ -263,11 +265,11 @@ class GenerationServer:
 
     # --- plumbing ---------------------------------------------------------------------------------------------
 
-    def _logprobs(self, entries, chat: bool, offset: int = 0) -> dict | None:
+    def _logprobs(self, entries, chat: bool, context: list[int], offset: int = 0) -> dict | None:
         if entries is None:
             return None
-        return chat_logprobs(entries, self.gen.tokenizer) if chat else \
-            completion_logprobs(entries, self.gen.tokenizer, offset)
+        return chat_logprobs(entries, self.gen.tokenizer, context) if chat else \
+            completion_logprobs(entries, self.gen.tokenizer, context, offset)
 
     def _chat_prompt(self, messages) -> str:
         if not isinstance(messages, list) or not messages or not all(
@@ -285,6 +287,9 @@ class GenerationServer:
         if self.draining:
             raise _Refusal(503, "the server is draining (shutting down)", "service_unavailable", None, retry=True)
         params = params if isinstance(params, list) else [params] * len(prompts)
+        if 1 < len(prompts) > self.engine.max_waiting:  # its n choices could never all wait at once
+            raise _BadRequest(f"n is {len(prompts)}, more than this server's waiting queue holds "
+                              f"({self.engine.max_waiting}, --max-queue-size)", "n")
         started: list[_Request] = []
         try:
             for ids, p in zip(prompts, params):
