@@ -34,18 +34,40 @@ if _worker and _workers > 1 and hasattr(os, "sched_setaffinity"):
         _mine = set(_cpus[int(_worker.removeprefix("gw")) % _workers::_workers])
         os.sched_setaffinity(0, _mine)
         torch.set_num_threads(len(_mine))
-if _worker:  # a worker killed by a signal other than SIGKILL leaves the stacks of its threads on stderr
+def _worker_file(run_id: str, worker: str, kind: str) -> str:
+    """Where an xdist worker leaves its trail ("files": the test files it ran, in order) and its fatal-signal stacks
+    ("crash"), for `pytest_testnodedown` to show when the worker dies."""
+    return os.path.join(tempfile.gettempdir(), f"overdrive-xdist-{run_id}-{worker}.{kind}")
+
+
+_trail: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which would point it at captured stderr
+def pytest_configure(config):
+    if not (_worker and _run_id):
+        return
     import faulthandler
     import signal
 
-    for _sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        faulthandler.register(_sig, all_threads=True, chain=True)
+    crash = open(_worker_file(_run_id, _worker, "crash"), "w")  # noqa: SIM115 — open until the process ends
+    faulthandler.enable(file=crash, all_threads=True)  # SIGSEGV, SIGFPE, SIGABRT, SIGBUS, SIGILL
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        faulthandler.register(sig, file=crash, all_threads=True, chain=True)
+    _trail.append(crash.name)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _worker and _run_id and (path := nodeid.split("::")[0]) not in _trail:
+        _trail.append(path)
+        with open(_worker_file(_run_id, _worker, "files"), "a") as f:
+            f.write(path + "\n")
 
 
 def pytest_testnodedown(node, error):
     """Under pytest-xdist, a worker that went down without finishing ("node down: Not properly terminated") is
-    named with how its process ended (the signal, or the exit code) and the memory then free: a crash
-    otherwise leaves no trace."""
+    named with how its process ended (the signal, or the exit code), the memory then free, the test files it had
+    run in order, and the stacks its threads had when a fatal signal came: a crash otherwise leaves no trace."""
     if not error:
         return
     import signal
@@ -67,6 +89,14 @@ def pytest_testnodedown(node, error):
         free = kills = "unknown"
     sys.stderr.write(f"[{node.gateway.id}] worker process ended: {code}; memory available now: {free}; processes "
                      f"the kernel's OOM killer has ended since boot: {kills}\n")
+    run_id = node.workerinput.get("testrunuid", "")
+    for kind, what in (("files", "the test files it ran, in order"), ("crash", "its threads' stacks at the signal")):
+        try:
+            text = open(_worker_file(run_id, node.gateway.id, kind)).read().strip()
+        except OSError:
+            continue
+        if text:
+            sys.stderr.write(f"[{node.gateway.id}] {what}:\n{text[-6000:]}\n")
 
 
 def requires_cuda(test):

@@ -199,8 +199,6 @@ def test_run_with_a_compiled_plan_survives_an_out_of_range_id(tmp_path):
                              str(tmp_path / "ids.npy"), "--output", str(tmp_path / "out.npy"), "--device", "cpu"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
                             start_new_session=True)  # its own process group, as a shell starts a command
-    # Under pytest-xdist the worker running this test died in 3 of 9 runs ("node down", no traceback; cause not found):
-    # `make test` runs it after the workers, in a pytest of its own (Makefile: ALONE).
     assert result.returncode == 0, result.stderr[-2000:]
     errors = [json.loads(line) for line in (tmp_path / "out.npy.errors.jsonl").read_text().splitlines()]
     assert [e["index"] for e in errors] == [700]
