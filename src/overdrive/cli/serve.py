@@ -32,7 +32,9 @@ def add_parser(sub) -> None:
                        help="the longest a request waits for others to join its batch, ms (default: a 10 ms cap for "
                             "adaptive, 2 for fixed; 0: run at once with whatever is queued)")
     serve.add_argument("--max-queue-size", type=positive_int, help="rows that may wait; more get 503 + Retry-After "
-                                                                    "(default: 512, or 8 batches per instance if more)")
+                                                                    "(default: 512, or 8 batches per instance if more); "
+                                                                    "for a generation plan, requests that may wait for "
+                                                                    "a row, more get 429 + Retry-After (default 256)")
     serve.add_argument("--instances", type=positive_int, help="model instances, each with its own thread (default: one "
                                                                "per GPU, 1 on CPU; on CPU the cores are split between them, "
                                                                "and as many instances as cores often serves the most)")
