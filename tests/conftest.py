@@ -54,7 +54,6 @@ def pytest_configure(config):
     faulthandler.enable(file=crash, all_threads=True)  # SIGSEGV, SIGFPE, SIGABRT, SIGBUS, SIGILL
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         faulthandler.register(sig, file=crash, all_threads=True, chain=True)
-    _trail.append(crash.name)
 
 
 def pytest_runtest_logstart(nodeid, location):
