@@ -36,6 +36,7 @@ def grpc_input(x: np.ndarray, name: str = "input"):
 # -- gRPC ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.own_process  # a gRPC server leaves gRPC's threads running for good
 def test_tritonclient_grpc_health_metadata_config_and_infer():
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
@@ -64,6 +65,7 @@ def test_tritonclient_grpc_health_metadata_config_and_infer():
         assert live.metric("overdrive_requests_total", status="400") == 2
 
 
+@pytest.mark.own_process  # a gRPC server leaves gRPC's threads running for good
 def test_grpc_typed_contents_and_bytes_inputs():
     import grpc
     from tritonclient.grpc import service_pb2 as pb
@@ -96,6 +98,7 @@ def test_grpc_typed_contents_and_bytes_inputs():
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "need 32 bytes, got 12" in info.value.details()
 
 
+@pytest.mark.own_process  # a gRPC server leaves gRPC's threads running for good
 def test_http_and_grpc_requests_join_the_same_batches():
     import tritonclient.grpc as grpcclient
 
@@ -121,6 +124,7 @@ def test_http_and_grpc_requests_join_the_same_batches():
         np.testing.assert_allclose(grpc_out[i], reference(workload, xs[i]), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.own_process  # a gRPC server leaves gRPC's threads running for good
 def test_a_grpc_call_cancelled_while_queued_never_runs():
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
@@ -329,6 +333,7 @@ def test_repository_calls_check_their_bodies_filter_ready_and_run_one_at_a_time(
         assert requests.get(f"{base}/v2/repository/index").json()[1]["state"] == "UNAVAILABLE"
 
 
+@pytest.mark.own_process  # a gRPC server leaves gRPC's threads running for good
 def test_unimplemented_grpc_methods_say_so_without_a_traceback(caplog):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
