@@ -151,43 +151,67 @@ def test_a_full_queue_gets_429_with_retry_after_and_a_draining_server_503(lm):
 
 
 def test_interleaved_seeded_streams_each_get_the_tokens_they_get_alone(lm):
-    server = _server(lm)
-    prompts = ["A list is", "The dictionary", "Return the", "An iterator", "When the", "A module"]
-    requests = [{"prompt": prompts[i % len(prompts)], "max_tokens": 4 + i % 9, "temperature": 0.9, "seed": i,
-                 "stream": True} for i in range(40)]
+    """200 streams at once (greedy and sampled, with and without logprobs) through 8 rows and a KV pool small enough
+    that sequences are preempted and recomputed: each stream's text and logprobs are those the request gets alone."""
+    gen = ContinuousGenerator(Decoder.from_hf(lm.model), lm.tokenizer, max_batch_size=8, block_size=4, num_blocks=17)
+    server = GenerationServer(gen, "pydoc-lm")
+    prompts = ["A list is", "The dictionary", "Return the", "An iterator", "When the", "A module", "If the value",
+               "The following example shows how", "Raise", "This function returns the number of"]
+    requests = [{"prompt": prompts[i % len(prompts)], "max_tokens": 1 + i % 17, "temperature": (0.0, 0.9, 1.3)[i % 3],
+                 "seed": i, "stream": True, **({"logprobs": 2} if i % 4 == 0 else {})} for i in range(200)]
 
     async def main():
         transport = httpx.ASGITransport(app=server.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
             async def one(body):
                 r = await client.post("/v1/completions", json=body)
-                return "".join(c["choices"][0]["text"] for c in _events(r.text) if c["choices"])
+                assert r.status_code == 200, r.text
+                chunks = [c["choices"][0] for c in _events(r.text) if c["choices"]]
+                logprobs = [t for c in chunks if c.get("logprobs") for t in c["logprobs"]["token_logprobs"]]
+                return "".join(c["text"] for c in chunks), logprobs
             return await asyncio.gather(*(one(b) for b in requests))
 
-    texts = asyncio.run(main())
+    answers = asyncio.run(main())
     eos = (lm.tokenizer.eos_token_id,)
-    for body, text in zip(requests, texts):
-        alone = _alone(server, body["prompt"], SamplingParams(max_new_tokens=body["max_tokens"], temperature=0.9,
-                                                              seed=body["seed"], stop_token_ids=eos))
-        assert text == alone.text
-    assert server.gen.stats.peak_running == 4 and server.gen.pool.num_free == server.gen.pool.capacity
-    assert len(set(texts)) > 10
+    for body, (text, logprobs) in zip(requests, answers):
+        alone = _alone(server, body["prompt"], SamplingParams(
+            max_new_tokens=body["max_tokens"], temperature=body["temperature"], seed=body["seed"],
+            stop_token_ids=eos, logprobs=body.get("logprobs")))
+        assert text == alone.text, body
+        if "logprobs" in body:
+            assert logprobs == pytest.approx([t.logprob for t in alone.logprobs], abs=1e-4), body
+    assert server.gen.stats.peak_running == 8 and server.gen.stats.preemptions > 0
+    assert server.gen.pool.num_free == server.gen.pool.capacity
+    assert len({text for text, _ in answers}) > 50
 
 
 def test_clients_that_disconnect_mid_stream_give_their_blocks_back(lm):
+    """100 clients at once each hang up after their first token (or while still queued): every block comes back."""
     server = _server(lm)
+    free_before = server.gen.pool.num_free
+
+    async def hang_up_after_the_first_token(client: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": "A list is", "max_tokens": 200, "temperature": 1.0, "seed": i, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    return  # the first token came: the request holds its blocks; closing the stream hangs up
+
+    async def main(url: str) -> None:
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+            await asyncio.wait_for(asyncio.gather(*(hang_up_after_the_first_token(client, i) for i in range(100))), 60)
+
     with listening(server.app) as url:
-        for _ in range(12):
-            with httpx.Client(base_url=url, timeout=30) as client:
-                with client.stream("POST", "/v1/completions", json={"prompt": "A list is", "max_tokens": 100,
-                                                                    "temperature": 1.0, "stream": True}) as r:
-                    next(r.iter_lines())  # the first token came: the request holds its blocks; then hang up
-        deadline = time.time() + 10
+        asyncio.run(main(url))
+        deadline = time.time() + 20
         while server.gen.has_unfinished and time.time() < deadline:
             time.sleep(0.05)
         assert not server.gen.has_unfinished
-        assert server.gen.pool.num_free == server.gen.pool.capacity
-        assert server.metrics.requests.labels("cancelled")._value.get() >= 12
+        assert server.gen.pool.num_free == server.gen.pool.capacity == free_before
+        assert server.metrics.requests.labels("cancelled")._value.get() == 100
+        assert server.engine.in_flight == 0
 
 
 def test_the_official_openai_client_streams_a_completion_and_a_chat_completion(lm):
