@@ -103,6 +103,9 @@ def test_completions_chat_and_kserve_answer_what_the_generator_answers_alone(lm)
     ({"prompt": "A list", "echo": True}, 400, "echo", "not supported"),
     ({"prompt": ""}, 400, "prompt", "non-empty"),
     ({"prompt": "A list", "n": 0}, 400, "n", "n must be"),
+    ({"prompt": "A list", "timeout": 0}, 400, "timeout", "timeout is in seconds"),
+    ({"prompt": "A list", "timeout": True}, 400, "timeout", "timeout is in seconds"),
+    ({"prompt": "A list", "timeout": "5"}, 400, "timeout", "timeout is in seconds"),
 ])
 def test_bad_requests_get_openais_error_shape_before_taking_blocks(lm, body, status, param, message):
     from starlette.testclient import TestClient
@@ -212,6 +215,59 @@ def test_clients_that_disconnect_mid_stream_give_their_blocks_back(lm):
         assert server.gen.pool.num_free == server.gen.pool.capacity == free_before
         assert server.metrics.requests.labels("cancelled")._value.get() == 100
         assert server.engine.in_flight == 0
+
+
+def test_a_request_ends_at_its_deadline_with_the_tokens_it_had_and_frees_its_blocks(lm, monkeypatch):
+    """Deadlines: OpenAI's `timeout` (s), KServe's `timeout` parameter (µs), the server's default. A request past its
+    deadline ends with the first tokens of the answer it would have had and finish_reason "timeout"; one that never got
+    a row gets 504; every block comes back."""
+    gen = ContinuousGenerator(Decoder.from_hf(lm.model), lm.tokenizer, max_batch_size=1, block_size=4)
+    server = GenerationServer(gen, "pydoc-lm")
+    step = gen.step
+    monkeypatch.setattr(gen, "step", lambda: (time.sleep(0.02), step())[1])  # ~50 tokens a second
+    greedy = {"prompt": "A list is", "max_tokens": 200, "temperature": 0}
+    alone = _alone(server, "A list is", SamplingParams(max_new_tokens=200, stop_token_ids=(lm.tokenizer.eos_token_id,)))
+
+    async def main():
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            long, queued = await asyncio.gather(
+                client.post("/v1/completions", json={**greedy, "timeout": 0.6}),
+                client.post("/v1/completions", json={**greedy, "max_tokens": 2, "timeout": 0.3}))  # never gets the row
+            stream = await client.post("/v1/completions", json={**greedy, "timeout": 0.6, "stream": True})
+            kserve = await client.post("/v2/models/pydoc-lm/generate",
+                                       json={"text_input": "A list is", "parameters": {"max_tokens": 200,
+                                                                                      "timeout": 600_000}})
+            bad = await client.post("/v2/models/pydoc-lm/generate",
+                                    json={"text_input": "A list is", "parameters": {"timeout": 0.5}})
+            return long, queued, stream, kserve, bad
+
+    long, queued, stream, kserve, bad = asyncio.run(main())
+    assert alone.finish_reason == "length" and len(alone.token_ids) == 200  # the model would have gone on
+    choice = long.json()["choices"][0]
+    assert long.status_code == 200 and choice["finish_reason"] == "timeout"
+    assert 0 < long.json()["usage"]["completion_tokens"] < 200 and alone.text.startswith(choice["text"])
+    assert queued.status_code == 504 and queued.json()["error"]["type"] == "timeout"
+    chunks = [c["choices"][0] for c in _events(stream.text) if c["choices"]]
+    assert chunks[-1]["finish_reason"] == "timeout" and alone.text.startswith("".join(c["text"] for c in chunks))
+    assert kserve.json()["finish_reason"] == "timeout" and alone.text.startswith(kserve.json()["text_output"])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
+    assert server.metrics.requests.labels("timeout")._value.get() == 4
+    assert gen.pool.num_free == gen.pool.capacity and not gen.has_unfinished and server.engine.in_flight == 0
+
+    server.engine.stop()
+    from starlette.testclient import TestClient
+
+    gen = ContinuousGenerator(gen.model, lm.tokenizer, max_batch_size=1, block_size=4)
+    step2 = gen.step
+    monkeypatch.setattr(gen, "step", lambda: (time.sleep(0.02), step2())[1])
+    default = GenerationServer(gen, "pydoc-lm", request_timeout_s=0.3)  # the server's deadline when none is sent
+
+    with TestClient(default.app) as client:
+        r = client.post("/v1/completions", json=greedy)
+        assert r.json()["choices"][0]["finish_reason"] == "timeout"
+        r = client.post("/v1/completions", json={**greedy, "max_tokens": 3, "timeout": 30})
+        assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_the_official_openai_client_streams_a_completion_and_a_chat_completion(lm):

@@ -38,8 +38,9 @@ def add_parser(sub) -> None:
     serve.add_argument("--instances", type=positive_int, help="model instances, each with its own thread (default: one "
                                                                "per GPU, 1 on CPU; on CPU the cores are split between them, "
                                                                "and as many instances as cores often serves the most)")
-    serve.add_argument("--request-timeout-ms", type=nonnegative, default=30_000.0,
-                       help="default timeout of a queued request, ms, when the request sets none (default 30000; 0: none)")
+    serve.add_argument("--request-timeout-ms", type=nonnegative,
+                       help="default timeout of a queued request, ms, when the request sets none (default 30000; 0: none); "
+                            "for a generation plan, the deadline of a whole request (default: none)")
     serve.add_argument("--drain-timeout-s", type=nonnegative, default=30.0,
                        help="on SIGTERM/SIGINT, how long admitted requests may take to finish (default 30)")
     serve.add_argument("--warmup-s", type=nonnegative, default=30.0,
@@ -59,7 +60,8 @@ def main(args, argv: list[str]) -> int:
     return serve(args.model, host=args.host, port=args.port, grpc_port=args.grpc_port, device=args.device,
                  model_name=args.model_name, max_batch_size=args.max_batch_size, batching=args.batching,
                  max_queue_delay_ms=args.max_queue_delay_ms,
-                 max_queue_size=args.max_queue_size, instances=args.instances, request_timeout_ms=args.request_timeout_ms,
+                 max_queue_size=args.max_queue_size, instances=args.instances,
+                 request_timeout_ms=30_000.0 if args.request_timeout_ms is None else args.request_timeout_ms,
                  drain_timeout_s=args.drain_timeout_s, warmup_s=args.warmup_s, access_log=args.access_log,
                  weights=args.weights)
 
@@ -82,8 +84,7 @@ def serve_generation(args) -> int:
         others = [m for m in args.model if not (m.endswith(".json") and is_generation_plan(m))]
         raise ConfigError(f"a generation plan is served on its own for now; serve {', '.join(others) or 'the others'} "
                           "from another server")
-    unset = {"grpc_port": None, "batching": "adaptive", "max_queue_delay_ms": None, "instances": None, "weights": None,
-             "request_timeout_ms": 30_000.0}
+    unset = {"grpc_port": None, "batching": "adaptive", "max_queue_delay_ms": None, "instances": None, "weights": None}
     for name, default in unset.items():
         if getattr(args, name) != default:
             raise ConfigError(f"{arg(name, getattr(args, name))}: not for a generation plan (it is batched "
@@ -105,7 +106,8 @@ def serve_generation(args) -> int:
             if time.perf_counter() - started > args.warmup_s:
                 break
             gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=2))
-    server = GenerationServer(gen, name, max_waiting=args.max_queue_size or 256, drain_timeout_s=args.drain_timeout_s)
+    server = GenerationServer(gen, name, max_waiting=args.max_queue_size or 256, drain_timeout_s=args.drain_timeout_s,
+                              request_timeout_s=args.request_timeout_ms / 1e3 if args.request_timeout_ms else None)
 
     def on_started(port: int) -> None:
         sys.stderr.write(f"overdrive serve: plan {args.model[0]} ({' + '.join(plan.names) or 'baseline'}) as model "

@@ -41,7 +41,8 @@ from overdrive.generate.paged import BlockPool, PagedKVCache
 @dataclass
 class TokenEvent:
     """One step's news for a request: the token it produced (`token_id`), its `TokenLogprob` when the request asked
-    for logprobs, and its `Completion` when that token ended it (`finished`; None while it runs)."""
+    for logprobs, and its `Completion` when that token ended it (`finished`; None while it runs). `token_id` -1: no
+    token, the request was ended from outside (`ContinuousGenerator.abort`; `finished` says why)."""
 
     request_id: int
     token_id: int
@@ -191,14 +192,24 @@ class ContinuousGenerator(Generator):
     def cancel(self, request_id: int) -> bool:
         """Drops a waiting or running request and gives its blocks back at once (a client that went away); False
         when it is not queued or running (it ended, or was never submitted)."""
+        return self.abort(request_id, "cancelled") is not None
+
+    def abort(self, request_id: int, finish_reason: str) -> Completion | None:
+        """Ends a waiting or running request now, its blocks given back at once: its `Completion` with the tokens it
+        has (their text when a tokenizer is known) and `finish_reason` (e.g. "timeout"); None when it is not queued
+        or running."""
         for queue in (self.waiting, self.prefilling, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
                     self.pool.free(seq.blocks)
                     seq.blocks = []
-                    return True
-        return False
+                    c = seq.completion
+                    c.finish_reason = finish_reason
+                    if self.tokenizer is not None:
+                        c.text = self._text(c, seq.params)
+                    return c
+        return None
 
     @property
     def has_unfinished(self) -> bool:

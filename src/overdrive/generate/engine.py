@@ -114,7 +114,8 @@ def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
 class Completion:
     """One request's answer: the new token ids (stop token included when one ended it, as Hugging Face
     returns it), their text when a tokenizer is known (cut before a stop string), and why it ended:
-    "stop" (a stop token or string) or "length" (max_new_tokens); `logprobs`, one `TokenLogprob` per new token
+    "stop" (a stop token or string), "length" (max_new_tokens) or "timeout" (a server's deadline for it passed:
+    `ContinuousGenerator.abort`; the tokens are those it had); `logprobs`, one `TokenLogprob` per new token
     when `SamplingParams.logprobs` asked for them (else None)."""
 
     prompt_tokens: int

@@ -4,18 +4,25 @@ thread, behind OpenAI-compatible and KServe v2 generate endpoints (Starlette on 
 HTTP endpoints:
     GET  /v1/models
     POST /v1/completions        {"model", "prompt", "max_tokens"?=16, "temperature"?=1, "top_p"?, "seed"?, "stop"?,
-                                 "n"?=1, "logprobs"?: k, "stream"?, "stream_options"?: {"include_usage"}}
+                                 "n"?=1, "logprobs"?: k, "stream"?, "stream_options"?: {"include_usage"},
+                                 "timeout"?: s}
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens"?, ... as above but
                                  "logprobs"?: bool, "top_logprobs"?: k}   (logprobs: `serve.logprobs`)
     POST /v2/models/{name}/generate, /v2/models/{name}/generate_stream
-                                {"text_input", "parameters"?: {"max_tokens", "temperature", "top_p", "seed", "stop"}}
-                                (the KServe v2 generate extension, as Triton has it)
+                                {"text_input", "parameters"?: {"max_tokens", "temperature", "top_p", "seed", "stop",
+                                 "timeout": µs}} (the KServe v2 generate extension, as Triton has it)
     GET  /v2/health/live, /v2/health/ready, /health, /metrics (Prometheus)
 
 Streams are server-sent events (`data: {...}` lines, OpenAI's ending `data: [DONE]`). Errors are OpenAI's object
 `{"error": {"message", "type", "param", "code"}}`: 400 a request that is malformed or cannot fit the context (before
 it takes any KV block), 404 another model, 429 the waiting queue full (Retry-After), 503 draining. A client that
-disconnects has its request cancelled and its blocks freed at once. Chat prompts use the tokenizer's chat template,
+disconnects has its request cancelled and its blocks freed at once.
+
+Deadlines: a request ends at most its timeout after it arrived (OpenAI's endpoints: `"timeout"` in seconds, an
+extension, sent by the `openai` client as `extra_body`; KServe's: the `timeout` parameter in microseconds, 0 for none,
+as Triton's; else the server's `request_timeout_s`, none by default). It ends between two decode steps with the tokens
+it has and finish_reason "timeout", its blocks freed at once; one that had produced no token gets 504 (a stream: its
+last chunk says "timeout"). Chat prompts use the tokenizer's chat template,
 or, without one, a plain template ("role: content" lines, then "assistant:"), said at start and in a response header.
 Not built: `echo`, several prompts in one request, a generator beside encoders in one server.
 """
@@ -54,12 +61,15 @@ class GenerationServer:
         name: the model's name in requests and URLs.
         max_waiting: requests that may wait for a row; more get 429.
         drain_timeout_s: how long requests in flight may take to finish on SIGTERM.
+        request_timeout_s: a request's deadline when it sets none, seconds after it arrives (None: none).
     """
 
-    def __init__(self, gen: ContinuousGenerator, name: str, *, max_waiting: int = 256, drain_timeout_s: float = 30.0):
+    def __init__(self, gen: ContinuousGenerator, name: str, *, max_waiting: int = 256, drain_timeout_s: float = 30.0,
+                 request_timeout_s: float | None = None):
         if gen.tokenizer is None:
             raise ValueError("serving text needs the model's tokenizer")
         self.gen, self.name, self.drain_timeout_s = gen, name, drain_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.engine = GenerationEngine(gen, max_waiting=max_waiting)
         self.metrics = GenerationMetrics(gen)
         self.engine.on_step = lambda seconds, n: self.metrics.itl.observe(seconds)
@@ -122,12 +132,18 @@ class GenerationServer:
             parameters = body.get("parameters", {})
             if not isinstance(parameters, dict):
                 raise _BadRequest("parameters must be an object", "parameters")
-            unknown = sorted(set(parameters) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+            unknown = sorted(set(parameters) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                                                "timeout"})
             if unknown:
                 raise _BadRequest(f"unknown parameters {unknown}; known: max_tokens, temperature, top_p, top_k, seed, "
-                                  "stop", "parameters")
+                                  "stop, timeout", "parameters")
             params = _sampling(parameters, default_temperature=0.0, stop_token_ids=self.gen.defaults.stop_token_ids)
-            requests = self._start([self.gen.encode(text)], params)
+            timeout = parameters.get("timeout")
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0):
+                raise _BadRequest(f"timeout is in microseconds and must be an integer ≥ 0 (0: none), got {timeout!r}",
+                                  "timeout")
+            timeout_s = self.request_timeout_s if timeout is None else (timeout / 1e6 or None)
+            requests = self._start([self.gen.encode(text)], params, timeout_s)
         except _Refusal as exc:
             return exc.response()
         except (ValueError, TypeError) as exc:  # TypeError: text the tokenizer cannot take (a lone surrogate)
@@ -147,6 +163,8 @@ class GenerationServer:
             return _error(500, f"generation failed: {exc}", "server_error", None)
         if done is None:
             return Response(status_code=499)
+        if _timed_out_empty([done]):
+            return _timeout_error(timeout_s)
         return JSONResponse({"model_name": self.name, "model_version": "1", "text_output": done.text,
                              "finish_reason": done.finish_reason})
 
@@ -180,7 +198,12 @@ class GenerationServer:
             # n choices: the same prompt n times, each with its own seed (seed + i when the request gives one)
             per_choice = [params if params.seed is None or i == 0 else _reseeded(params, params.seed + i)
                           for i in range(n)]
-            requests = self._start([ids] * n, per_choice)
+            timeout = body.get("timeout")
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or not 0 < timeout < float("inf")):
+                raise _BadRequest(f"timeout is in seconds and must be a number > 0, got {timeout!r}", "timeout")
+            timeout_s = self.request_timeout_s if timeout is None else float(timeout)
+            requests = self._start([ids] * n, per_choice, timeout_s)
         except _Refusal as exc:
             return exc.response()
         except (ValueError, TypeError) as exc:  # TypeError: text the tokenizer cannot take (a lone surrogate)
@@ -198,6 +221,8 @@ class GenerationServer:
             return _error(500, f"generation failed: {exc}", "server_error", None)
         if any(c is None for c in done):
             return Response(status_code=499)
+        if _timed_out_empty(done):
+            return _timeout_error(timeout_s)
         choices = [{"index": i, "finish_reason": c.finish_reason, "logprobs": self._logprobs(c.logprobs, chat, ids),
                     **({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})}
                    for i, c in enumerate(done)]
@@ -282,8 +307,9 @@ class GenerationServer:
             return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
-    def _start(self, prompts: list[list[int]], params) -> list[_Request]:
-        """Submits each prompt; all or none (a refusal cancels those already queued)."""
+    def _start(self, prompts: list[list[int]], params, timeout_s: float | None = None) -> list[_Request]:
+        """Submits each prompt, each to end at most `timeout_s` from now (None: no deadline); all or none (a refusal
+        cancels those already queued)."""
         if self.draining:
             raise _Refusal(503, "the server is draining (shutting down)", "service_unavailable", None, retry=True)
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -291,9 +317,10 @@ class GenerationServer:
             raise _BadRequest(f"n is {len(prompts)}, more than this server's waiting queue holds "
                               f"({self.engine.max_waiting}, --max-queue-size)", "n")
         started: list[_Request] = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             for ids, p in zip(prompts, params):
-                started.append(_Request(self, ids, p))
+                started.append(_Request(self, ids, p, deadline))
         except QueueFull as exc:
             for r in started:
                 r.cancel()
@@ -325,11 +352,12 @@ class GenerationServer:
 class _Request:
     """One submitted request's tokens as they come, on the event loop."""
 
-    def __init__(self, server: GenerationServer, ids: list[int], params: SamplingParams):
+    def __init__(self, server: GenerationServer, ids: list[int], params: SamplingParams, deadline: float | None):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.server, self.started, self.first = server, time.perf_counter(), None
-        self.ticket = server.engine.submit(ids, params, lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e))
+        self.ticket = server.engine.submit(ids, params, lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e),
+                                           deadline)
         self.ended = False
         server.metrics.prompt_tokens.inc(len(ids))
 
@@ -339,6 +367,11 @@ class _Request:
                 event = await self.queue.get()
                 if isinstance(event, Exception):
                     raise event
+                if event.token_id < 0:  # ended from outside (its deadline): no token
+                    self.ended = True
+                    self.server.metrics.requests.labels(event.finished.finish_reason).inc()
+                    yield event
+                    return
                 if self.first is None:
                     self.first = time.perf_counter()
                     self.server.metrics.ttft.observe(self.first - self.started)
@@ -403,6 +436,15 @@ class _Refusal(Exception):
 class _BadRequest(_Refusal):
     def __init__(self, message: str, param: str | None):
         super().__init__(400, message, "invalid_request_error", param)
+
+
+def _timed_out_empty(done: list[Completion]) -> bool:
+    """Every choice ended at its deadline before its first token."""
+    return all(c.finish_reason == "timeout" and not c.token_ids for c in done)
+
+
+def _timeout_error(timeout_s: float | None) -> Response:
+    return _error(504, f"the request's deadline ({timeout_s:g} s) passed before its first token", "timeout", "timeout")
 
 
 def _error(status: int, message: str, kind: str, param: str | None, *, retry: bool = False) -> Response:

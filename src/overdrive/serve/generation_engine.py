@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from overdrive.generate.continuous import ContinuousGenerator
+from overdrive.generate.continuous import ContinuousGenerator, TokenEvent
 from overdrive.generate.engine import SamplingParams
 
 log = logging.getLogger("overdrive.serve")
@@ -27,23 +27,27 @@ class GenerationEngine:
     """Steps a `ContinuousGenerator` in its own thread while it has work. `submit` and `cancel` come from any thread
     (the event loop's) without waiting for a step: they are queued and applied by the engine thread between two
     steps. A listener gets each `TokenEvent` of its request, or the exception that ended it (a step that raised
-    ends every request in flight)."""
+    ends every request in flight). A request given a deadline is ended between two steps once it has passed: its
+    listener gets a `TokenEvent` with token_id -1 and its `Completion` (finish_reason "timeout", the tokens it had),
+    and its blocks are freed at once."""
 
     def __init__(self, gen: ContinuousGenerator, *, max_waiting: int):
         self.gen, self.max_waiting = gen, max_waiting
         self._cv = threading.Condition()
-        self._inbox: deque[tuple] = deque()  # ("submit", ticket, ids, params, listener) | ("cancel", ticket)
+        self._inbox: deque[tuple] = deque()  # ("submit", ticket, ids, params, listener, deadline) | ("cancel", ticket)
         self._tickets = itertools.count()
         self._open: set[int] = set()  # tickets submitted and not yet ended or cancelled
         self._ids: dict[int, int] = {}  # ticket -> the generator's request id (engine thread only)
         self._listeners: dict[int, tuple[int, Callable]] = {}  # request id -> (ticket, listener) (engine thread only)
+        self._deadlines: dict[int, float] = {}  # request id -> time.monotonic() it must end by (engine thread only)
         self._stopped = False
         self.on_step: Callable[[float, int], None] | None = None  # (seconds, sequences) after each step
         self._thread = threading.Thread(target=self._loop, name="overdrive-generate", daemon=True)
         self._thread.start()
 
-    def submit(self, ids: list[int], params: SamplingParams, listener: Callable) -> int:
-        """Queues a request; returns its ticket (for `cancel`).
+    def submit(self, ids: list[int], params: SamplingParams, listener: Callable, deadline: float | None = None) -> int:
+        """Queues a request; returns its ticket (for `cancel`). `deadline`: the `time.monotonic()` it must end by
+        (None: none).
 
         Raises:
             ValueError: it could never fit (`ContinuousGenerator.check`); QueueFull: `max_waiting` requests wait."""
@@ -54,7 +58,7 @@ class GenerationEngine:
                 raise QueueFull(f"{waiting} requests are waiting already")
             ticket = next(self._tickets)
             self._open.add(ticket)
-            self._inbox.append(("submit", ticket, ids, params, listener))
+            self._inbox.append(("submit", ticket, ids, params, listener, deadline))
             self._cv.notify()
         return ticket
 
@@ -85,6 +89,8 @@ class GenerationEngine:
                 inbox = list(self._inbox)
                 self._inbox.clear()
             calls = self._apply(inbox)
+            if self._deadlines:
+                calls += self._expire()
             if self.gen.has_unfinished:
                 calls += self._step()
             for listener, event in calls:
@@ -94,7 +100,7 @@ class GenerationEngine:
         calls = []
         for item in inbox:
             if item[0] == "submit":
-                _, ticket, ids, params, listener = item
+                _, ticket, ids, params, listener, deadline = item
                 try:
                     request_id = self.gen.submit(ids, params)
                 except ValueError as exc:  # checked at submit; kept for safety, never silent
@@ -103,11 +109,29 @@ class GenerationEngine:
                     continue
                 self._ids[ticket] = request_id
                 self._listeners[request_id] = (ticket, listener)
+                if deadline is not None:
+                    self._deadlines[request_id] = deadline
             else:
                 request_id = self._ids.pop(item[1], None)
                 if request_id is not None:
                     self._listeners.pop(request_id, None)
+                    self._deadlines.pop(request_id, None)
                     self.gen.cancel(request_id)
+        return calls
+
+    def _expire(self) -> list[tuple]:
+        """Ends the requests whose deadline has passed (the class docstring)."""
+        now, calls = time.monotonic(), []
+        for request_id, deadline in list(self._deadlines.items()):
+            if deadline > now:
+                continue
+            del self._deadlines[request_id]
+            completion = self.gen.abort(request_id, "timeout")
+            ticket, listener = self._listeners.pop(request_id, (None, None))
+            if listener is not None and completion is not None:
+                calls.append((listener, TokenEvent(request_id, -1, completion)))
+            if ticket is not None:
+                self._end(ticket)
         return calls
 
     def _step(self) -> list[tuple]:
@@ -122,6 +146,7 @@ class GenerationEngine:
                 self.gen.cancel(request_id)
                 self._end(ticket)
             self._listeners.clear()
+            self._deadlines.clear()
             return calls
         calls = []
         for e in events:
@@ -131,6 +156,7 @@ class GenerationEngine:
             calls.append((listener, e))
             if e.finished is not None:
                 del self._listeners[e.request_id]
+                self._deadlines.pop(e.request_id, None)
                 self._end(ticket)
         if self.on_step is not None:
             self.on_step(time.perf_counter() - started, max(running, len(self.gen.running)))
