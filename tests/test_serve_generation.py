@@ -351,7 +351,8 @@ def test_serve_of_a_generation_plan_starts_the_generation_server_and_refuses_fla
     assert isinstance(started["server"], GenerationServer) and started["server"].gen.cache.keys[0].dtype.itemsize == 1
     for extra, message in ((["--grpc-port", "9000"], "--grpc-port 9000: not for a generation plan"),
                            (["--instances", "2"], "--instances 2: not for a generation plan"),
-                           (["minilm"], "served on its own")):
+                           ([str(plan)], "2 generation plans given"),
+                           (["tests.fixtures.user_models:build", "--model-name", "m"], "--model-name names one model")):
         assert cli.main(["serve", str(plan), *extra]) == 2
         assert message in capsys.readouterr().err
     lookup = tmp_path / "lookup.json"
@@ -359,6 +360,63 @@ def test_serve_of_a_generation_plan_starts_the_generation_server_and_refuses_fla
                    steps=[{"name": "prompt-lookup"}]).save(lookup)
     assert cli.main(["serve", str(lookup)]) == 2
     assert "prompt lookup" in capsys.readouterr().err
+
+
+def test_a_generator_beside_encoders_in_one_server(lm, tmp_path, monkeypatch, capsys):
+    """`overdrive serve GEN_PLAN ENCODER`: one app answers the generator's OpenAI and KServe generate endpoints and the
+    encoder's v2 infer, health is both, /metrics holds both registries in one valid exposition, and a drain stops both."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    from overdrive import cli
+    from overdrive.generate.plan import GenerationPlan
+    from overdrive.serve import runner
+    from overdrive.serve.combined import CombinedServer
+    from overdrive.workloads import generation
+
+    monkeypatch.setattr(generation, "create_generation_workload", lambda spec, **kw: lm)
+    started = {}
+
+    def fake_run_server(server, *, host, port, access_log=False, on_started=None):
+        started["server"] = server
+        on_started(4321)
+        return 0
+
+    monkeypatch.setattr(runner, "run_server", fake_run_server)
+    plan = tmp_path / "plan.json"
+    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=2, max_new_tokens=8, steps=[]).save(plan)
+    assert cli.main(["serve", str(plan), "tests.fixtures.user_models:build", "--port", "0", "--warmup-s", "0",
+                     "--max-batch-size", "4"]) == 0
+    said = capsys.readouterr().err
+    assert "/v2/models/user_models/infer" in said and "/v1/completions" in said, said
+    server = started["server"]
+    assert isinstance(server, CombinedServer)
+    x = [[0.5] * 16, [-1.0] * 16]
+    with TestClient(server.app) as client:
+        assert client.get("/v2/health/ready").status_code == 200
+        completion = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 4, "temperature": 0})
+        alone = _alone(server.generator, "A list is", SamplingParams(max_new_tokens=4,
+                                                                     stop_token_ids=(lm.tokenizer.eos_token_id,)))
+        assert completion.json()["choices"][0]["text"] == alone.text
+        kserve = client.post("/v2/models/pydoc-lm/generate", json={"text_input": "A list is",
+                                                                   "parameters": {"max_tokens": 4}})
+        assert kserve.json()["text_output"] == alone.text
+        infer = client.post("/v2/models/user_models/infer", json={"inputs": [
+            {"name": "input", "shape": [2, 16], "datatype": "FP32", "data": sum(x, [])}]})
+        assert infer.status_code == 200, infer.text
+        assert len(infer.json()["outputs"][0]["data"]) == 8
+        assert client.get("/v2/models/pydoc-lm/ready").status_code == 200
+        assert client.get("/v2/models/user_models/ready").status_code == 200
+        assert client.post("/v2/models/nope/infer", json={"inputs": []}).status_code == 404
+        assert client.post("/v1/completions", json={"prompt": "A", "model": "user_models"}).status_code == 404
+        metrics = client.get("/metrics").text
+        names = {f.name for f in text_string_to_metric_families(metrics)}  # parses: no family twice
+        assert {"overdrive_generation_requests", "overdrive_requests", "nv_inference_count"} <= names
+        client.portal.call(server.drain)  # on the app's own event loop
+        assert client.get("/v2/health/ready").status_code == 503
+        assert client.post("/v1/completions", json={"prompt": "A list is"}).status_code == 503
+        assert client.post("/v2/models/user_models/infer", json={"inputs": [
+            {"name": "input", "shape": [1, 16], "datatype": "FP32", "data": x[0]}]}).status_code == 503
 
 
 def test_a_tiny_temperature_is_greedy_and_a_failed_step_ends_streams_with_an_error_and_frees_blocks(lm, monkeypatch):
@@ -369,7 +427,7 @@ def test_a_tiny_temperature_is_greedy_and_a_failed_step_ends_streams_with_an_err
         tiny = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 8, "temperature": 1e-45})
         greedy = client.post("/v1/completions", json={"prompt": "A list is", "max_tokens": 8, "temperature": 0})
         assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
-        assert 'overdrive_requests_total{outcome="length"} 2.0' in client.get("/metrics").text  # not "cancelled"
+        assert 'overdrive_generation_requests_total{outcome="length"} 2.0' in client.get("/metrics").text  # not "cancelled"
         real_choose = server.gen._choose
         calls = {"n": 0}
 

@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
                                                                "and as many instances as cores often serves the most)")
     serve.add_argument("--request-timeout-ms", type=nonnegative,
                        help="default timeout of a queued request, ms, when the request sets none (default 30000; 0: none); "
-                            "for a generation plan, the deadline of a whole request (default: none)")
+                            "for a generation plan, the deadline of a whole generation request (default: none)")
     serve.add_argument("--drain-timeout-s", type=nonnegative, default=30.0,
                        help="on SIGTERM/SIGINT, how long admitted requests may take to finish (default 30)")
     serve.add_argument("--warmup-s", type=nonnegative, default=30.0,
@@ -67,8 +67,9 @@ def main(args, argv: list[str]) -> int:
 
 
 def serve_generation(args) -> int:
-    """`overdrive serve PLAN.json` for a generation plan: continuous batching behind OpenAI-compatible and KServe v2
-    generate endpoints (`serve/generation.py`)."""
+    """`overdrive serve PLAN.json [ENCODER ...]` for a generation plan: continuous batching behind OpenAI-compatible
+    and KServe v2 generate endpoints (`serve/generation.py`), beside any encoders given (`serve/combined.py`: the
+    batching, gRPC and instance flags are then theirs)."""
     import sys
     import time
 
@@ -80,17 +81,21 @@ def serve_generation(args) -> int:
     from overdrive.serve.runner import bind, run_server
     from overdrive.workloads.generation import create_generation_workload
 
-    if len(args.model) > 1:
-        others = [m for m in args.model if not (m.endswith(".json") and is_generation_plan(m))]
-        raise ConfigError(f"a generation plan is served on its own for now; serve {', '.join(others) or 'the others'} "
-                          "from another server")
+    generation = [m for m in args.model if m.endswith(".json") and is_generation_plan(m)]
+    encoders = [m for m in args.model if m not in generation]
+    if len(generation) > 1:
+        raise ConfigError(f"{len(generation)} generation plans given; a server serves one causal LM (beside any "
+                          "number of encoders): serve the others from servers of their own")
+    if encoders and args.model_name is not None:
+        raise ConfigError(f"{arg('model_name')} names one model, and {len(args.model)} are given; serve such a model "
+                          "from a server of its own")
     unset = {"grpc_port": None, "batching": "adaptive", "max_queue_delay_ms": None, "instances": None, "weights": None}
     for name, default in unset.items():
-        if getattr(args, name) != default:
+        if getattr(args, name) != default and not encoders:
             raise ConfigError(f"{arg(name, getattr(args, name))}: not for a generation plan (it is batched "
                               "continuously, one instance, HTTP only)")
     bind(args.host, args.port).close()  # a port in use is said now, not after the model is built
-    plan = GenerationPlan.load(args.model[0])
+    plan = GenerationPlan.load(generation[0])
     if "prompt-lookup" in plan.names:
         raise ConfigError("the plan uses prompt lookup, which verifies one sequence at a time; a server batches "
                           "continuously: optimize again with --techniques leaving prompt-lookup out")
@@ -106,15 +111,33 @@ def serve_generation(args) -> int:
             if time.perf_counter() - started > args.warmup_s:
                 break
             gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=2))
-    server = GenerationServer(gen, name, max_waiting=args.max_queue_size or 256, drain_timeout_s=args.drain_timeout_s,
-                              request_timeout_s=args.request_timeout_ms / 1e3 if args.request_timeout_ms else None)
+    deadline_s = args.request_timeout_ms / 1e3 if args.request_timeout_ms else None
+    server = gen_server = GenerationServer(gen, name, max_waiting=args.max_queue_size or 256,
+                                           drain_timeout_s=args.drain_timeout_s, request_timeout_s=deadline_s)
+    encoders_started = None
+    if encoders:  # beside the encoders, in one app (`serve/combined.py`); the flags above are theirs
+        from overdrive.serve.combined import CombinedServer
+        from overdrive.serve.runner import build_server
+
+        encoder_server, encoders_started = build_server(
+            encoders, host=args.host, port=args.port, grpc_port=args.grpc_port, device=args.device,
+            max_batch_size=args.max_batch_size, batching=args.batching, max_queue_delay_ms=args.max_queue_delay_ms, max_queue_size=args.max_queue_size,
+            instances=args.instances,
+            request_timeout_ms=30_000.0 if args.request_timeout_ms is None else args.request_timeout_ms,
+            drain_timeout_s=args.drain_timeout_s, warmup_s=args.warmup_s, weights=args.weights, share_cores=1)
+        try:
+            server = CombinedServer(encoder_server, server)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def on_started(port: int) -> None:
-        sys.stderr.write(f"overdrive serve: plan {args.model[0]} ({' + '.join(plan.names) or 'baseline'}) as model "
+        if encoders_started is not None:
+            encoders_started(port)
+        sys.stderr.write(f"overdrive serve: plan {generation[0]} ({' + '.join(plan.names) or 'baseline'}) as model "
                          f"{name!r} on http://{args.host}:{port}/v1/completions, /v1/chat/completions and "
                          f"/v2/models/{name}/generate; continuous batching of up to {gen.max_batch_size} sequences, "
                          f"{gen.pool.capacity} KV blocks of {gen.block_size} slots on {devices.describe(device)}; "
-                         f"chat template: {server.chat_template}\n")
+                         f"chat template: {gen_server.chat_template}\n")
         sys.stderr.flush()
 
     return run_server(server, host=args.host, port=args.port, access_log=args.access_log, on_started=on_started)

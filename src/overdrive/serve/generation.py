@@ -24,7 +24,7 @@ as Triton's; else the server's `request_timeout_s`, none by default). It ends be
 it has and finish_reason "timeout", its blocks freed at once; one that had produced no token gets 504 (a stream: its
 last chunk says "timeout"). Chat prompts use the tokenizer's chat template,
 or, without one, a plain template ("role: content" lines, then "assistant:"), said at start and in a response header.
-Not built: `echo`, several prompts in one request, a generator beside encoders in one server.
+Not built: `echo`, several prompts in one request. Beside encoders in one server: `serve.combined`.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ class GenerationMetrics:
                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
         self.tokens = Counter("overdrive_generation_tokens", "tokens generated", registry=r)
         self.prompt_tokens = Counter("overdrive_prompt_tokens", "prompt tokens prefilled", registry=r)
-        self.requests = Counter("overdrive_requests", "requests by outcome", ["outcome"], registry=r)
+        self.requests = Counter("overdrive_generation_requests", "generation requests by outcome", ["outcome"], registry=r)
         for name, doc, read in (
                 ("overdrive_running_requests", "sequences admitted: decoding, or their prompt prefilling in chunks",
                  lambda: len(gen.running) + len(gen.prefilling)),

@@ -60,17 +60,32 @@ def load_served_model(spec: str, *, device: str, instances: int | None, name: st
     return served, plan, instances
 
 
-def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = None,
-          device: str = "auto", model_name: str | None = None, max_batch_size: int | None = None,
-          batching: str = "adaptive", max_queue_delay_ms: float | None = None, max_queue_size: int | None = None,
-          instances: int | None = None, request_timeout_ms: float = 30_000.0, drain_timeout_s: float = 30.0,
-          warmup_s: float = 30.0, access_log: bool = False, weights: str | None = None) -> int:
+def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False,
+          **settings) -> int:
     """Serve one or more workloads or plans `optimize` wrote until SIGTERM/SIGINT, then drain and return 0.
+    host, port: where to listen for HTTP (port 0: any free port; the bound one is logged); access_log: log every
+    request; `settings`: as `build_server`'s.
+
+    Raises:
+        as `build_server`.
+    """
+    server, started = build_server(specs, host=host, port=port, **settings)
+    return run_server(server, host=host, port=port, access_log=access_log, on_started=started)
+
+
+def build_server(specs: str | list[str], *, host: str = "127.0.0.1", port: int | None = None,
+                 grpc_port: int | None = None,
+                 device: str = "auto", model_name: str | None = None, max_batch_size: int | None = None,
+                 batching: str = "adaptive", max_queue_delay_ms: float | None = None, max_queue_size: int | None = None,
+                 instances: int | None = None, request_timeout_ms: float = 30_000.0, drain_timeout_s: float = 30.0,
+                 warmup_s: float = 30.0, weights: str | None = None, share_cores: int = 0):
+    """The server for one or more workloads or plans, and what to say once it listens: (InferenceServer,
+    on_started(port)), for `run_server` (alone, or beside a generator: `serve.combined`).
 
     Args:
         specs: a workload (minilm, digits-cnn, ...) or a plan.json, or a list of them (one model each,
             each with its own batcher and queue; the CPU's cores are split between all their instances).
-        host, port: where to listen for HTTP (port 0: any free port; the bound one is logged).
+        host, port: the HTTP address `run_server` will bind (gRPC binds `host` here, on a port of its own).
         grpc_port: also serve KServe v2 gRPC on this port (0: any free one; None: HTTP only).
         device: "auto", "cpu", "cuda" (every GPU, one instance each) or "cuda:N".
         model_name: the name in the URLs (default: the workload's); one model only.
@@ -85,9 +100,9 @@ def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, 
         request_timeout_ms: a queued request's timeout when it sets none, ms (0: none).
         drain_timeout_s: how long admitted requests may take to finish on SIGTERM/SIGINT.
         warmup_s: seconds per model at start spent running the batch sizes it warms (0: none).
-        access_log: log every request.
         weights: a checkpoint loaded into the model (`overdrive.workloads.weights`); one model only; a plan
             loads its own.
+        share_cores: other model instances (a generator's engine) that share the CPU's cores with these.
 
     Raises:
         ConfigError: a model name, batch size or queue size that cannot work, a port in use, two models
@@ -125,7 +140,7 @@ def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, 
     # serve_cpu 2026-12-01, "the same with two instances"). With several models, all their instances share them.
     # Leaving one core to the event loop was measured too (serve_cpu 2026-12-03): digits-cnn served the
     # same, MiniLM 15% less at 32 clients on 2 cores, so the instances keep every core.
-    threads["each"] = max(1, cores // sum(c.instances for _, c, _ in models))
+    threads["each"] = max(1, cores // (sum(c.instances for _, c, _ in models) + share_cores))
     for served, _, _ in models:
         served.threads_per_instance = threads["each"]
     server = InferenceServer(models, grpc_port=grpc_port, host=host)
@@ -145,7 +160,7 @@ def serve(specs: str | list[str], *, host: str = "127.0.0.1", port: int = 8000, 
                 sys.stderr.write(f"overdrive serve: {name}: {slot.served.dependence.describe()}\n")
         sys.stderr.flush()
 
-    return run_server(server, host=host, port=port, access_log=access_log, on_started=started)
+    return server, started
 
 
 def _with_threads(served: ServedModel, threads: int | None) -> ServedModel:
