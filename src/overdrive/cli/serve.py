@@ -121,8 +121,8 @@ def serve_generation(args) -> int:
 
         encoder_server, encoders_started = build_server(
             encoders, host=args.host, port=args.port, grpc_port=args.grpc_port, device=args.device,
-            max_batch_size=args.max_batch_size, batching=args.batching, max_queue_delay_ms=args.max_queue_delay_ms, max_queue_size=args.max_queue_size,
-            instances=args.instances,
+            max_batch_size=args.max_batch_size, batching=args.batching, max_queue_delay_ms=args.max_queue_delay_ms,
+            max_queue_size=args.max_queue_size, instances=args.instances,
             request_timeout_ms=30_000.0 if args.request_timeout_ms is None else args.request_timeout_ms,
             drain_timeout_s=args.drain_timeout_s, warmup_s=args.warmup_s, weights=args.weights, share_cores=1)
         try:
