@@ -85,11 +85,13 @@ def main() -> int:
         print(f"no plan at {args.plan}: run `overdrive optimize minilm` first (or pass --plan)", file=sys.stderr)
         return 2
     import onnxruntime as ort
-    import openvino as ov
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from sentence_transformers import SentenceTransformer
     from transformers import AutoTokenizer
 
+    from overdrive.techniques.runtime.openvino_runtime import openvino
+
+    ov = openvino()  # its telemetry declined, as overdrive's own entries have it
     print(f"peers_cpu: torch {torch.__version__}, onnxruntime {ort.__version__}, openvino {ov.__version__}, "
           f"{torch.get_num_threads()} threads, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", flush=True)
     workload = build_minilm(num_sentences=args.num_sentences)

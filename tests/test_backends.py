@@ -13,9 +13,13 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -429,3 +433,37 @@ def test_an_int8_file_a_plan_ran_is_exported_with_its_own_difference_not_the_fp3
     assert result.max_abs_diff > 1e-4  # the quantised file's own difference, measured on real rows
     got = ort_session(result.path).run(None, {"input": np.zeros((3, 1, 8, 8), np.float32)})[0]
     assert got.shape == (3, 10)
+
+
+_TELEMETRY_PROBE = """
+import multiprocessing, os, sys
+forks = []
+multiprocessing.Process.start = lambda self: forks.append(self._target.__module__)
+import torch
+if sys.argv[1] == "overdrive":
+    from overdrive.techniques.runtime.openvino_runtime import openvino
+    ov = openvino()
+else:
+    import openvino as ov
+ov.convert_model(torch.nn.Linear(3, 2), example_input=torch.zeros(1, 3))
+print(forks, sorted(os.listdir(os.path.join(os.environ["HOME"], "intel"))) if os.path.isdir(os.path.join(os.environ["HOME"], "intel")) else [])
+"""
+
+
+@pytest.mark.parametrize("importer", ["openvino", "overdrive"])
+def test_openvino_sends_no_telemetry_through_overdrive(importer, tmp_path):
+    """OpenVINO's telemetry (on unless opted out) forks a process off a worker thread for every
+    event: a fork of a process running torch's and gRPC's threads crashed a pytest worker with SIGSEGV.
+    Through overdrive nothing is forked and nothing is written under ~/intel; imported directly, in
+    the same fresh home, it does both (the probe can fail)."""
+    pytest.importorskip("openvino")
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "TF_BUILD", "JENKINS_URL")}
+    env["HOME"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", _TELEMETRY_PROBE, importer], env=env, capture_output=True,
+                         text=True, timeout=240, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    forks_and_files = out.stdout.strip().splitlines()[-1]
+    if importer == "overdrive":
+        assert forks_and_files == "[] []"
+    else:
+        assert "openvino_telemetry" in forks_and_files, forks_and_files

@@ -30,6 +30,25 @@ from overdrive.techniques.runtime.exported import ExportedRuntime, RuntimeModule
 CALIBRATION_ROWS = 128
 
 
+def openvino():
+    """The `openvino` module, imported with OpenVINO's and NNCF's usage telemetry declined in this
+    process. Both send it unless the user opted out (`openvino_telemetry`: an event at import and at
+    every `convert_model`, each from a process forked off a worker thread to time the request out).
+    A fork of a process running torch's, OpenMP's or gRPC's threads can crash (seen here: SIGSEGV in
+    the child's `getaddrinfo`, taking a pytest worker with it), and overdrive sends nothing anywhere.
+    The user's consent file is neither read nor written."""
+    try:
+        from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+        from openvino_telemetry.utils.sender import TelemetrySender
+    except ImportError:
+        pass
+    else:
+        OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
+        TelemetrySender.send = lambda self, *args, **kwargs: None  # an instance made before this call
+    import openvino as ov
+
+    return ov
+
 
 class Precision(str, enum.Enum):
     DEFAULT = "default"  # the CPU plugin's own choice for this CPU
@@ -72,7 +91,7 @@ def convert(model: torch.nn.Module, workload: Workload):
     Raises:
         RuntimeError: both conversions failed (both reasons given).
     """
-    import openvino as ov
+    ov = openvino()
 
     from overdrive.files.onnx import example_inputs, export_shapes, quiet_export, reason, traced
 
@@ -103,7 +122,7 @@ def cached_convert(model: torch.nn.Module, workload: Workload, quantize=None, qu
     Raises:
         RuntimeError: as `convert`.
     """
-    import openvino as ov
+    ov = openvino()
 
     from overdrive.files.cache import cached, model_key, outputs_key, tensors_key, versions
     from overdrive.files.onnx import example_inputs
@@ -128,7 +147,7 @@ def cached_convert(model: torch.nn.Module, workload: Workload, quantize=None, qu
 def ov_module(ov_model, *, config: dict, runtime: str, technique: str) -> RuntimeModule:
     """A RuntimeModule running `ov_model` on the CPU plugin; one compiled model and infer request
     per thread count, the output copied out of the request's buffer before the next call."""
-    import openvino as ov
+    ov = openvino()
 
     core = ov.Core()
     seen = {}
@@ -190,6 +209,7 @@ class OpenVinoInt8(ExportedRuntime):
         return super().applicability(workload, device)
 
     def apply(self, model, config, *, workload, device):
+        openvino()  # before nncf, which imports it
         import nncf
 
         from overdrive.files.cache import tensors_key
