@@ -6,6 +6,10 @@ step compiled, its scheduler one of:
 - continuous: `ContinuousGenerator(max_batch_size=streams)`, a request joins at the next step;
 - static: the same with scheduling="static": a batch is admitted only when the last one has ended entirely;
 - one-at-a-time: max_batch_size 1;
+- hf-continuous: Hugging Face's own server, `transformers serve DIR --continuous-batching --device cpu` (its paged
+  continuous batching, eager: no --compile), in a process of its own on the workload's model and tokenizer saved to a
+  temporary folder (it needs `accelerate`); it takes text prompts, so each prompt is its token ids decoded (the table
+  says how many re-tokenize to other ids); no engine ITL, KV or prefix-cache figures (it reports none);
 an entry "continuous/N" prefills at most N prompt tokens a step (`max_prefill_tokens`; chunked prefill beyond it);
 "-nocache" after a scheduler's name turns prefix caching off (`prefix_caching=False`; on for the others); ":bK" at
 the end of an entry gives it KV blocks of K slots (else --block-size), e.g. "continuous:b4".
@@ -26,18 +30,25 @@ untimed load (its engine thread's first steps), then the timed one.
 
     .venv/bin/python benchmarks/serve_generate_cpu.py [--workload pydoc-lm] [--streams 1,8,32] [--requests 64]
         [--min-new 8] [--max-new 96] [--think-ms 20] [--block-size K] [--shared-prefix]
-        [--entries continuous,continuous/64,continuous-nocache,continuous:b4,static,one-at-a-time]
+        [--entries continuous,continuous/64,continuous-nocache,continuous:b4,static,one-at-a-time,hf-continuous]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
+import importlib.util
 import json
 import multiprocessing
+import os
 import random
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -88,6 +99,63 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def drive(url: str, requests: list[dict], streams: int, think_ms: float, context, on_warm=None) -> dict:
+    """A short untimed load (a server's first steps), then `on_warm()`, then the timed load; the timed load's
+    results (request index -> what its client saw)."""
+    for timed in (False, True):
+        receive, send = context.Pipe(duplex=False)
+        todo = requests if timed else requests[:2 * streams]
+        client = context.Process(target=load, args=(url, todo, streams, think_ms, streams, send))
+        client.start()
+        results = receive.recv()
+        client.join()
+        if not timed and on_warm is not None:
+            on_warm()
+    return results
+
+
+@contextlib.contextmanager
+def hf_server(workload):
+    """`transformers serve --continuous-batching` on the workload's model, in its own process; yields its URL and
+    the model name requests must carry.
+
+    Raises:
+        RuntimeError: the server did not answer /health within 240 s (its output's tail said)."""
+    import httpx
+
+    with tempfile.TemporaryDirectory(prefix="hf-serve-") as folder:
+        workload.model.save_pretrained(folder)
+        workload.tokenizer.save_pretrained(folder)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = open(os.path.join(folder, "server.log"), "w+")
+        server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", folder,
+                                   "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+                                   "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 240
+            while time.time() < deadline and server.poll() is None:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(1)
+            else:
+                log.seek(0)
+                raise RuntimeError(f"transformers serve did not start: {log.read()[-1500:]}")
+            yield url, folder
+        finally:
+            os.killpg(server.pid, 15)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, 9)
+            log.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="pydoc-lm")
@@ -96,14 +164,12 @@ def main() -> None:
     parser.add_argument("--min-new", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=96)
     parser.add_argument("--think-ms", type=float, default=20.0)
-    parser.add_argument("--entries", default="continuous,static,one-at-a-time")
+    parser.add_argument("--entries", default="continuous,static,one-at-a-time,hf-continuous")
     parser.add_argument("--block-size", type=int, help="KV slots per block (default: the generator's)")
     parser.add_argument("--shared-prefix", action="store_true", help="every prompt after the same system text")
     args = parser.parse_args()
 
-    from overdrive.generate import Decoder, SamplingParams
-    from overdrive.generate.continuous import ContinuousGenerator
-    from overdrive.serve.generation import GenerationServer, listening
+    from overdrive.generate import Decoder
     from overdrive.workloads.generation import create_generation_workload
 
     workload = create_generation_workload(args.workload, num_prompts=args.requests)
@@ -134,56 +200,79 @@ def main() -> None:
     for streams in [int(x) for x in args.streams.split(",")]:
         reference = None
         for entry in args.entries.split(","):
-            entry_, _, block = entry.partition(":b")
-            name, _, budget = entry_.partition("/")
-            name, nocache = name.removesuffix("-nocache"), name.endswith("-nocache")
-            batch = 1 if name == "one-at-a-time" else streams
-            chunk = {"max_prefill_tokens": int(budget)} if budget else {}
-            gen = ContinuousGenerator(decoder, workload.tokenizer, max_batch_size=batch, compile=True, **chunk,
-                                      prefix_caching=not nocache, **({"block_size": int(block or args.block_size)}
-                                                                     if block or args.block_size else {}),
-                                      scheduling="static" if name == "static" else "continuous",
-                                      defaults=SamplingParams(stop_token_ids=(workload.tokenizer.eos_token_id,)))
-            sizes = sorted({min(1 << k, batch) for k in range(batch.bit_length() + 1)})
-            for size in sizes:  # warm-up: the compiled shapes the load will meet
-                gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=args.max_new))
-            produced: dict[int, list[float]] = {}  # request id -> when the engine produced each of its tokens
-            step = gen.step
-
-            def timed_step(step=step, produced=produced):
-                events = step()
-                now = time.perf_counter()
-                for e in events:
-                    produced.setdefault(e.request_id, []).append(now)
-                return events
-
-            gen.step = timed_step
-            server = GenerationServer(gen, args.workload, max_waiting=10 * args.requests)
-            with listening(server.app) as url:
-                for timed in (False, True):  # first a short untimed load: the engine thread's first steps
-                    gen.stats = type(gen.stats)()
-                    produced.clear()
-                    receive, send = context.Pipe(duplex=False)
-                    todo = requests if timed else requests[:2 * streams]
-                    client = context.Process(target=load, args=(url, todo, streams, args.think_ms, streams, send))
-                    client.start()
-                    results = receive.recv()
-                    client.join()
-            server.engine.stop()
+            if entry == "hf-continuous" and importlib.util.find_spec("accelerate") is None:
+                print(f"{streams:>7} {entry:<16}skipped: `transformers serve` needs accelerate (pip install accelerate)")
+                continue
+            if entry == "hf-continuous":
+                texts = [workload.tokenizer.decode(r["prompt"], skip_special_tokens=True) if not isinstance(r["prompt"], str)
+                         else r["prompt"] for r in requests]
+                kept = sum(workload.tokenizer(t)["input_ids"] == list(r["prompt"]) for t, r in zip(texts, requests))
+                with hf_server(workload) as (url, name):
+                    results = drive(url, [{**r, "prompt": t, "model": name} for r, t in zip(requests, texts)],
+                                    streams, args.think_ms, context)
+                produced, kv_waste, cached = {}, None, None
+                note = f"; {len(requests) - kept} prompts re-tokenize to other ids" if kept < len(requests) else ""
+            else:
+                results, produced, kv_waste, cached = serve_ours(entry, streams, args, workload, decoder, requests,
+                                                                  context)
+                note = ""
             wall = max(r["ended"] for r in results.values()) - min(r["sent"] for r in results.values())
             tokens = sum(r["tokens"] for r in results.values())
             ttft = [r["chunks"][0] - r["sent"] for r in results.values() if r["chunks"]]
             itl = [b - a for r in results.values() for a, b in zip(r["chunks"], r["chunks"][1:])]
             engine_itl = [b - a for times in produced.values() for a, b in zip(times, times[1:])]
-            texts = [results[i]["text"] for i in range(len(requests))]
-            reference = reference or texts
-            same = sum(a == b for a, b in zip(texts, reference))
+            answers = [results[i]["text"] for i in range(len(requests))]
+            reference = reference or answers
+            same = sum(a == b for a, b in zip(answers, reference))
+            engine = (f"{percentile(engine_itl, .5) * 1e3:>7.0f}ms{percentile(engine_itl, .99) * 1e3:>7.0f}ms"
+                      if engine_itl else f"{'—':>9}{'—':>9}")
+            memory = f"{kv_waste:>10.1%}{cached:>8.0%}" if kv_waste is not None else f"{'—':>10}{'—':>8}"
             print(f"{streams:>7} {entry:<16}{tokens / wall:>10.1f}{percentile(ttft, .5) * 1e3:>8.0f}ms"
                   f"{percentile(ttft, .99) * 1e3:>8.0f}ms{percentile(itl, .5) * 1e3:>7.0f}ms"
-                  f"{percentile(itl, .99) * 1e3:>7.0f}ms{percentile(engine_itl, .5) * 1e3:>7.0f}ms"
-                  f"{percentile(engine_itl, .99) * 1e3:>7.0f}ms{gen.stats.kv_waste:>10.1%}{gen.stats.prefix_hit_rate:>8.0%}  {same}/{len(texts)} equal the "
-                  f"first entry's", flush=True)
+                  f"{percentile(itl, .99) * 1e3:>7.0f}ms{engine}{memory}  {same}/{len(answers)} equal the "
+                  f"first entry's{note}", flush=True)
 
+
+def serve_ours(entry: str, streams: int, args, workload, decoder, requests: list[dict], context):
+    """One overdrive entry (`GenerationServer` in a thread of this process) under the load; its results, when the
+    engine produced each request's tokens, its KV cache's empty share and its prefix-cache hit rate."""
+    from overdrive.generate import SamplingParams
+    from overdrive.generate.continuous import ContinuousGenerator
+    from overdrive.serve.generation import GenerationServer, listening
+
+    entry_, _, block = entry.partition(":b")
+    name, _, budget = entry_.partition("/")
+    name, nocache = name.removesuffix("-nocache"), name.endswith("-nocache")
+    batch = 1 if name == "one-at-a-time" else streams
+    chunk = {"max_prefill_tokens": int(budget)} if budget else {}
+    gen = ContinuousGenerator(decoder, workload.tokenizer, max_batch_size=batch, compile=True, **chunk,
+                              prefix_caching=not nocache, **({"block_size": int(block or args.block_size)}
+                                                             if block or args.block_size else {}),
+                              scheduling="static" if name == "static" else "continuous",
+                              defaults=SamplingParams(stop_token_ids=(workload.tokenizer.eos_token_id,)))
+    sizes = sorted({min(1 << k, batch) for k in range(batch.bit_length() + 1)})
+    for size in sizes:  # warm-up: the compiled shapes the load will meet
+        gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=args.max_new))
+    produced: dict[int, list[float]] = {}  # request id -> when the engine produced each of its tokens
+    step = gen.step
+
+    def timed_step():
+        events = step()
+        now = time.perf_counter()
+        for e in events:
+            produced.setdefault(e.request_id, []).append(now)
+        return events
+
+    def reset():
+        gen.stats = type(gen.stats)()
+        produced.clear()
+
+    gen.step = timed_step
+    server = GenerationServer(gen, args.workload, max_waiting=10 * args.requests)
+    with listening(server.app) as url:
+        results = drive(url, requests, streams, args.think_ms, context, on_warm=reset)
+    server.engine.stop()
+    return results, produced, gen.stats.kv_waste, gen.stats.prefix_hit_rate
 
 if __name__ == "__main__":
     main()
