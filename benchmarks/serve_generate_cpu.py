@@ -20,7 +20,8 @@ request (streamed, greedy, `max_tokens` drawn once per request, seeded, from --m
 held-out prompts) after an exponential pause (mean --think-ms: Poisson-like arrivals), and records time to first
 token (TTFT) and the gaps between streamed chunks (inter-token latency as a client sees it: a token whose text is
 held back, an unfinished UTF-8 character or a random-weight model's id beyond its tokenizer's 4,096, comes with the
-next chunk), and the server side records when the engine produced each token (ITL per token, at the engine). Per
+next chunk), and the server side records when the engine took each request and produced each token (eTTFT and ITL
+per token, at the engine: the figures `bench` measures, for a model whose tokens carry no text). Per
 entry and stream count: total tokens/s (completion tokens over the wall time from the first request to the last
 answer), TTFT and both ITLs p50/p99,
 the KV cache's empty share (a property of each sequence's length and the block size, so the same for every
@@ -195,7 +196,8 @@ def main() -> None:
              if args.shared_prefix else ""), flush=True)
     context = multiprocessing.get_context("spawn")
     print(f"\n{'streams':>7} {'entry':<16}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-          f"{'ITL p99':>9}{'tok p50':>9}{'tok p99':>9}{'KV empty':>10}{'cached':>8}  answers   (ITL: client chunks; tok: engine)",
+          f"{'ITL p99':>9}{'eTTFT p50':>10}{'tok p50':>9}{'tok p99':>9}{'KV empty':>10}{'cached':>8}  answers   "
+          f"(TTFT, ITL: the client's; eTTFT, tok: the engine's)",
           flush=True)
     for streams in [int(x) for x in args.streams.split(",")]:
         reference = None
@@ -210,10 +212,10 @@ def main() -> None:
                 with hf_server(workload) as (url, name):
                     results = drive(url, [{**r, "prompt": t, "model": name} for r, t in zip(requests, texts)],
                                     streams, args.think_ms, context)
-                produced, kv_waste, cached = {}, None, None
+                produced, submitted, kv_waste, cached = {}, {}, None, None
                 note = f"; {len(requests) - kept} prompts re-tokenize to other ids" if kept < len(requests) else ""
             else:
-                results, produced, kv_waste, cached = serve_ours(entry, streams, args, workload, decoder, requests,
+                results, produced, submitted, kv_waste, cached = serve_ours(entry, streams, args, workload, decoder, requests,
                                                                   context)
                 note = ""
             wall = max(r["ended"] for r in results.values()) - min(r["sent"] for r in results.values())
@@ -224,8 +226,9 @@ def main() -> None:
             answers = [results[i]["text"] for i in range(len(requests))]
             reference = reference or answers
             same = sum(a == b for a, b in zip(answers, reference))
-            engine = (f"{percentile(engine_itl, .5) * 1e3:>7.0f}ms{percentile(engine_itl, .99) * 1e3:>7.0f}ms"
-                      if engine_itl else f"{'—':>9}{'—':>9}")
+            engine_ttft = [times[0] - submitted[r] for r, times in produced.items() if r in submitted]
+            engine = (f"{percentile(engine_ttft, .5) * 1e3:>8.0f}ms{percentile(engine_itl, .5) * 1e3:>7.0f}ms"
+                      f"{percentile(engine_itl, .99) * 1e3:>7.0f}ms" if engine_itl else f"{'—':>10}{'—':>9}{'—':>9}")
             memory = f"{kv_waste:>10.1%}{cached:>8.0%}" if kv_waste is not None else f"{'—':>10}{'—':>8}"
             print(f"{streams:>7} {entry:<16}{tokens / wall:>10.1f}{percentile(ttft, .5) * 1e3:>8.0f}ms"
                   f"{percentile(ttft, .99) * 1e3:>8.0f}ms{percentile(itl, .5) * 1e3:>7.0f}ms"
@@ -235,7 +238,8 @@ def main() -> None:
 
 def serve_ours(entry: str, streams: int, args, workload, decoder, requests: list[dict], context):
     """One overdrive entry (`GenerationServer` in a thread of this process) under the load; its results, when the
-    engine produced each request's tokens, its KV cache's empty share and its prefix-cache hit rate."""
+    engine produced each request's tokens and when it took each request, its KV cache's empty share and its
+    prefix-cache hit rate."""
     from overdrive.generate import SamplingParams
     from overdrive.generate.continuous import ContinuousGenerator
     from overdrive.serve.generation import GenerationServer, listening
@@ -254,7 +258,8 @@ def serve_ours(entry: str, streams: int, args, workload, decoder, requests: list
     for size in sizes:  # warm-up: the compiled shapes the load will meet
         gen.generate([workload.prompts[0]] * size, SamplingParams(max_new_tokens=args.max_new))
     produced: dict[int, list[float]] = {}  # request id -> when the engine produced each of its tokens
-    step = gen.step
+    submitted: dict[int, float] = {}  # request id -> when the engine took it (its thread, between steps)
+    step, submit = gen.step, gen.submit
 
     def timed_step():
         events = step()
@@ -263,16 +268,22 @@ def serve_ours(entry: str, streams: int, args, workload, decoder, requests: list
             produced.setdefault(e.request_id, []).append(now)
         return events
 
+    def timed_submit(*args, **kwargs):
+        request_id = submit(*args, **kwargs)
+        submitted[request_id] = time.perf_counter()
+        return request_id
+
     def reset():
         gen.stats = type(gen.stats)()
         produced.clear()
+        submitted.clear()
 
-    gen.step = timed_step
+    gen.step, gen.submit = timed_step, timed_submit
     server = GenerationServer(gen, args.workload, max_waiting=10 * args.requests)
     with listening(server.app) as url:
         results = drive(url, requests, streams, args.think_ms, context, on_warm=reset)
     server.engine.stop()
-    return results, produced, gen.stats.kv_waste, gen.stats.prefix_hit_rate
+    return results, produced, submitted, gen.stats.kv_waste, gen.stats.prefix_hit_rate
 
 if __name__ == "__main__":
     main()
