@@ -1,12 +1,12 @@
 """Serving generation under load: continuous batching against static batching and one request at a time, the same
-server code and the same requests, side by side in one run (the CPU).
+server code and the same requests, side by side in one run (the CPU; --device cuda for `make gpu-check`).
 
 The server (`serve/generation.py`, uvicorn in a thread of this process) serves the workload's model with the decode
 step compiled, its scheduler one of:
 - continuous: `ContinuousGenerator(max_batch_size=streams)`, a request joins at the next step;
 - static: the same with scheduling="static": a batch is admitted only when the last one has ended entirely;
 - one-at-a-time: max_batch_size 1;
-- hf-continuous: Hugging Face's own server, `transformers serve DIR --continuous-batching --device cpu` (its paged
+- hf-continuous: Hugging Face's own server, `transformers serve DIR --continuous-batching --device D` (its paged
   continuous batching, eager: no --compile), in a process of its own on the workload's model and tokenizer saved to a
   temporary folder (it needs `accelerate`); it takes text prompts, so each prompt is its token ids decoded (the table
   says how many re-tokenize to other ids); no engine ITL, KV or prefix-cache figures (it reports none);
@@ -30,7 +30,8 @@ running server's would be), and whether each answer equals the first entry's (gr
 untimed load (its engine thread's first steps), then the timed one.
 
     .venv/bin/python benchmarks/serve_generate_cpu.py [--workload pydoc-lm] [--streams 1,8,32] [--requests 64]
-        [--min-new 8] [--max-new 96] [--think-ms 20] [--block-size K] [--shared-prefix]
+        [--min-new 8] [--max-new 96] [--think-ms 20] [--block-size K] [--shared-prefix] [--device cuda]
+        [--dtype bfloat16] [--no-compile]
         [--entries continuous,continuous/64,continuous-nocache,continuous:b4,static,one-at-a-time,hf-continuous]
 """
 
@@ -116,7 +117,7 @@ def drive(url: str, requests: list[dict], streams: int, think_ms: float, context
 
 
 @contextlib.contextmanager
-def hf_server(workload):
+def hf_server(workload, device: str):
     """`transformers serve --continuous-batching` on the workload's model, in its own process; yields its URL and
     the model name requests must carry.
 
@@ -132,7 +133,7 @@ def hf_server(workload):
             port = s.getsockname()[1]
         log = open(os.path.join(folder, "server.log"), "w+")
         server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", folder,
-                                   "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+                                   "--continuous-batching", "--device", device, "--host", "127.0.0.1", "--port", str(port),
                                    "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
         url = f"http://127.0.0.1:{port}"
@@ -168,12 +169,17 @@ def main() -> None:
     parser.add_argument("--entries", default="continuous,static,one-at-a-time,hf-continuous")
     parser.add_argument("--block-size", type=int, help="KV slots per block (default: the generator's)")
     parser.add_argument("--shared-prefix", action="store_true", help="every prompt after the same system text")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for `make gpu-check ONLY=serve-generate`")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights and KV cache")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="the decode step eager (a compiled step builds a graph per batch size it meets)")
     args = parser.parse_args()
 
     from overdrive.generate import Decoder
     from overdrive.workloads.generation import create_generation_workload
 
     workload = create_generation_workload(args.workload, num_prompts=args.requests)
+    workload.model.to(device=args.device, dtype=getattr(torch, args.dtype))
     decoder = Decoder.from_hf(workload.model)
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.min_new, args.max_new + 1, (args.requests,), generator=g).tolist()
@@ -191,7 +197,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; {args.workload} "
           f"({sum(p.numel() for p in decoder.parameters()) / 1e6:.1f} M parameters), {args.requests} requests, "
           f"max_tokens {min(lengths)}–{max(lengths)}, greedy, streamed; think time {args.think_ms:g} ms (mean); "
-          f"decode step compiled; KV blocks of {args.block_size or 'the default'} unless an entry says"
+          f"{args.device}, {args.dtype}; decode step {'compiled' if args.compile else 'eager'}; KV blocks of {args.block_size or 'the default'} unless an entry says"
           + (f"; every prompt after the same {len(system_ids)}-token system text"
              if args.shared_prefix else ""), flush=True)
     context = multiprocessing.get_context("spawn")
@@ -209,7 +215,7 @@ def main() -> None:
                 texts = [workload.tokenizer.decode(r["prompt"], skip_special_tokens=True) if not isinstance(r["prompt"], str)
                          else r["prompt"] for r in requests]
                 kept = sum(workload.tokenizer(t)["input_ids"] == list(r["prompt"]) for t, r in zip(texts, requests))
-                with hf_server(workload) as (url, name):
+                with hf_server(workload, args.device) as (url, name):
                     results = drive(url, [{**r, "prompt": t, "model": name} for r, t in zip(requests, texts)],
                                     streams, args.think_ms, context)
                 produced, submitted, kv_waste, cached = {}, {}, None, None
@@ -249,7 +255,7 @@ def serve_ours(entry: str, streams: int, args, workload, decoder, requests: list
     name, nocache = name.removesuffix("-nocache"), name.endswith("-nocache")
     batch = 1 if name == "one-at-a-time" else streams
     chunk = {"max_prefill_tokens": int(budget)} if budget else {}
-    gen = ContinuousGenerator(decoder, workload.tokenizer, max_batch_size=batch, compile=True, **chunk,
+    gen = ContinuousGenerator(decoder, workload.tokenizer, max_batch_size=batch, compile=args.compile, **chunk,
                               prefix_caching=not nocache, **({"block_size": int(block or args.block_size)}
                                                              if block or args.block_size else {}),
                               scheduling="static" if name == "static" else "continuous",

@@ -12,7 +12,7 @@ OUT_DIR=${OUT:-out/gpu-check}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-# ONLY="tests run" runs just those parts (tests optimize sparsity train run backends precision graph serve); the whole check is longer than
+# ONLY="tests run" runs just those parts (tests optimize sparsity train run backends precision graph serve serve-generate); the whole check is longer than
 # one device loan of 15 minutes can hold with its start-up, so a loan runs the parts its issue needs.
 ONLY=${ONLY:-tests optimize sparsity train run}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
@@ -117,6 +117,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 timeout 240 $PY benchmarks/serve_gpu.py --seconds 5 --out "$OUT_DIR" 2>&1 | tail -n 20 | tee "$OUT_DIR/serve_gpu.txt" || status=1
 rm -rf "$OUT_DIR/serve_gpu"
+fi
+if want serve-generate; then
+# ONLY=serve-generate (≤ 4 minutes): the generation server on llama-1b-random (Llama 3.2 1B's shape, random weights) in
+# bf16, continuous batching against static batching and one request at a time at 1, 32 and 128 streams
+# (benchmarks/serve_generate_cpu.py --device cuda; the decode step eager: a compiled one builds a graph per batch size).
+echo "== serve-generate: llama-1b-random bf16 on cuda, continuous / static / one-at-a-time at 1, 32, 128 streams"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+timeout 60 $PY -m pytest -q -m cuda tests/test_generate_continuous.py -p no:cacheprovider 2>&1 | tail -n 8 \
+  | tee "$OUT_DIR/serve_generate_tests.txt" || status=1
+timeout 200 $PY benchmarks/serve_generate_cpu.py --workload llama-1b-random --device cuda --dtype bfloat16 --no-compile \
+  --streams 1,32,128 --requests 128 --max-new 32 --think-ms 0 --entries continuous,static,one-at-a-time 2>&1 \
+  | grep -v Warning | tail -n 14 | tee "$OUT_DIR/serve_generate_gpu.txt" || status=1
 fi
 
 exit $status

@@ -10,6 +10,7 @@ import torch
 from overdrive.generate import Decoder, Generator, SamplingParams
 from overdrive.generate.continuous import ContinuousGenerator
 from overdrive.generate.paged import BlockPool
+from tests.conftest import requires_cuda
 from tests.test_generate import VOCAB, _hf, _hf_greedy, _prompts
 
 pytest.importorskip("transformers")
@@ -339,3 +340,23 @@ def test_logprobs_are_the_models_log_softmax_in_a_busy_batch_and_in_a_static_one
     assert ContinuousGenerator(decoder).generate(prompts[:1], SamplingParams(max_new_tokens=2))[0].logprobs is None
     with pytest.raises(ValueError, match="logprobs must be from 0 to 20"):
         SamplingParams(logprobs=21)
+
+
+@requires_cuda
+def test_on_cuda_requests_joining_and_leaving_get_hugging_faces_tokens_and_their_alone_samples():
+    """The paged pool, block tables and the step's index tensors on a CUDA device (`make gpu-check
+    ONLY=serve-generate`): greedy tokens equal Hugging Face's on the CPU, seeded samples in a busy batch equal the
+    same request alone, and every block comes back."""
+    hf = _hf()
+    prompts, params = _prompts(10, seed=4), _lengths(10)
+    expected = _hf_greedy(hf, prompts, new=13)
+    decoder = Decoder.from_hf(hf.to("cuda"))
+    gen = ContinuousGenerator(decoder, max_batch_size=4, block_size=4)
+    assert gen.cache.keys[0].device.type == "cuda"
+    assert [c.token_ids for c in gen.generate(prompts, params)] == [e[:q.max_new_tokens] for e, q in zip(expected, params)]
+    assert gen.pool.num_free == gen.pool.capacity
+    sampled = [SamplingParams(max_new_tokens=4 + i, temperature=0.9, top_p=0.95, seed=50 + i) for i in range(6)]
+    busy = [c.token_ids for c in gen.generate(prompts[:6], sampled)]
+    alone = [ContinuousGenerator(decoder, max_batch_size=1, block_size=4).generate([p], q)[0].token_ids
+             for p, q in zip(prompts[:6], sampled)]
+    assert busy == alone

@@ -118,3 +118,16 @@ def test_python_example_runs_on_a_torchvision_model_and_on_minilm(tmp_path):
     assert [line.split()[0] for line in bench] == ["1", "8"]
     names, _, headline = lines[-1].partition("] ")  # minilm's plan and its speedup, or why it is uncertain
     assert names.startswith("[") and re.match(r"^([0-9.]+× \[|at least [0-9.]+×|speedup uncertain|the baseline)", headline), lines[-1]
+
+
+def test_the_gpu_check_parses_and_names_every_part_it_has():
+    """`make gpu-check` runs only on a lent GPU machine: here, bash parses it, every `want PART` is in the list its
+    ONLY comment gives, and docs/gpu-check.md names every part."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], check=True)
+    parts = set(re.findall(r"\bwant ([a-z-]+)", script))
+    listed = set(re.search(r"runs just those parts \(([^)]*)\)", script).group(1).split())
+    assert parts and parts <= listed, parts - listed
+    page = (ROOT / "docs" / "gpu-check.md").read_text()
+    extra = {p for p in parts - {"tests", "optimize", "sparsity", "train", "run"} if f"ONLY={p}`" not in page}
+    assert not extra, f"docs/gpu-check.md does not name {extra}"

@@ -17,6 +17,9 @@ RANDOM_LMS = {
     "llama-125m-random": ("llama", dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
                                         tie_word_embeddings=False)),
+    "llama-1b-random": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                                      tie_word_embeddings=True)),  # Llama 3.2 1B's shape: for a GPU
     "gpt2-small-random": ("gpt2", dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)),
 }
 GENERATION_WORKLOADS = ("pydoc-lm", *RANDOM_LMS)
