@@ -2,7 +2,7 @@
 server code and the same requests, side by side in one run (the CPU; --device cuda for `make gpu-check`).
 
 The server (`serve/generation.py`, uvicorn in a thread of this process) serves the workload's model with the decode
-step compiled, its scheduler one of:
+step compiled (eager with --no-compile), its scheduler one of:
 - continuous: `ContinuousGenerator(max_batch_size=streams)`, a request joins at the next step;
 - static: the same with scheduling="static": a batch is admitted only when the last one has ended entirely;
 - one-at-a-time: max_batch_size 1;
