@@ -64,6 +64,35 @@ def pytest_runtest_logstart(nodeid, location):
             f.write(path + "\n")
 
 
+def _signal_stack():
+    """The calling thread's alternate signal stack (sigaltstack(2)): (address, size, flags)."""
+    import ctypes
+
+    class StackT(ctypes.Structure):
+        _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+    now = StackT()
+    ctypes.CDLL(None).sigaltstack(None, ctypes.byref(now))
+    return now.ss_sp, now.ss_size, now.ss_flags
+
+
+_signal_stacks: list = []
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """Diagnosis of the two-worker SIGSEGV (benchmarks/RESULTS.md): the worker died with SIGSEGV (SI_KERNEL) while
+    its main thread slept, the kernel unable to deliver a signal there. Logs every test after which the main
+    thread's alternate signal stack changed."""
+    if not (_worker and _run_id):
+        return
+    now = _signal_stack()
+    if not _signal_stacks or _signal_stacks[-1] != now:
+        _signal_stacks.append(now)
+        with open(_worker_file(_run_id, _worker, "files"), "a") as f:
+            f.write(f"  after {nodeid}: main thread's signal stack at {now[0]:#x}, {now[1]} bytes, flags {now[2]}\n"
+                    if now[0] else f"  after {nodeid}: main thread has no signal stack (flags {now[2]})\n")
+
+
 def pytest_testnodedown(node, error):
     """Under pytest-xdist, a worker that went down without finishing ("node down: Not properly terminated") is
     named with how its process ended (the signal, or the exit code), the memory then free, the test files it had

@@ -15,6 +15,7 @@ import contextlib
 import enum
 import io
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -48,6 +49,26 @@ def openvino():
     import openvino as ov
 
     return ov
+
+
+_core = None
+_core_lock = threading.Lock()
+
+
+def core():
+    """The process's one `openvino.Core`, made on first use and kept until the process ends.
+
+    One, not one per model: OpenVINO's CPU plugin (2026.4 here) gives each Core's plugin an alternate signal stack
+    (sigaltstack(2)) on the thread that first compiles on it, and when that Core goes it unmaps the stack, putting
+    the previous one back only if its own is still the thread's current one. Two Cores that go in another order
+    than they came, or one freed on another thread, leave the thread's signal stack at unmapped memory, and the
+    next signal that has a handler (SIGINT, SIGTERM, SIGCHLD) kills the process with SIGSEGV (seen: a test worker
+    that had built several OpenVINO modules died while it waited for a child process)."""
+    global _core
+    with _core_lock:
+        if _core is None:
+            _core = openvino().Core()
+        return _core
 
 
 class Precision(str, enum.Enum):
@@ -141,19 +162,16 @@ def cached_convert(model: torch.nn.Module, workload: Workload, quantize=None, qu
         return {}
 
     entry = cached("openvino-int8" if quantize else "openvino", parts, make)
-    return ov.Core().read_model(str(entry.folder / "model.xml")), entry
+    return core().read_model(str(entry.folder / "model.xml")), entry
 
 
 def ov_module(ov_model, *, config: dict, runtime: str, technique: str) -> RuntimeModule:
     """A RuntimeModule running `ov_model` on the CPU plugin; one compiled model and infer request
     per thread count, the output copied out of the request's buffer before the next call."""
-    ov = openvino()
-
-    core = ov.Core()
     seen = {}
 
     def make(threads: int):
-        compiled = core.compile_model(ov_model, "CPU", {**config, "INFERENCE_NUM_THREADS": threads,
+        compiled = core().compile_model(ov_model, "CPU", {**config, "INFERENCE_NUM_THREADS": threads,
                                                        "PERFORMANCE_HINT": "LATENCY"})
         precision = compiled.get_property("INFERENCE_PRECISION_HINT")
         seen["precision"] = precision.to_string() if hasattr(precision, "to_string") else str(precision)
