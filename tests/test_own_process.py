@@ -40,3 +40,35 @@ def test_own_process_reports_pass_fail_skip_and_a_crash(pytester):
     text = result.stdout.str()
     assert "arithmetic is broken" in text and "nothing to see" in text
     assert "without reporting it" in text and "test_dies" in text
+
+
+SIGNAL_STACK_CASES = '''
+import ctypes, os, signal
+
+class StackT(ctypes.Structure):
+    _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+def test_unmaps_the_signal_stack():  # what OpenVINO's CPU plugin did: a stack of its own, then unmapped
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    stack = libc.mmap(None, 65536, 3, 0x22, -1, 0)
+    assert libc.sigaltstack(ctypes.byref(StackT(stack, 0, 65536)), None) == 0
+    libc.munmap(stack, 65536)
+
+def test_takes_a_signal_after_it():
+    seen = []
+    signal.signal(signal.SIGUSR1, lambda *args: seen.append(1))
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert seen == [1]
+'''
+
+
+def test_a_test_that_leaves_the_signal_stack_unmapped_fails_and_the_next_still_takes_signals(pytester):
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    own_process: own interpreter\n")
+    pytester.makepyfile(test_cases=SIGNAL_STACK_CASES)
+    result = pytester.runpytest_subprocess("-rA", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, errors=1)  # the first passes its call, errs in teardown
+    assert "left the main thread's alternate signal stack at unmapped memory" in result.stdout.str()
