@@ -129,6 +129,26 @@ def test_stop_tokens_end_a_request_early_and_step_reports_each_token():
     assert [e.token_id for e in events if e.request_id == second] == free.token_ids
 
 
+def test_a_request_alone_gets_its_first_token_from_the_step_that_prefilled_it_and_others_keep_decoding(monkeypatch):
+    """Time to first token is the prefill's: with nothing running, the step that prefills a request returns its first
+    token without a decode step after it; with a request running, a joiner's step still decodes the running one."""
+    decoder = Decoder.from_hf(_hf())
+    prompts = _prompts(2, seed=12)
+    gen = ContinuousGenerator(decoder, max_batch_size=2)
+    decodes = []
+    decode = gen._decode_running
+    monkeypatch.setattr(gen, "_decode_running", lambda events: (decodes.append(len(gen.running)), decode(events)))
+    alone = gen.submit(prompts[0], SamplingParams(max_new_tokens=6))
+    assert [e.request_id for e in gen.step()] == [alone] and decodes == []  # prefill only: its first token
+    assert [e.request_id for e in gen.step()] == [alone] and decodes == [1]
+    joiner = gen.submit(prompts[1], SamplingParams(max_new_tokens=6))
+    assert sorted(e.request_id for e in gen.step()) == [alone, joiner, joiner] and decodes == [1, 2]  # all decoded
+    while gen.has_unfinished:
+        gen.step()
+    expected = _hf_greedy(_hf(), prompts, new=6)
+    assert [c.token_ids for c in gen.generate(prompts, SamplingParams(max_new_tokens=6))] == expected
+
+
 def test_requests_that_cannot_fit_are_refused_before_taking_blocks():
     decoder = Decoder.from_hf(_hf())  # 128 positions
     gen = ContinuousGenerator(decoder, max_batch_size=2, block_size=4, num_blocks=5)  # 16 slots in all

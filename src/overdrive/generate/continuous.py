@@ -218,10 +218,14 @@ class ContinuousGenerator(Generator):
     @torch.no_grad()
     def step(self) -> list[TokenEvent]:
         """Admits what fits, then runs one decode step for every running sequence: each request's new token, in
-        the order they were produced (a joining request's first token comes from its prefill)."""
+        the order they were produced (a joining request's first token comes from its prefill). A step that found
+        nothing running returns its new requests' first tokens straight after their prefill, and they decode from
+        the next step: alone, a request's time to first token is its prefill's, not a prefill and a decode step's.
+        (With others running, the step decodes them too: their next tokens do not wait for a step of their own.)"""
         events: list[TokenEvent] = []
+        waited_on = bool(self.running)
         self._admit(events)
-        if self.running:
+        if self.running and (waited_on or not events):
             self._decode_running(events)
         return events
 
