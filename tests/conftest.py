@@ -65,6 +65,41 @@ def pytest_runtest_logstart(nodeid, location):
             f.write(path + "\n")
 
 
+def pytest_testnodedown(node, error):
+    """Under pytest-xdist, a worker that went down without finishing ("node down: Not properly terminated") is
+    named with how its process ended (the signal, or the exit code), the memory then free, the test files it had
+    run in order, and the stacks its threads had when a fatal signal came: a crash otherwise leaves no trace."""
+    if not error:
+        return
+    import signal
+    import subprocess
+    import sys
+
+    popen = getattr(getattr(node.gateway, "_io", None), "popen", None)
+    try:
+        code = popen.wait(timeout=10) if popen is not None else None
+    except subprocess.TimeoutExpired:
+        code = "still running"
+    if isinstance(code, int) and code < 0:
+        code = f"killed by {signal.Signals(-code).name}"
+    try:
+        free = next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+        free = f"{int(free) / 2**20:.1f} GiB"
+        kills = next(line.split()[1] for line in open("/proc/vmstat") if line.startswith("oom_kill "))
+    except (OSError, StopIteration):
+        free = kills = "unknown"
+    sys.stderr.write(f"[{node.gateway.id}] worker process ended: {code}; memory available now: {free}; processes "
+                     f"the kernel's OOM killer has ended since boot: {kills}\n")
+    run_id = node.workerinput.get("testrunuid", "")
+    for kind, what in (("files", "the test files it ran, in order"), ("crash", "its threads' stacks at the signal")):
+        try:
+            text = open(_worker_file(run_id, node.gateway.id, kind)).read().strip()
+        except OSError:
+            continue
+        if text:
+            sys.stderr.write(f"[{node.gateway.id}] {what}:\n{text[-6000:]}\n")
+
+
 class _StackT(ctypes.Structure):  # sigaltstack(2)'s stack_t
     _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
 

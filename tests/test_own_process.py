@@ -72,3 +72,26 @@ def test_a_test_that_leaves_the_signal_stack_unmapped_fails_and_the_next_still_t
     result = pytester.runpytest_subprocess("-rA", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, errors=1)  # the first passes its call, errs in teardown
     assert "left the main thread's alternate signal stack at unmapped memory" in result.stdout.str()
+
+
+WORKER_CRASH_CASES = '''
+import ctypes
+
+def test_first():
+    pass
+
+def test_kills_its_worker():
+    ctypes.string_at(0)  # SIGSEGV in the xdist worker
+'''
+
+
+def test_a_worker_that_dies_is_named_with_its_signal_and_the_tests_it_ran(pytester):
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    own_process: own interpreter\n")
+    pytester.makepyfile(test_cases=WORKER_CRASH_CASES)
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadfile", "--max-worker-restart", "0",
+                                           "-p", "no:cacheprovider")
+    text = result.stdout.str() + result.stderr.str()
+    assert "worker process ended: killed by SIGSEGV" in text, text[-3000:]
+    assert "test_cases.py" in text.split("the test files it ran, in order:")[1]
+    assert "its threads' stacks at the signal" in text and "test_kills_its_worker" in text
