@@ -101,6 +101,7 @@ def test_completions_chat_and_kserve_answer_what_the_generator_answers_alone(lm)
     ({"prompt": "A list", "logprobs": 21}, 400, "logprobs", "logprobs must be an integer from 0 to 20"),
     ({"prompt": "A list", "top_logprobs": 2}, 400, "top_logprobs", "a chat completion's field"),
     ({"prompt": "A list", "echo": True}, 400, "echo", "not supported"),
+    ({"prompt": "A list", "bogus": 1, "max_tokenz": 5}, 400, "bogus", "unrecognized request argument supplied: bogus, max_tokenz"),
     ({"prompt": ""}, 400, "prompt", "non-empty"),
     ({"prompt": "A list", "n": 0}, 400, "n", "n must be"),
     ({"prompt": "A list", "timeout": 0}, 400, "timeout", "timeout is in seconds"),

@@ -174,6 +174,9 @@ class GenerationServer:
             if body.get("model") not in (None, self.name):
                 raise _Refusal(404, f"no model {body.get('model')!r}; this server has {self.name!r}", "model_not_found",
                                "model")
+            unknown = sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
+            if unknown:  # as OpenAI answers one: a typo must not pass for a setting
+                raise _BadRequest(f"unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
             for field in ("echo", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "tools",
                           "response_format"):
                 if body.get(field) not in (None, False, 0, {}, []):  # asked for, not only sent at its default
@@ -481,6 +484,20 @@ def _prompt(prompt):
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise _BadRequest("prompt must be a non-empty string or list of token ids (one prompt per request here)", "prompt")
+
+
+# The request fields of OpenAI's completions and chat completions APIs (those that change nothing here, `user`,
+# `store`, `metadata`, ..., are taken; those asking for what this server does not do are refused by name), plus
+# `top_k` and `timeout` (extensions, as vLLM's `top_k`). Any other field is a 400.
+_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
+                            "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
+                            "timeout"})
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of",
+                                      "top_logprobs"}  # refused by `requested` with a better message: a chat's field
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                 "parallel_tool_calls", "response_format", "store", "metadata", "service_tier",
+                                 "modalities", "reasoning_effort", "prediction", "audio", "functions", "function_call",
+                                 "web_search_options", "safety_identifier", "prompt_cache_key", "verbosity"}
 
 
 def _sampling(body: dict, *, default_temperature: float, stop_token_ids: tuple[int, ...]) -> SamplingParams:
