@@ -63,21 +63,53 @@ def test_a_pass_load_with_run_queue_wait_ran_preempted():
     assert PassLoad(wall_s=1.0, cpu_s=2.0, waited_s=0.8, busy_threads=2, cpus=2, others_s=0.0).preempted()
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux schedstats")
-def test_a_busy_process_on_the_same_cores_is_seen():
+def _stretch_beside_busy_processes(threads: int) -> tuple[LoadMeter, bool, int]:
     meter = LoadMeter()
     busy = busy_processes()
     try:
         time.sleep(0.2)
         start = meter.start()
-        spin(0.5)
+        spin(0.5, threads=threads)
         loaded = meter.stop(start)
     finally:
         stop(busy)
-    assert loaded, f"a stretch beside {len(busy)} spinning processes on the same cores was not flagged: {meter.loads[-1]}"
-    assert meter.loads[-1].waited_share > 0.2
+    return meter, loaded, len(busy)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux schedstats")
+def test_a_busy_process_on_the_same_cores_is_seen():
+    threads = len(os.sched_getaffinity(0))  # no more busy threads than CPUs: the run-queue wait tells
+    meter, loaded, n = _stretch_beside_busy_processes(threads)
+    assert loaded, f"a stretch beside {n} spinning processes on the same cores was not flagged: {meter.loads[-1]}"
+    assert not meter.loads[-1].self_contended and meter.loads[-1].waited_share > 0.2
     summary = meter.contention()
     assert summary.stretches == 1 and summary.preempted == 1 and "1 of 1 timed stretches ran preempted" in summary.describe()
+
+
+PINNED_STRETCH = """
+import json, os, sys
+cpu = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cpu})  # before torch starts its threads: all of them on one CPU
+sys.path.insert(0, sys.argv[1])
+import test_interference as t
+meter, loaded, n = t._stretch_beside_busy_processes(threads=2)
+print(json.dumps({"loaded": loaded, "self_contended": meter.loads[-1].self_contended, "load": str(meter.loads[-1])}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux schedstats")
+def test_a_busy_process_is_seen_beside_more_busy_threads_than_cpus():
+    # CI's pinned pytest-xdist worker: one CPU, spun by two torch threads, beside a busy process on that CPU. The
+    # waits are partly our own, so the CPU time other processes took on our CPU tells. This failed on CI when that
+    # was read over the whole machine against half a CPU: the busy process had a third of our one CPU.
+    import json
+
+    out = subprocess.run([sys.executable, "-c", PINNED_STRETCH, os.path.dirname(__file__)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["self_contended"], seen["load"]
+    assert seen["loaded"], f"a stretch beside a spinning process on its one CPU was not flagged: {seen['load']}"
 
 
 def test_wait_until_idle_lets_the_process_own_spinning_threads_sleep():

@@ -15,8 +15,8 @@ of its wall time while no more of them were busy than there are CPUs to run them
 threads than CPUs (a runtime's pool beside PyTorch's OpenMP team: an ONNX Runtime model's output
 copied by a parallel torch op while ONNX Runtime's worker still spins), the waits are the model's
 own and part of what it costs, in `run` and `serve` too; such a stretch counts as preempted only
-when other processes used more than `OTHERS_SHARE` of a CPU beside it. `gain.compare` times a
-preempted round again instead of averaging it in. Where schedstats are missing (not Linux, a
+when other processes used more than `OTHERS_SHARE` of a CPU beside it, on the CPUs this process
+may run on. `gain.compare` times a preempted round again instead of averaging it in. Where schedstats are missing (not Linux, a
 kernel without them), the stretch's CPU time over its wall time, against the best the same
 runner reached, stands in.
 """
@@ -34,9 +34,10 @@ from pathlib import Path
 # time, in thread-seconds per second, ran preempted. An idle machine reads 0.00-0.01 (kernel threads, the
 # odd daemon); one busy process beside a 2-thread model, 0.5-1.0.
 PREEMPTED_SHARE = 0.05
-# With more busy threads than CPUs: other processes using more than this many CPUs' worth beside the stretch
-# (/proc/stat counts in scheduler ticks, so a short stretch reads it coarsely: the bar is high).
-OTHERS_SHARE = 0.5
+# With more busy threads than CPUs: other processes using more than this many CPUs' worth of this process's CPUs
+# beside the stretch (one busy process on a CPU shared with two of ours takes a third of it; /proc/stat counts in
+# scheduler ticks, so a tick per CPU is taken off first, the most a stretch can misread).
+OTHERS_SHARE = 0.25
 # A thread that ran this share of a stretch's wall time was busy in it.
 BUSY_THREAD_SHARE = 0.1
 # Without schedstats: a stretch whose CPU time per wall second fell below this share of the runner's best.
@@ -61,17 +62,29 @@ def _threads() -> dict[str, tuple[int, int]] | None:
 
 
 def _machine() -> tuple[float, float] | None:
-    """(CPU seconds the machine spent busy, CPU seconds stolen by the hypervisor), summed over CPUs
-    (/proc/stat's first line); None where unknown."""
+    """(CPU seconds spent busy, CPU seconds stolen by the hypervisor), summed over the CPUs this process may run on
+    (/proc/stat's per-CPU lines; a process pinned to some CPUs, such as a pytest-xdist worker, is not crowded by
+    work on the others); None where unknown."""
     try:
-        fields = [int(x) for x in _STAT.read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
+        lines = _STAT.read_text().splitlines()
+    except OSError:
         return None
-    if len(fields) < 8:
+    allowed = _affinity()
+    rows = [line.split() for line in lines if line.startswith("cpu")]
+    per_cpu = [r for r in rows if r[0] != "cpu" and r[0][3:].isdigit() and (allowed is None or int(r[0][3:]) in allowed)]
+    chosen = per_cpu or [r for r in rows if r[0] == "cpu"]
+    busy = stolen = 0
+    for row in chosen:
+        try:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in row[1:9])
+        except ValueError:
+            return None
+        busy += user + nice + system + irq + softirq
+        stolen += steal
+    if not chosen:
         return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
     tick = os.sysconf("SC_CLK_TCK")
-    return (user + nice + system + irq + softirq) / tick, steal / tick
+    return busy / tick, stolen / tick
 
 
 @dataclass(frozen=True)
@@ -87,11 +100,16 @@ def snapshot() -> Snapshot:
     return Snapshot(wall_s=time.perf_counter(), cpu_s=time.process_time(), threads=_threads(), machine=_machine())
 
 
-def _cpus() -> int:
+def _affinity() -> set[int] | None:
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return None
+
+
+def _cpus() -> int:
+    allowed = _affinity()
+    return len(allowed) if allowed else (os.cpu_count() or 1)
 
 
 @dataclass(kw_only=True)
@@ -104,8 +122,8 @@ class PassLoad:
         waited_s: its threads' run-queue wait, thread-seconds; None without schedstats.
         busy_threads: its threads that ran ≥ `BUSY_THREAD_SHARE` of the stretch; None without schedstats.
         cpus: the CPUs this process may run on.
-        stolen_s: CPU time stolen by the hypervisor (all CPUs), seconds; None where unknown.
-        others_s: CPU time other processes (and the kernel) used meanwhile, all CPUs, seconds; None where unknown.
+        stolen_s: CPU time stolen by the hypervisor (the CPUs this process may run on), seconds; None where unknown.
+        others_s: CPU time other processes (and the kernel) used meanwhile on those CPUs, seconds; None where unknown.
     """
 
     wall_s: float
@@ -156,13 +174,13 @@ class PassLoad:
     def preempted(self, best_cpu_share: float | None = None) -> bool:
         """Whether other work took CPU time this stretch needed: its threads waited on the run queue
         (or were stolen from) beyond `PREEMPTED_SHARE` with no more busy threads than CPUs; with more,
-        other processes used over `OTHERS_SHARE` of a CPU beside it; without schedstats, its CPU share
+        other processes used over `OTHERS_SHARE` of a CPU (of those this process may run on) beside it; without schedstats, its CPU share
         fell below `CPU_SHARE_DROP` × `best_cpu_share` (the best the same runner reached)."""
         share = self.waited_share
         if share is None:
             return best_cpu_share is not None and self.cpu_share < CPU_SHARE_DROP * best_cpu_share
         if self.self_contended:
-            return self.others_s is not None and self.others_s / self.wall_s > OTHERS_SHARE
+            return self.others_s is not None and max(0.0, self.others_s - _TICK_S * self.cpus) / self.wall_s > OTHERS_SHARE
         return share > PREEMPTED_SHARE
 
     def to_dict(self) -> dict:
