@@ -65,6 +65,7 @@ def pytest_runtest_logstart(nodeid, location):
             f.write(path + "\n")
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: `pytest -p no:xdist` runs without it
 def pytest_testnodedown(node, error):
     """Under pytest-xdist, a worker that went down without finishing ("node down: Not properly terminated") is
     named with how its process ended (the signal, or the exit code), the memory then free, the test files it had

@@ -140,12 +140,35 @@ def test_a_lossless_technique_is_not_probed_and_a_faithful_lossy_one_passes(conv
 @pytest.mark.parametrize("factory", ["scalar_regressor", "offset_classifier"])
 def test_errors_hidden_by_an_offset_all_rows_share_are_seen(factory):
     """bf16 turns every row of a 1000 + small-score regressor into 1000.0, and flips the argmax of logits on an
-    offset of 500; cosine per row stays 1.0 in both. R² (against the rows' spread) sees it."""
+    offset of 500; cosine per row stays 1.0 for the logits, and a one-value row's cosine is only its sign. R²
+    (against the rows' spread) sees both."""
     model, example = getattr(guard_models, factory)()
     result = overdrive.optimize(model, example, techniques=["bf16"], min_gain=0, **QUICK)
     row = _row(result.table, "bf16")
-    assert row["fidelity"]["min_cosine"] > 0.9999 and row["fidelity"]["r2"] < 0.5
+    assert row["fidelity"]["r2"] < 0.5
+    if factory == "offset_classifier":
+        assert row["fidelity"]["min_cosine"] > 0.9999
+    else:  # one value per row: judged by R², no cosine figure
+        assert "min_cosine" not in row["fidelity"] and result.rule.key == "r2"
     assert not row["kept"] and row["reason"].startswith("r2 ") and "floor" in row["reason"]
+
+
+def test_one_value_per_row_is_judged_by_r2_not_by_a_cosine_of_its_sign():
+    """A [B] score centred on zero: bf16 moves a row near zero across it, and a one-number row's cosine is its
+    sign, so the guard read min_cosine -1.0000 and rejected a faithful bf16 (a fresh user's trial)."""
+    model, example = guard_models.centred_score()
+    with torch.no_grad():
+        reference = model(example)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lowered = model(example).float()
+    assert float(reference[0]) * float(lowered[0]) < 0  # the first row crossed zero (its per-row cosine: -1)
+    figures = logits_fidelity(lowered, reference)
+    assert "min_cosine" not in figures and "top1_agreement" not in figures and figures["r2"] > 0.999
+    result = overdrive.optimize(model, example, techniques=["bf16"], min_gain=0, **QUICK)
+    assert result.rule.key == "r2"
+    row = _row(result.table, "bf16")
+    assert row["kept"], row["reason"]
+    assert row["fidelity"]["r2"] > 0.99 and "min_cosine" not in row["fidelity"]
 
 
 def test_a_spike_row_finds_batch_dependence_that_a_leading_layer_norm_hides_from_a_scaled_row():

@@ -328,7 +328,10 @@ def embedding_fidelity(output: torch.Tensor, reference: torch.Tensor, *, k: int 
         top10_agreement: mean overlap fraction of each row's k nearest neighbours by cosine
         (self excluded) between candidate and reference (1.0 = identical retrieval);
         r2: `explained_variance` (absent when the reference rows do not vary).
+        One value per row ([N] or [N, 1]) gives r2 and max_rel_error only: a cosine of one value is its sign.
     """
+    if _one_wide(output):
+        return _one_wide_fidelity(output, reference)
     out = nn.functional.normalize(output.float(), dim=-1)
     ref = nn.functional.normalize(reference.float(), dim=-1)
     cos = (out * ref).sum(dim=-1)
@@ -342,6 +345,23 @@ def embedding_fidelity(output: torch.Tensor, reference: torch.Tensor, *, k: int 
         overlap = (nn_out.unsqueeze(-1) == nn_ref.unsqueeze(-2)).any(-1).float().sum(-1) / k
         result[f"top{k}_agreement"] = overlap.mean().item()
     return _with_r2(result, output, reference)
+
+
+def _one_wide(output: torch.Tensor) -> bool:
+    return output.dim() >= 1 and output.shape[0] > 0 and output[0].numel() == 1
+
+
+def _one_wide_fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    out, ref = output.float().reshape(-1), reference.float().reshape(-1)
+    result = {"max_rel_error": ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()}
+    return _with_r2(result, output, reference)
+
+
+def judged_figure(widths) -> str:
+    """The fidelity figure a workload whose judged outputs have `widths` values per row is guarded by:
+    `min_cosine`, or `r2` when every output holds one value per row (a score, a regression target),
+    where a row's cosine is only its sign."""
+    return "r2" if widths and all(w == 1 for w in widths) else "min_cosine"
 
 
 def _with_r2(result: dict[str, float], output: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
@@ -361,7 +381,11 @@ def logits_fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict[str, 
         max_rel_error: max |output − reference| / max |reference|;
         min_cosine: the smallest per-row cosine similarity;
         r2: `explained_variance` (absent when the reference rows do not vary).
+        One value per row ([N] or [N, 1]) gives r2 and max_rel_error only: a cosine of one value is its
+        sign (−1 for a value near zero that rounding moved across it), and an argmax over one column is 0.
     """
+    if _one_wide(output):
+        return _one_wide_fidelity(output, reference)
     out = output.float().reshape(output.shape[0], -1)
     ref = reference.float().reshape(reference.shape[0], -1)
     result = {

@@ -42,7 +42,8 @@ class Guard:
     """The accuracy budget and the speed bar.
 
     Attributes:
-        min_fidelity: floor on the workload's fidelity figure (cosine or agreement), in [0, 1].
+        min_fidelity: floor on the workload's fidelity figure (cosine or agreement; R² for outputs of one value
+            per row), in [0, 1].
         max_accuracy_drop: most task-metric points a candidate may lose (workloads with a task metric);
             None: no task-metric budget beyond the fidelity floor; 0: lossless techniques only.
         min_gain: the low end of a step's 99% gain interval must reach this to be kept (0: keep every
@@ -169,6 +170,9 @@ def fidelity_rule(workload: Workload, guard: Guard, first: torch.Tensor, second:
     floor = 1.0 - LOSSLESS_TOLERANCE if guard.lossless_only else guard.min_fidelity
     figures = workload.fidelity(second, first)
     own = figures.get(key)
+    if own is None and key == "r2" and len(rows) < 2:  # R² needs rows to vary over: one row is judged as degenerate
+        return FidelityRule(key="max_abs_error", floor=DEGENERATE_ATOL + DEGENERATE_RTOL * scale,
+                            degenerate="one evaluation row of one value: no spread over rows to judge R² against")
     if own is None:
         raise WorkloadError(f"{name}: its fidelity function gives no {key!r} figure (it gives {sorted(figures)})")
     if not own >= min(floor, 1.0 - LOSSLESS_TOLERANCE):  # identical outputs give float noise below 1 (0.99999988)

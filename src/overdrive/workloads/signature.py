@@ -37,7 +37,7 @@ from torch import nn
 
 from overdrive.core.errors import WorkloadError, one_line
 from overdrive.core.row_dependence import checked_dependence
-from overdrive.core.workload import Workload, logits_fidelity
+from overdrive.core.workload import Workload, judged_figure, logits_fidelity
 
 MAX_TEXT_LENGTH = 512  # tokens, when neither the tokenizer nor the model's config says
 
@@ -468,7 +468,7 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
         samples=sentences,
         collate=collate,
         fidelity=logits_fidelity if len(paths) == 1 else outputs_fidelity(widths),
-        fidelity_key="min_cosine",
+        fidelity_key=judged_figure(widths),
         default_batch_size=32,
         train_samples=python_docstring_sentences(),
         sample_length=sample_length,

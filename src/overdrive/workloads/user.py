@@ -31,7 +31,7 @@ from torch import nn
 from overdrive.core.errors import ConfigError, WorkloadError, arg, one_line
 from overdrive.core.graph_ops import is_graph_program, to_eval_ops, training_mode_modules, training_mode_ops
 from overdrive.core.input_limits import InputLimits, derive_input_limits
-from overdrive.core.workload import Workload, eval_mode, logits_fidelity, pad_stack
+from overdrive.core.workload import Workload, eval_mode, judged_figure, logits_fidelity, pad_stack
 from overdrive.workloads.data import hold_out
 from overdrive.workloads.signature import (
     SignatureModel,
@@ -255,7 +255,7 @@ def workload_from_model(name: str, model: nn.Module, example: torch.Tensor | tup
         fidelity=fidelity if output_names else logits_fidelity,
         input_names=input_names,
         output_names=output_names,
-        fidelity_key="min_cosine",
+        fidelity_key=judged_figure(widths or [out[0].numel()]),
         default_batch_size=batch,
         fixed_batch_size=fixed,
         metric=metric,
