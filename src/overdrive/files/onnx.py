@@ -94,9 +94,10 @@ def input_names(workload: Workload, num_inputs: int) -> list[str]:
 
 
 def output_name(workload: Workload) -> str:
-    """The name of the model's one output tensor."""
+    """The name of the model's one output tensor: its path in the model's output, or "output" (for a bare tensor,
+    whose path is "": ONNX Runtime refuses a graph output without a name)."""
     names = workload.output_names or []
-    return names[0] if len(names) == 1 else "output"
+    return names[0] if len(names) == 1 and names[0] else "output"
 
 
 def example_inputs(workload: Workload, rows: int = 4) -> tuple[torch.Tensor, ...]:
@@ -168,7 +169,11 @@ def export_onnx(model: nn.Module, workload: Workload, path: str | Path, *, input
     notes += [f"{e}; the TorchScript exporter was used" for e in errors]
     result = OnnxExport(path=path, exporter=exporter, input_names=names, output_names=outputs, dynamic_axes=axes, notes=notes)
     if prove:
-        prove_onnx(result, model, workload, batch_size=len(inputs[0]))
+        try:
+            prove_onnx(result, model, workload, batch_size=len(inputs[0]))
+        except BaseException:
+            path.unlink(missing_ok=True)  # no file that failed its proof is left for a runtime to load
+            raise
     return result
 
 
@@ -346,10 +351,13 @@ def prove_onnx(export: OnnxExport, model: nn.Module, workload: Workload, *, batc
             file, whose difference is the quantisation's, judged by the plan's fidelity floor).
 
     Raises:
-        ExportError: the difference is beyond EXPORT_ATOL + EXPORT_RTOL × max |PyTorch| (the figure is
-            given), or the file's output shape differs from the model's.
+        ExportError: ONNX Runtime cannot load the file, the difference is beyond EXPORT_ATOL + EXPORT_RTOL ×
+            max |PyTorch| (the figure is given), or the file's output shape differs from the model's.
     """
-    session = ort_session(export.path, optimization="basic")
+    try:
+        session = ort_session(export.path, optimization="basic")
+    except Exception as exc:  # noqa: BLE001 - ONNX Runtime's own error types: the exporter wrote a graph it refuses
+        raise ExportError(f"{workload.name}: ONNX Runtime could not load the exported file: {reason(exc)}") from exc
     worst, scale = 0.0, 0.0
     sizes = set()
     for chunk, inputs in proof_batches(workload, batch_size, rows):
