@@ -1,15 +1,18 @@
-"""Speculative decoding by prompt lookup: the drafts, and the tokens it keeps being greedy decoding's own
-(a speculation that changes a greedy token is a defect, not a trade), eager and compiled; a verifier that
-keeps drafts the model did not choose is caught by the same comparison."""
+"""Speculative decoding by prompt lookup and by a draft model derived from the target: the drafts, and the
+tokens it keeps being greedy decoding's own (a speculation that changes a greedy token is a defect, not a
+trade), eager and compiled; a verifier that keeps drafts the model did not choose is caught by the same
+comparison; sampled requests verified by rejection sampling draw each token as the model's own sampling does
+(checked against the exact distribution, and shown to catch a verifier that keeps every guess)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from overdrive.generate import Decoder, Generator, PromptLookup, SamplingParams
+from overdrive.generate import Decoder, DraftModel, Generator, PromptLookup, SamplingParams
 from overdrive.generate import engine as engine_mod
-from overdrive.generate.speculative import accepted
+from overdrive.generate.draft import derive, distill, draft_layers, windows
+from overdrive.generate.speculative import accepted, verify
 from tests.test_generate import VOCAB, _hf, _prompts
 
 
@@ -81,10 +84,99 @@ def test_a_verifier_that_keeps_drafts_the_model_did_not_choose_is_caught(monkeyp
     assert [c.token_ids for c in blind] != plain
 
 
-def test_a_sampled_request_is_refused_not_decoded_another_way():
-    generator = Generator(Decoder.from_hf(_hf()), speculative=PromptLookup())
-    with pytest.raises(ValueError, match="greedy"):
-        generator.generate([[1, 2, 3]], SamplingParams(temperature=0.8, seed=1))
+def _draws(p: torch.Tensor, q: torch.Tensor | None, n: int, seed: int = 0, verifier=verify) -> torch.Tensor:
+    """The first token of `n` verifications of one guess drawn from q (or a fixed guess: q None), as frequencies."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[-1])
+    for _ in range(n):
+        if q is None:
+            guess, drawn = 2, None
+        else:
+            guess, drawn = int(torch.multinomial(q, 1, generator=g)), q[None]
+        counts[verifier([guess], drawn, torch.stack([p, p]), g)[0]] += 1
+    return counts / n
+
+
+@pytest.mark.parametrize("certain", [False, True], ids=["draft-model", "prompt-lookup"])
+def test_rejection_sampling_draws_each_token_as_the_target_would(certain):
+    """Leviathan et al.'s Algorithm 1: whatever the draft's q, the first token is distributed as the target's p.
+    10,000 draws put each frequency within 0.02 of p at over 4 standard deviations."""
+    g = torch.Generator().manual_seed(11)
+    p = torch.softmax(torch.randn(6, generator=g) * 1.5, 0)
+    q = None if certain else torch.softmax(torch.randn(6, generator=g) * 1.5, 0)
+    got = _draws(p, q, 10_000)
+    assert (got - p).abs().max() < 0.02, (got, p)
+    # The same check catches a verifier that keeps every guess: the tokens then follow q (or the fixed guess).
+    keep_all = _draws(p, q, 5_000, verifier=lambda draft, q_, p_, g_: list(draft) + [0])
+    assert (keep_all - p).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_draft_model_keeps_greedy_decodings_tokens(compiled):
+    hf = _hf(num_hidden_layers=3)
+    decoder = Decoder.from_hf(hf)
+    prompts = _prompts(5, seed=4)
+    params = SamplingParams(max_new_tokens=16)
+    plain = [c.token_ids for c in Generator(decoder, max_batch_size=8).generate(prompts, params)]
+    draft = DraftModel(Decoder.from_hf(derive(hf, [0, 2])), num_tokens=3)  # undistilled: a poor draft, still exact
+    speculative = Generator(decoder, speculative=draft, compile=compiled)
+    assert [c.token_ids for c in speculative.generate(prompts, params)] == plain
+    assert sum(t.drafted for t in speculative.timings) > 0
+    # A draft that is the target itself guesses every token right, so nearly every guess is kept: its own cache
+    # follows the sequence (after a round that kept every guess it feeds two tokens; after a refusal it writes
+    # over what was refused). A draft cache that lost its place would guess from the wrong tokens.
+    itself = Generator(decoder, speculative=DraftModel(Decoder.from_hf(hf), num_tokens=3))
+    assert [c.token_ids for c in itself.generate(prompts, params)] == plain
+    drafted, kept = sum(t.drafted for t in itself.timings), sum(t.accepted for t in itself.timings)
+    assert kept >= 0.95 * drafted, (kept, drafted)
+
+
+def test_a_sampled_speculative_request_draws_as_the_model_samples():
+    """The first two tokens of seeded requests (top-k 2: four possible pairs; the second token is the first
+    verified one): 400 speculated with a poor draft against 2,000 sampled plainly agree within sampling noise
+    (total variation ~0.035 expected, 0.1 allowed), and a verifier that keeps every guess, so that tokens follow
+    the draft, is caught by the same comparison (it gave pairs the model never samples: a distance of 1.0)."""
+    hf = _hf(num_hidden_layers=3)
+    decoder = Decoder.from_hf(hf)
+    prompt = _prompts(1, seed=5)[0]
+    draft = DraftModel(Decoder.from_hf(derive(hf, [1])), num_tokens=2)
+
+    def pairs(generator, n: int, first_seed: int) -> dict:
+        params = [SamplingParams(max_new_tokens=2, temperature=1.0, top_k=2, seed=s) for s in range(first_seed, first_seed + n)]
+        counts: dict = {}
+        for c in generator.generate([prompt] * n, params):
+            counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1 / n
+        return counts
+
+    def distance(a: dict, b: dict) -> float:
+        return 0.5 * sum(abs(a.get(k, 0) - b.get(k, 0)) for k in set(a) | set(b))
+
+    plain = pairs(Generator(decoder, max_batch_size=64), 2000, 0)
+    assert distance(plain, pairs(Generator(decoder, speculative=draft), 400, 10_000)) < 0.1
+    original = engine_mod.verify
+    try:
+        engine_mod.verify = lambda d, q, p, g: list(d) + [0]
+        blind = pairs(Generator(decoder, speculative=draft), 50, 20_000)
+    finally:
+        engine_mod.verify = original
+    assert distance(plain, blind) > 0.5
+
+
+def test_a_derived_draft_keeps_the_layers_asked_and_distillation_brings_it_toward_the_target():
+    hf = _hf(num_hidden_layers=4)
+    assert draft_layers(4) == [0] and draft_layers(12) == [0, 6, 11] and draft_layers(6, keep=2) == [0, 5]
+    whole = derive(hf, [0, 1, 2, 3])
+    x = torch.tensor([_prompts(1, seed=2)[0]])
+    torch.testing.assert_close(whole(input_ids=x).logits, hf(input_ids=x).logits)  # all layers: the target itself
+    draft = derive(hf, [0, 3])
+    assert len(draft.model.layers) == 2 and draft.config.num_hidden_layers == 2 and len(hf.model.layers) == 4
+    assert [layer.self_attn.layer_idx for layer in draft.model.layers] == [0, 1]
+    with pytest.raises(ValueError, match="increasing"):
+        derive(hf, [2, 1])
+    rows = windows(_prompts(64, seed=9), eos=None, window=16)
+    facts = distill(draft, hf, rows, steps=30)
+    assert facts["steps"] == 30 and facts["kl_after"] < 0.7 * facts["kl_before"], facts
+    assert Decoder.from_hf(draft).config.num_layers == 2  # the engine takes it
 
 
 def test_bad_requests_are_one_clear_error_before_any_token():
@@ -100,7 +192,8 @@ def test_bad_requests_are_one_clear_error_before_any_token():
                        (lambda: SamplingParams(stop_token_ids=(1.5,)), "stop_token_ids"),
                        (lambda: SamplingParams(stop=("",)), "non-empty"),
                        (lambda: PromptLookup(num_tokens=2.5), "integers"),
-                       (lambda: Generator(generator.model, speculative=PromptLookup), "PromptLookup")):
+                       (lambda: Generator(generator.model, speculative=PromptLookup), "PromptLookup"),
+                       (lambda: DraftModel(generator.model, num_tokens=0), "num_tokens")):
         with pytest.raises(ValueError, match=match):
             bad()
     assert SamplingParams(stop_token_ids=5).stop_token_ids == (5,) and SamplingParams(stop="END").stop == ("END",)

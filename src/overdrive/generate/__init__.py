@@ -3,7 +3,7 @@ engine that prefills and decodes batches of prompts (`engine`)."""
 
 from overdrive.generate.decoder import Decoder, DecoderConfig, KVCache
 from overdrive.generate.engine import Completion, Generator, SamplingParams, TokenLogprob
-from overdrive.generate.speculative import PromptLookup
+from overdrive.generate.speculative import DraftModel, PromptLookup
 
-__all__ = ["Completion", "Decoder", "DecoderConfig", "Generator", "KVCache", "PromptLookup", "SamplingParams",
-           "TokenLogprob"]
+__all__ = ["Completion", "Decoder", "DecoderConfig", "DraftModel", "Generator", "KVCache", "PromptLookup",
+           "SamplingParams", "TokenLogprob"]

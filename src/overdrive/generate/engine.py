@@ -9,11 +9,12 @@ Prefill runs every prompt's tokens in one forward; a decode step runs one token 
 sampling draws from its own `torch.Generator` seeded by the request, so a seeded request gives the same
 tokens alone or in a batch.
 
-With `speculative` (`generate.speculative.PromptLookup`), each greedy prompt runs alone: a forward over its
-last token and k drafted ones keeps the drafts the model agrees with and its own next token (1 to k + 1
-tokens per forward), so the tokens are greedy decoding's own. Rows of a batch would accept different
-counts and leave the shared cache slot, so speculation is for batch 1, where a decode step is bound by
-reading the weights and a forward over k + 1 tokens costs about what one over a single token does.
+With `speculative` (`generate.speculative`: `PromptLookup` or a `DraftModel`), each prompt runs alone: a
+forward over its last token and k drafted ones keeps the drafts the model agrees with and its own next token
+(1 to k + 1 tokens per forward), so a greedy request's tokens are greedy decoding's own, and a sampled
+request's are verified by rejection sampling, distributed as the model's own sampling. Rows of a batch would
+accept different counts and leave the shared cache slot, so speculation is for batch 1, where a decode step is
+bound by reading the weights and a forward over k + 1 tokens costs about what one over a single token does.
 
 Sampling follows Hugging Face's order: temperature, then top-k, then top-p (nucleus sampling,
 Holtzman et al., 2020).
@@ -31,7 +32,7 @@ import torch
 
 from overdrive.core.devices import synchronize
 from overdrive.generate.decoder import Decoder, KVCache
-from overdrive.generate.speculative import PromptLookup, accepted
+from overdrive.generate.speculative import DraftModel, PromptLookup, accepted, verify
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,12 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """The next token from one row's logits float32 [vocab]."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(warped_probs(logits, params).cpu(), 1, generator=generator))
+
+
+def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from, float32 [vocab]: softmax of one row's logits [vocab] after
+    temperature, top-k and top-p (`params.temperature` > 0)."""
     # Shifted so the largest score is 0 before dividing: a tiny temperature then gives -inf, never inf or NaN.
     scores = (logits - logits.max()) / params.temperature
     if params.top_k is not None and params.top_k < scores.numel():
@@ -166,8 +173,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
         drop = cumulative - torch.softmax(ordered, dim=-1) >= params.top_p  # keep the smallest set reaching top_p
         scores = scores.scatter(0, order, ordered.masked_fill(drop, -math.inf))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return torch.softmax(scores, dim=-1)
 
 
 RECOMPILE_LIMIT = 64
@@ -201,7 +207,8 @@ class Generator:
         compile: compile the decode step with torch.compile (fixed shapes: the cache's slots are rounded up to a
             multiple of `SLOT_ROUNDING`, so batches of similar lengths share one graph; CUDA graphs on a GPU
             through mode "reduce-overhead"). Prefill stays eager (its length varies).
-        speculative: draft tokens to verify (`PromptLookup`): greedy requests only, one prompt at a time.
+        speculative: the drafter whose guesses are verified (`PromptLookup`, `DraftModel`): one prompt at a time;
+            greedy requests keep greedy decoding's tokens, sampled ones are verified by rejection sampling.
         defaults: the `SamplingParams` of a `generate` call given none (default: greedy, 64 new tokens, ending at
             the tokenizer's end-of-text token where there is one, as Hugging Face's `generate` ends).
     """
@@ -210,9 +217,9 @@ class Generator:
 
     def __init__(self, model: Decoder, tokenizer=None, *, max_batch_size: int = 16,
                  cache_dtype: torch.dtype | None = None, compile: bool = False,
-                 speculative: PromptLookup | None = None, defaults: SamplingParams | None = None):
-        if speculative is not None and not isinstance(speculative, PromptLookup):
-            raise ValueError(f"speculative must be a PromptLookup (or None), got {speculative!r}")
+                 speculative: PromptLookup | DraftModel | None = None, defaults: SamplingParams | None = None):
+        if speculative is not None and not isinstance(speculative, (PromptLookup, DraftModel)):
+            raise ValueError(f"speculative must be a PromptLookup or a DraftModel (or None), got {speculative!r}")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.speculative = speculative
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -270,8 +277,8 @@ class Generator:
 
         Raises:
             ValueError: an empty or out-of-vocabulary prompt, a text prompt without a tokenizer, a prompt plus
-                max_new_tokens longer than the model's positions, or a sampled request (or one asking for
-                logprobs) to a speculative generator (its drafts are verified exactly under greedy decoding only).
+                max_new_tokens longer than the model's positions, or a request asking for logprobs to a speculative
+                generator.
         """
         if isinstance(prompts, str) or _is_int(prompts):
             raise ValueError(f"generate takes a list of prompts, got {prompts!r}: wrap one prompt in a list")
@@ -284,9 +291,6 @@ class Generator:
             if len(ids) + p.max_new_tokens > self.model.config.max_positions:
                 raise ValueError(f"a prompt of {len(ids)} tokens plus {p.max_new_tokens} new ones exceeds the "
                                  f"model's {self.model.config.max_positions} positions")
-        if self.speculative is not None and any(p.temperature != 0 for p in per_request):
-            raise ValueError("speculative decoding here keeps greedy decoding's tokens only: give temperature 0, or a "
-                             "Generator without `speculative` for sampled requests")
         if self.speculative is not None and any(p.logprobs is not None for p in per_request):
             raise ValueError("logprobs are not recorded under speculative decoding: use a Generator without "
                              "`speculative`")
@@ -359,8 +363,10 @@ class Generator:
         return done
 
     def _speculate(self, ids: list[int], q: SamplingParams, timings: BatchTimings) -> Completion:
-        """One greedy prompt with drafted tokens verified k + 1 at a time (the module docstring)."""
-        dev, k = self.device, self.speculative.num_tokens
+        """One prompt with drafted tokens verified k + 1 at a time (the module docstring): greedy, or by rejection
+        sampling for a sampled request (`speculative.verify`)."""
+        dev, k, drafter = self.device, self.speculative.num_tokens, self.speculative
+        generator = self._generator(q)
         synchronize(dev)
         started = time.perf_counter()
         n = len(ids)
@@ -368,24 +374,32 @@ class Generator:
         if self.compiled:
             slots = -(-slots // self.SLOT_ROUNDING) * self.SLOT_ROUNDING
         cache = KVCache(self.model.config, 1, slots, device=dev, dtype=self.cache_dtype)
+        state = drafter.start(ids, slots, dev, self.cache_dtype)
         timings.slots = slots
         slot = torch.arange(slots, device=dev)
         query = slot[:n]
         mask = (slot[None, None, :] <= query[None, :, None])[:, None]  # [1, 1, T, S]
         logits = self.model(torch.tensor([ids], device=dev), query[None], cache, query, mask, last_only=True)
-        c = Completion(prompt_tokens=n, token_ids=[int(logits[0, 0].argmax())])
+        c = Completion(prompt_tokens=n, token_ids=[sample_next(logits[0, 0], q, generator)])
         timings.new_tokens = 1
         self._finish_if_done(c, q)
         now = time.perf_counter()
         timings.prefill_s, started = now - started, now
         at_last = n  # the slot of the last chosen token, which is not in the cache yet
         while c.finish_reason is None:
-            draft = self.speculative.draft(ids + c.token_ids)[:k]
+            sequence = ids + c.token_ids
+            draft, drawn = drafter.propose(state, sequence, k, q, generator)
+            draft = draft[:k]
             feed = [c.token_ids[-1]] + draft + [0] * (k - len(draft))  # always k + 1 tokens: one compiled shape
             at = slot[at_last:at_last + k + 1]
             mask = (slot[None, :] <= at[:, None])[None, None]  # [1, 1, k + 1, S]
             logits = self._decode(torch.tensor([feed], device=dev), at[None], cache, at, mask)  # [1, k + 1, V]
-            new = accepted(draft, logits[0].argmax(-1).cpu().tolist())
+            if q.temperature == 0:
+                new = accepted(draft, logits[0].argmax(-1).cpu().tolist())
+            else:
+                target = torch.stack([warped_probs(logits[0, i], q) for i in range(len(draft) + 1)])
+                new = verify(draft, drawn, target, generator)
+            drafter.keep(state, len(sequence) + min(len(new) - 1, k - 1))  # the guesses kept that it was fed
             kept = 0
             for token in new:
                 c.token_ids.append(token)
