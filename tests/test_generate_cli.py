@@ -17,17 +17,18 @@ from tests.conftest import requires_cuda
 
 @pytest.fixture
 def toy_pydoc_lm(monkeypatch):
-    """pydoc-lm trained for 2 steps at a toy shape (not test_generate's, whose test reads its cache entry as new)."""
+    """pydoc-lm trained for 2 steps at a toy shape of 2 layers (not test_generate's, whose test reads its cache entry
+    as new)."""
     from overdrive.workloads import pydoc_lm
 
     monkeypatch.setattr(pydoc_lm, "STEPS", 2)
     monkeypatch.setattr(pydoc_lm, "SHAPE", {**pydoc_lm.SHAPE, "hidden_size": 32, "intermediate_size": 48,
-                                             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})
+                                             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1})
     return pydoc_lm.build_pydoc_lm(log=None)
 
 
 def test_optimize_writes_a_generation_plan_with_every_row_judged_or_said_why_not(toy_pydoc_lm, tmp_path, capsys):
-    code = cli.main(["optimize", "pydoc-lm", "--device", "cpu", "--techniques", "kv-int8,bf16,draft-model,int4-weight",
+    code = cli.main(["optimize", "pydoc-lm", "--device", "cpu", "--techniques", "kv-int8,bf16,int4-weight",
                      "--max-new-tokens", "6", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -40,11 +41,33 @@ def test_optimize_writes_a_generation_plan_with_every_row_judged_or_said_why_not
         fid = rows[name]["fidelity"]
         assert fid is None or (fid["prompts"] == 32 and fid["perplexity_reference"] > 1), rows[name]
         assert rows[name]["status"] in ("kept", "rejected") and (rows[name]["status"] == "kept" or rows[name]["reason"])
-    assert rows["draft-model"]["status"] == rows["int4-weight"]["status"] == "untried"
-    assert rows["draft-model"]["reason"] and rows["int4-weight"]["reason"]
+    assert rows["int4-weight"]["status"] == "untried" and rows["int4-weight"]["reason"]
     assert "greedy changed" in printed and "overdrive bench pydoc-lm --plan" in printed
     assert cli.main(["optimize", "pydoc-lm", "--device", "cpu", "--out", str(tmp_path)]) == 2  # no silent overwrite
     assert "exists" in capsys.readouterr().err
+
+
+def test_a_draft_model_is_derived_distilled_judged_and_timed_and_its_plan_rebuilds_it(toy_pydoc_lm):
+    """draft-model through optimize on the 2-layer toy pydoc-lm: the draft keeps layer 0, is distilled on CPython's
+    text toward the target, judged exact (no greedy token changed) and timed; a plan holding it rebuilds the same
+    draft from the cache."""
+    from overdrive.generate.tune import optimize_generation
+    from overdrive.workloads.generation import create_generation_workload
+
+    workload = create_generation_workload("pydoc-lm", log=None)
+    result = optimize_generation(workload, techniques=["draft-model"], new_tokens=6, guard_prompts=8,
+                                 other_batch_size=None, draft_seconds=2)
+    row = next(r for r in result.rows if r.technique == "draft-model")
+    assert row.status in ("kept", "rejected") and (row.status == "kept" or row.reason), row
+    assert row.fidelity["prompts"] == 8 and row.fidelity["diverged_beyond_ties"] == 0, row.fidelity
+    assert "keeps layers [0] of 2" in row.detail and "distilled" in row.detail and "drafts accepted" in row.detail
+    (step,) = row.steps
+    assert step["name"] == "draft-model" and step["layers"] == [0] and step["steps"] >= 1
+    rebuilt = build_generator(workload.model, workload.tokenizer, row.steps, device="cpu")
+    assert rebuilt.speculative.facts["cached"] and rebuilt.speculative.facts["steps"] == step["steps"]
+    assert rebuilt.speculative.facts["kl_after"] < rebuilt.speculative.facts["kl_before"]
+    assert rebuilt.generate(workload.prompts[:2], SamplingParams(max_new_tokens=5)) == \
+        build_generator(workload.model, workload.tokenizer, []).generate(workload.prompts[:2], SamplingParams(max_new_tokens=5))
 
 
 def test_bench_times_a_plan_against_the_baseline_at_each_batch_size(toy_pydoc_lm, tmp_path, capsys):

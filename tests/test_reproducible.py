@@ -62,8 +62,11 @@ def test_bench_in_a_fresh_process_lands_inside_the_printed_interval(factory, tmp
     spec = f"tests.fixtures.slow_eager:{factory}"
     results = optimize_plan(spec, tmp_path / "opt")
     measured = results["plan"]["measured"]
-    assert [s["name"] for s in results["plan"]["techniques"]] == ["onnxruntime"], \
-        [r["reason"] for r in results["rows"]]  # what makes eager slow, removed
+    reasons = [r["reason"] for r in results["rows"]]
+    if any("uncertain (busy)" in r for r in reasons) and not results["plan"]["techniques"]:
+        pytest.skip(f"the machine was busy while optimize timed the candidate ({reasons}): it said uncertain, and kept "
+                    "nothing to check")  # as a busy bench below skips; a full two-worker run with other work beside it
+    assert [s["name"] for s in results["plan"]["techniques"]] == ["onnxruntime"], reasons  # what makes eager slow, removed
     misses = []
     for look in range(2):
         gain = bench_gain(spec, tmp_path / "opt" / factory / "plan.json", tmp_path / f"bench{look}")

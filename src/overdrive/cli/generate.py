@@ -278,7 +278,7 @@ def run_main(args) -> int:
     from overdrive.core.report import make_console
     from overdrive.generate.continuous import SchedulerStats
     from overdrive.generate.engine import SamplingParams
-    from overdrive.generate.plan import GenerationPlan, build_generator
+    from overdrive.generate.plan import SPECULATIVE, GenerationPlan, build_generator
     from overdrive.workloads.generation import create_generation_workload
 
     for name, unset in (("workload", None), ("num_workers", None), ("weights", None)):
@@ -311,9 +311,9 @@ def run_main(args) -> int:
     batch = args.batch_size if isinstance(args.batch_size, int) else plan.batch_size
     setup_started = time.perf_counter()
     workload = create_generation_workload(plan.workload, log=lambda line: console.print(line, highlight=False))
-    # Continuous batching keeps the batch full as answers of different lengths end; prompt lookup verifies its
-    # drafts one sequence at a time, so a plan with it runs its prompts in turn.
-    continuous = "prompt-lookup" not in plan.names
+    # Continuous batching keeps the batch full as answers of different lengths end; speculative decoding verifies
+    # its drafts one sequence at a time, so a plan with it runs its prompts in turn.
+    continuous = not set(SPECULATIVE) & set(plan.names)
     gen = build_generator(workload.model, workload.tokenizer, plan.steps, device=device, max_batch_size=batch,
                           continuous=continuous)
     gen.generate([workload.prompts[0]] * batch, SamplingParams(max_new_tokens=2))  # compiles, as serving would first

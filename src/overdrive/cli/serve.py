@@ -76,7 +76,7 @@ def serve_generation(args) -> int:
     from overdrive.core import devices
     from overdrive.core.errors import ConfigError, arg
     from overdrive.generate.engine import SamplingParams
-    from overdrive.generate.plan import GenerationPlan, build_generator, is_generation_plan
+    from overdrive.generate.plan import SPECULATIVE, GenerationPlan, build_generator, is_generation_plan
     from overdrive.serve.generation import GenerationServer
     from overdrive.serve.runner import bind, run_server
     from overdrive.workloads.generation import create_generation_workload
@@ -96,9 +96,9 @@ def serve_generation(args) -> int:
                               "continuously, one instance, HTTP only)")
     bind(args.host, args.port).close()  # a port in use is said now, not after the model is built
     plan = GenerationPlan.load(generation[0])
-    if "prompt-lookup" in plan.names:
-        raise ConfigError("the plan uses prompt lookup, which verifies one sequence at a time; a server batches "
-                          "continuously: optimize again with --techniques leaving prompt-lookup out")
+    for step in set(SPECULATIVE) & set(plan.names):
+        raise ConfigError(f"the plan uses {step}, which verifies one sequence at a time; a server batches "
+                          f"continuously: optimize again with --techniques leaving {step} out")
     name = args.model_name or plan.workload
     device = devices.resolve_device(args.device if args.device != "auto" else plan.device)
     workload = create_generation_workload(plan.workload, log=lambda line: logging.getLogger("overdrive.serve").info(line))

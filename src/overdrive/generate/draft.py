@@ -88,6 +88,17 @@ def derive(hf_model: nn.Module, layers: Sequence[int]) -> nn.Module:
     return draft.eval()
 
 
+def distillation_texts(tokenizer, limit: int = 4000) -> list[list[int]]:
+    """Real text for distilling a draft, as token ids of `tokenizer`: the first `limit` of the sentences pydoc-lm
+    trains on (CPython's docstrings and reference, its held-out sentences excluded, so never a built-in's prompt),
+    which every machine has. A draft learns from them to guess its target's next tokens; what it guesses wrong only
+    costs speed, since the target verifies every guess."""
+    from overdrive.workloads.pydoc_lm import split
+
+    sentences = split()[0][:limit]
+    return [ids for ids in tokenizer(sentences, add_special_tokens=False)["input_ids"] if ids]
+
+
 def windows(texts: Sequence[Sequence[int]], eos: int | None, window: int = WINDOW) -> torch.Tensor:
     """Token-id texts joined (by `eos` where there is one) and cut into rows of `window`: int64 [N, window]; the
     last, shorter piece is dropped unless it is the only one."""

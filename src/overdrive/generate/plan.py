@@ -4,7 +4,10 @@
 Steps, each a dict with its "name" and settings, applied in this order whatever order they are listed in:
 `bf16` (the decoder's weights and activations in bfloat16), one weight form (`int8-weight`, `int8-rowwise`,
 `fp16-weight`: the "layers" it holds, `generate/quantize.py`), `kv-int8` (the KV cache in int8),
-`compile-decode` (torch.compile of the decode step), `prompt-lookup` (speculative decoding, "num_tokens" drafted).
+`compile-decode` (torch.compile of the decode step), and at most one speculative step: `prompt-lookup` ("num_tokens"
+drafted from the prompt) or `draft-model` ("num_tokens" drafted by a draft derived from the target: the target's
+"layers" it keeps, distilled for "steps" on CPython's text, `generate/draft.py`; rebuilt from overdrive's cache, or
+distilled again, deterministically, where the cache lacks it).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from overdrive.core.errors import ConfigError, arg
 from overdrive.generate.quantize import FORMS
 
 KIND = "generation"
-STEP_NAMES = ("bf16", *FORMS, "kv-int8", "compile-decode", "prompt-lookup")
+SPECULATIVE = ("prompt-lookup", "draft-model")  # verify one sequence at a time: no continuous batching
+STEP_NAMES = ("bf16", *FORMS, "kv-int8", "compile-decode", *SPECULATIVE)
+_SETTINGS = {"prompt-lookup": {"name", "num_tokens"}, "draft-model": {"name", "num_tokens", "layers", "steps"}}
 
 
 @dataclass
@@ -98,14 +103,22 @@ def check_steps(steps) -> None:
     forms = [s["name"] for s in steps if s["name"] in FORMS]
     if len(forms) > 1:
         raise ConfigError(f"a plan holds one weight form, this one holds {forms}")
+    drafters = [s["name"] for s in steps if s["name"] in SPECULATIVE]
+    if len(drafters) > 1:
+        raise ConfigError(f"a plan holds one speculative step, this one holds {drafters}")
     for step in steps:
-        allowed = {"name", "layers"} if step["name"] in FORMS else {"name", "num_tokens"} \
-            if step["name"] == "prompt-lookup" else {"name"}
+        allowed = {"name", "layers"} if step["name"] in FORMS else _SETTINGS.get(step["name"], {"name"})
         extra = sorted(set(step) - allowed)
         if extra:
             raise ConfigError(f"the step {step['name']!r} takes no {extra}")
         if step["name"] in FORMS and not isinstance(step.get("layers"), list):
             raise ConfigError(f"the step {step['name']!r} needs the list of its \"layers\"")
+        if step["name"] == "draft-model":
+            layers, count = step.get("layers"), step.get("steps")
+            if not (isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+                raise ConfigError(f"the step 'draft-model' needs the target's \"layers\" it keeps (integers), got {layers!r}")
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ConfigError(f"the step 'draft-model' needs its distillation \"steps\" (an integer ≥ 0), got {count!r}")
 
 
 def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | torch.device = "cpu",
@@ -118,8 +131,8 @@ def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | tor
 
     Raises:
         ValueError: a model `Decoder.from_hf` does not take, steps `check_steps` refuses (ConfigError), or
-            `continuous` with prompt lookup (its drafts are verified one sequence at a time); KeyError: a weight form
-            naming layers the model lacks.
+            `continuous` with a speculative step (its drafts are verified one sequence at a time), a draft's layers
+            outside the model's; KeyError: a weight form naming layers the model lacks.
     """
     from overdrive.generate import Decoder, Generator, PromptLookup, SamplingParams
     from overdrive.generate.continuous import ContinuousGenerator
@@ -127,8 +140,9 @@ def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | tor
 
     check_steps(steps)
     by_name = {s["name"]: s for s in steps}
-    if continuous and "prompt-lookup" in by_name:
-        raise ConfigError("prompt lookup verifies one sequence at a time: it does not batch continuously")
+    speculative = next((by_name[n] for n in SPECULATIVE if n in by_name), None)
+    if continuous and speculative:
+        raise ConfigError(f"{speculative['name']} verifies one sequence at a time: it does not batch continuously")
     decoder = Decoder.from_hf(hf_model).to(device)
     if "bf16" in by_name:
         decoder = decoder.to(torch.bfloat16)
@@ -136,7 +150,11 @@ def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | tor
     for form in FORMS:
         if form in by_name:
             quantize_linears(decoder, by_name[form]["layers"], form=form)
-    lookup = by_name.get("prompt-lookup")
+    drafter = None
+    if speculative and speculative["name"] == "prompt-lookup":
+        drafter = PromptLookup(num_tokens=speculative.get("num_tokens", 4))
+    elif speculative:
+        drafter = _draft_model(hf_model, tokenizer, speculative, like=decoder)
     eos = getattr(tokenizer, "eos_token_id", None)
     defaults = SamplingParams(**({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
                               stop_token_ids=(eos,) if isinstance(eos, int) else ()) if max_new_tokens else None
@@ -144,5 +162,19 @@ def build_generator(hf_model, tokenizer, steps: list[dict], *, device: str | tor
                     cache_dtype=torch.int8 if "kv-int8" in by_name else None)
     if continuous:
         return ContinuousGenerator(decoder, tokenizer, **settings)
-    return Generator(decoder, tokenizer, **settings,
-                     speculative=PromptLookup(num_tokens=lookup.get("num_tokens", 4)) if lookup else None)
+    return Generator(decoder, tokenizer, **settings, speculative=drafter)
+
+
+def _draft_model(hf_model, tokenizer, step: dict, *, like: torch.nn.Module, log=None):
+    """The `DraftModel` of a "draft-model" step: the draft `generate.draft.build_draft` gives (cached), as a decoder
+    on the target decoder `like`'s device and in its dtype."""
+    from overdrive.generate import Decoder, DraftModel
+    from overdrive.generate.draft import build_draft, distillation_texts
+
+    eos = getattr(tokenizer, "eos_token_id", None)
+    draft, facts = build_draft(hf_model, step["layers"], distillation_texts(tokenizer), steps=step["steps"],
+                               eos=eos if isinstance(eos, int) else None, log=log)
+    reference = next(like.parameters())
+    decoder = Decoder.from_hf(draft).to(device=reference.device, dtype=reference.dtype)
+    decoder.inv_freq = decoder.inv_freq.float()
+    return DraftModel(decoder, num_tokens=step.get("num_tokens", 4), layers=list(step["layers"]), facts=facts)

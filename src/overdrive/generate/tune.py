@@ -14,8 +14,10 @@ the plan's batch size and at the other one measured (1 or `batch_size`).
 
 Techniques, in the order tried (`TECHNIQUES`): `compile-decode`; one weight form, the one `quantize.pick_form`
 times fastest at the plan's batch (the others reported untried with those timings), its layers searched
-(`quantize.search_layers`); `kv-int8`; `bf16`; `prompt-lookup` (batch 1 only). `draft-model` is reported
-untried with the reason, as is `int4-weight` on CUDA (PyTorch's int4 kernel used here is the CPU one).
+(`quantize.search_layers`); `kv-int8`; `bf16`; `prompt-lookup` (batch 1 only); `draft-model` (batch 1 only: a
+draft derived from the target, `generate/draft.py`, distilled for the steps `draft_seconds` allows; it takes the
+place of a kept prompt-lookup, a plan holding one speculative step, and is kept only if faster than the plan with
+it). `int4-weight` on CUDA is reported untried with the reason (PyTorch's int4 kernel used here is the CPU one).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from overdrive.core.gain import HEADLINE_ROUNDS, RECHECK_ROUNDS, RECHECK_WIDTH, 
 from overdrive.core.interference import LoadMeter
 from overdrive.core.measure import Runner
 from overdrive.generate.engine import Generator, SamplingParams
-from overdrive.generate.plan import GenerationPlan, build_generator
+from overdrive.generate.draft import DEFAULT_STEPS, distillation_texts, draft_layers, seconds_per_step
+from overdrive.generate.plan import SPECULATIVE, GenerationPlan, build_generator
 from overdrive.generate.quantize import FORMS, linear_names, pick_form, search_layers
 from overdrive.generate.workload import GenerationWorkload
 
@@ -47,9 +50,9 @@ DESCRIPTIONS = {
     "kv-int8": "the KV cache in int8, a float32 scale per token and head",
     "bf16": "weights, activations and the KV cache in bfloat16",
     "prompt-lookup": "speculative decoding with n-gram drafts from the prompt, verified greedily; batch 1; exact",
-    "draft-model": "speculative decoding with a draft derived from the target (not built yet)",
+    "draft-model": "speculative decoding with a draft derived from the target (layers kept, distilled); batch 1; exact",
 }
-EXACT = {"compile-decode", "prompt-lookup"}  # may change no greedy token beyond near ties
+EXACT = {"compile-decode", "prompt-lookup", "draft-model"}  # may change no greedy token beyond near ties
 
 
 class DecodeRunner(Runner):
@@ -192,7 +195,7 @@ def check_techniques(techniques: list[str] | None) -> None:
 def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", batch_size: int = 1,
                         other_batch_size: int | None = 8, new_tokens: int = 32, techniques: list[str] | None = None,
                         budget: GuardBudget = GuardBudget(), min_gain: float = 1.02, guard_prompts: int = 32,
-                        guard_tokens: int = 24, search_kl: float | None = None,
+                        guard_tokens: int = 24, search_kl: float | None = None, draft_seconds: float = 90.0,
                         progress: Callable[[str], None] = lambda _: None) -> GenerationResult:
     """Measures each technique of `TECHNIQUES` (or the named ones) on `workload`, keeps those faster by `min_gain`
     within `budget`, and times the plan against the baseline.
@@ -203,6 +206,8 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         new_tokens: greedy tokens per sequence in the timings.
         guard_prompts, guard_tokens: the guard's prompts and greedy tokens per prompt.
         search_kl: the per-layer search's mean-KL budget (default: half of `budget.max_mean_kl`).
+        draft_seconds: about how long the draft model's distillation may take (its steps are chosen from one step's
+            time, at most `draft.DEFAULT_STEPS`).
 
     Raises:
         ConfigError: an unknown technique name, a batch size above the workload's prompts.
@@ -239,9 +244,10 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
     current: list[dict] = []
     current_runner = base[batch_size]
 
-    def try_step(name: str, step: dict) -> None:
+    def try_step(name: str, step: dict) -> Generator | None:
+        """Judges, probes and times `step` added to the kept steps; returns the candidate (None: it failed)."""
         nonlocal current, current_runner
-        steps = current + [step]
+        steps = [s for s in current if not (name in SPECULATIVE and s["name"] in SPECULATIVE)] + [step]  # one drafter
         progress(f"{name}")
         started = time.perf_counter()
         try:
@@ -255,7 +261,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is a row, not the end of the run
             rows.append(GenerationRow(technique=name, status="rejected", steps=steps,
                                       reason=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
-            return
+            return None
         breaks = budget.breaks(name, fid) or probe.breaks()
         row = GenerationRow(technique=name, status="rejected", steps=steps, fidelity=fid.to_dict(),
                             probe={"prompts": probe.prompts, "differ": probe.differ,
@@ -263,7 +269,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         rows.append(row)
         if breaks:
             row.reason = breaks
-            return
+            return candidate
         progress(f"{name} vs " + (" + ".join(s["name"] for s in current) or "baseline"))
         gain = compare(current_runner, runner, min_gain=min_gain)
         row.gain, row.tokens_per_s = gain, runner.tokens_per_s()
@@ -273,9 +279,32 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
             row.reason = f"not faster by {min_gain}× at the 99% interval's low end ({gain.describe()})"
         else:
             row.status, current, current_runner = "kept", steps, runner
-        if name == "prompt-lookup":
+        if name in SPECULATIVE:
             drafted = sum(t.drafted for t in runner.generator.timings)
             row.detail = f"drafts accepted {sum(t.accepted for t in runner.generator.timings)} / {drafted} (last pass)"
+        return candidate
+
+    def try_draft(seconds: float) -> None:
+        total = reference.model.config.num_layers
+        layers = draft_layers(total)
+        if len(layers) >= total:
+            rows.append(GenerationRow(technique="draft-model", status="untried", reason=(
+                f"the model has {total} layer(s): a draft derived from it would keep them all and cost what it does")))
+            return
+        eos = tok.eos_token_id if isinstance(getattr(tok, "eos_token_id", None), int) else None
+        try:
+            per_step = seconds_per_step(hf, layers, distillation_texts(tok), eos)
+        except (RuntimeError, ValueError) as exc:  # a model whose layers cannot be dropped
+            rows.append(GenerationRow(technique="draft-model", status="rejected", reason=f"failed: {exc}"[:200]))
+            return
+        steps = max(0, min(DEFAULT_STEPS, int(seconds / per_step)))
+        progress(f"draft-model: distilling {len(layers)} of {total} layers, {steps} steps")
+        candidate = try_step("draft-model", {"name": "draft-model", "layers": layers, "num_tokens": 4, "steps": steps})
+        row, facts = rows[-1], candidate.speculative.facts if candidate is not None else None
+        if facts:
+            kl = f", KL to the target {facts['kl_before']:.2f} → {facts['kl_after']:.2f}" if facts.get("kl_after") else ""
+            row.detail = (f"keeps layers {layers} of {total} ({facts['parameters'] / 1e6:.1f} M "
+                          f"parameters), distilled {steps} steps on CPython's text{kl}; " + row.detail).rstrip("; ")
 
     for name in wanted:
         if name == "weight-only" or name in FORMS:
@@ -313,16 +342,13 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
             try_step(best, {"name": best, "layers": layers})
             rows[-1].detail = (f"{len(layers)} of {len(sensitivity)} linear layers, search KL {kl:.2e}, "
                                f"{time.perf_counter() - started:.0f} s; " + rows[-1].detail).rstrip("; ")
-        elif name == "prompt-lookup":
-            if batch_size != 1:
-                rows.append(GenerationRow(technique=name, status="untried", reason=(
-                    f"verifies one sequence at a time: a plan at batch {batch_size} cannot use it (try --batch-size 1)")))
-            else:
-                try_step(name, {"name": name, "num_tokens": 4})
-        elif name == "draft-model":
+        elif name in SPECULATIVE and batch_size != 1:
             rows.append(GenerationRow(technique=name, status="untried", reason=(
-                "not built yet: a draft derived from the target (layers dropped, then distilled) is future work; "
-                "prompt-lookup is the speculative decoding offered")))
+                f"verifies one sequence at a time: a plan at batch {batch_size} cannot use it (try --batch-size 1)")))
+        elif name == "prompt-lookup":
+            try_step(name, {"name": name, "num_tokens": 4})
+        elif name == "draft-model":
+            try_draft(draft_seconds)
         elif name == "bf16" and any(s["name"] == "fp16-weight" for s in current):
             rows.append(GenerationRow(technique=name, status="untried", reason=(
                 "does not compose with the kept fp16-weight: FBGEMM's packed fp16 GEMM takes float32 activations")))
@@ -350,7 +376,8 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
             "gain": gain.to_dict(), "describe": gain.describe(),
             "ttft_ms_p50": _p50(runner.ttft_s) * 1e3, "itl_ms_p50": _p50(runner.step_s) * 1e3}
         if gain.high < 1:  # slower even at the interval's high end, however wide it is
-            why = " (prompt-lookup verifies one sequence at a time)" if "prompt-lookup" in plan.names and b > 1 else ""
+            drafter = next((n for n in SPECULATIVE if n in plan.names), None)
+            why = f" ({drafter} verifies one sequence at a time)" if drafter and b > 1 else ""
             advice = (f"it was chosen at batch {batch_size}; for batches of {b}, optimize at that batch size"
                       if b != batch_size else "its steps' gains did not hold when timed again: optimize again on a "
                       "quieter machine, or keep the baseline")
