@@ -157,13 +157,20 @@ def test_a_text_encoder_factory_still_takes_the_one_pass_path():
      "unknown generation steps \\['nonsense'\\]"),
     (lambda: build_generator(lm_models.build()[0], None, [{"name": "kv-int8", "bogus": 3}]), ConfigError,
      "the step 'kv-int8' takes no \\['bogus'\\]"),
+    (lambda: build_generator(lm_models.build()[0], None, [{"name": "prompt-lookup"},
+                                                         {"name": "draft-model", "layers": [0], "steps": 0}]),
+     ConfigError, "one speculative step, this one holds \\['prompt-lookup', 'draft-model'\\]"),
+    (lambda: build_generator(lm_models.build()[0], None, [{"name": "draft-model", "layers": "0", "steps": 0}]),
+     ConfigError, "needs the target's \"layers\" it keeps"),
+    (lambda: build_generator(lm_models.build()[0], None, [{"name": "draft-model", "layers": [0], "steps": -1}]),
+     ConfigError, "needs its distillation \"steps\""),
     (lambda: build_generator(lm_models.build(vocab_size=100)[0], lm_models.tokenizer(), []).generate(
         ["The dictionary maps keys"]), ValueError,
      "beyond the model's vocabulary of 100"),
     (lambda: Decoder.from_hf(lm_models.gpt2()[0].transformer), ValueError, "not the bare model"),
 ], ids=["prompts-a-string", "not-an-lm", "no-tokenizer", "example-inputs", "gpt-neox", "builtin-with-prompts",
         "gelu", "attention-bias", "small-vocabulary", "small-context", "zero-new-tokens", "unknown-step",
-        "step-setting", "text-beyond-vocabulary", "bare-gpt2"])
+        "step-setting", "two-drafters", "draft-layers", "draft-steps", "text-beyond-vocabulary", "bare-gpt2"])
 def test_what_does_not_fit_is_refused_by_name(call, error, message):
     with pytest.raises(error, match=message):
         call()

@@ -356,11 +356,11 @@ def test_serve_of_a_generation_plan_starts_the_generation_server_and_refuses_fla
                            (["tests.fixtures.user_models:build", "--model-name", "m"], "--model-name names one model")):
         assert cli.main(["serve", str(plan), *extra]) == 2
         assert message in capsys.readouterr().err
-    lookup = tmp_path / "lookup.json"
-    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=8,
-                   steps=[{"name": "prompt-lookup"}]).save(lookup)
-    assert cli.main(["serve", str(lookup)]) == 2
-    assert "prompt lookup" in capsys.readouterr().err
+    for step in ({"name": "prompt-lookup"}, {"name": "draft-model", "layers": [0], "steps": 0}):
+        speculative = tmp_path / "speculative.json"
+        GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=8, steps=[step]).save(speculative)
+        assert cli.main(["serve", str(speculative)]) == 2
+        assert f"the plan uses {step['name']}, which verifies one sequence at a time" in capsys.readouterr().err
 
 
 def test_a_generator_beside_encoders_in_one_server(lm, tmp_path, monkeypatch, capsys):

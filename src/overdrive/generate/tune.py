@@ -270,7 +270,9 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         if breaks:
             row.reason = breaks
             return candidate
-        progress(f"{name} vs " + (" + ".join(s["name"] for s in current) or "baseline"))
+        replaced = [s["name"] for s in current if s not in steps]
+        instead = f" in place of {', '.join(replaced)}" if replaced else ""
+        progress(f"{name}{instead} vs " + (" + ".join(s["name"] for s in current) or "baseline"))
         gain = compare(current_runner, runner, min_gain=min_gain)
         row.gain, row.tokens_per_s = gain, runner.tokens_per_s()
         if gain.uncertain:  # decided on its interval, as a one-pass technique is; its figures said uncertain
@@ -282,6 +284,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         if name in SPECULATIVE:
             drafted = sum(t.drafted for t in runner.generator.timings)
             row.detail = f"drafts accepted {sum(t.accepted for t in runner.generator.timings)} / {drafted} (last pass)"
+            row.detail += f"; timed in place of {', '.join(replaced)}" if replaced else ""
         return candidate
 
     def try_draft(seconds: float) -> None:
