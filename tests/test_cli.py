@@ -193,7 +193,7 @@ def test_optimize_saved_files(tmp_path):
 def test_optimize_minilm_real_sentences(tmp_path):
     """The demo path, shortened: real weights, real sentences, bf16 measured; the baseline batches the
     sentences by length as `run` and `serve` do, so length bucketing has nothing left to buy and is not tried."""
-    result = run_cli("optimize", "minilm", "--techniques", "length-bucketing,bf16,int8-dynamic", "--num-samples", "96",
+    result = run_cli("optimize", "minilm", "--techniques", "length-bucketing,bf16,int8-dynamic", "--num-samples", "32",
                      "--out", str(tmp_path), "--sweep-batch-sizes", "32")
     assert result.returncode == 0, result.stderr
     rows = {r["label"]: r for r in json.loads((tmp_path / "minilm" / "results.json").read_text())["rows"]}

@@ -236,13 +236,13 @@ def test_the_bert_classifier_with_its_tokenizer_end_to_end_from_a_fresh_folder(t
     (tmp_path / "mymodels" / "__init__.py").write_text("")
     shutil.copy(Path(hf_models.__file__), tmp_path / "mymodels" / "text.py")
     optimize = run_cli("optimize", "mymodels.text:bert_classifier", "--techniques", "length-bucketing,bf16",
-                       "--num-samples", "96", "--sweep-batch-sizes", "8", "--out", "out", cwd=tmp_path)
+                       "--num-samples", "32", "--sweep-batch-sizes", "8", "--out", "out", cwd=tmp_path)
     assert optimize.returncode == 0, optimize.stderr
     assert "next: overdrive bench" in optimize.stdout
     plan = tmp_path / "out" / "bert_classifier" / "plan.json"
     again = run_cli("optimize", "mymodels.text:bert_classifier", "--out", "out", cwd=tmp_path)
     assert again.returncode == 2 and "--overwrite" in again.stderr
-    bench = run_cli("bench", "mymodels.text:bert_classifier", "--plan", str(plan), "--num-samples", "64", "--out", "out",
+    bench = run_cli("bench", "mymodels.text:bert_classifier", "--plan", str(plan), "--num-samples", "32", "--out", "out",
                     cwd=tmp_path)
     assert bench.returncode == 0, bench.stderr
     (tmp_path / "in.txt").write_text("A short sentence.\nA much longer sentence that the tokenizer splits into many "
