@@ -154,6 +154,37 @@ def test_a_full_queue_gets_429_with_retry_after_and_a_draining_server_503(lm):
         assert client.get("/v2/health/ready").status_code == 503
 
 
+def test_a_drain_that_runs_out_of_time_ends_each_request_with_what_it_has(lm, monkeypatch):
+    """SIGTERM's drain waits `drain_timeout_s` for requests in flight; those still running are then ended between two
+    steps with finish_reason "abort": a stream gets its last chunk and [DONE] (it was cut with no end, and uvicorn
+    logged a CancelledError, before), a plain request its tokens so far, one that had none a 503; every block back."""
+    gen = ContinuousGenerator(Decoder.from_hf(lm.model), lm.tokenizer, max_batch_size=2, block_size=4)
+    server = GenerationServer(gen, "pydoc-lm", drain_timeout_s=0.3)
+    step = gen.step
+    monkeypatch.setattr(gen, "step", lambda: (time.sleep(0.02), step())[1])  # ~50 tokens a second
+    long = {"prompt": "A list is", "max_tokens": 300, "temperature": 0}
+
+    async def main():
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            async def drain_soon():
+                await asyncio.sleep(0.3)
+                await server.drain()
+            return await asyncio.gather(client.post("/v1/completions", json={**long, "stream": True}),
+                                        client.post("/v1/completions", json=long),
+                                        client.post("/v1/completions", json={**long, "max_tokens": 2}),  # never a row
+                                        drain_soon())
+
+    stream, plain, waiting, _ = asyncio.run(main())
+    chunks = [c["choices"][0] for c in _events(stream.text) if c["choices"]]  # ends with [DONE]
+    assert chunks[-1]["finish_reason"] == "abort" and len("".join(c["text"] for c in chunks)) > 0
+    assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "abort"
+    assert 0 < plain.json()["usage"]["completion_tokens"] < 300
+    assert waiting.status_code == 503 and waiting.headers["Retry-After"] == "1"
+    assert gen.pool.num_free == gen.pool.capacity and not gen.has_unfinished and server.engine.in_flight == 0
+    assert server.metrics.requests.labels("abort")._value.get() == 3
+
+
 def test_interleaved_seeded_streams_each_get_the_tokens_they_get_alone(lm):
     """200 streams at once (greedy and sampled, with and without logprobs) through 8 rows and a KV pool small enough
     that sequences are preempted and recomputed: each stream's text and logprobs are those the request gets alone."""

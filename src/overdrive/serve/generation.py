@@ -22,7 +22,8 @@ Deadlines: a request ends at most its timeout after it arrived (OpenAI's endpoin
 extension, sent by the `openai` client as `extra_body`; KServe's: the `timeout` parameter in microseconds, 0 for none,
 as Triton's; else the server's `request_timeout_s`, none by default). It ends between two decode steps with the tokens
 it has and finish_reason "timeout", its blocks freed at once; one that had produced no token gets 504 (a stream: its
-last chunk says "timeout"). Chat prompts use the tokenizer's chat template,
+last chunk says "timeout"). A drain (SIGTERM) that runs out of `drain_timeout_s` ends the requests still running the
+same way, with finish_reason "abort" (503 for one without a token). Chat prompts use the tokenizer's chat template,
 or, without one, a plain template ("role: content" lines, then "assistant:"), said at start and in a response header.
 Not built: `echo`, several prompts in one request. Beside encoders in one server: `serve.combined`.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -51,6 +53,7 @@ from overdrive.serve.logprobs import chat_logprobs, completion_logprobs, request
 from overdrive.serve.protocol import TooLarge
 
 PLAIN_CHAT = "plain (role: content lines, then 'assistant:')"
+log = logging.getLogger("overdrive.serve")
 
 
 class GenerationServer:
@@ -91,10 +94,21 @@ class GenerationServer:
         ])
 
     async def drain(self) -> None:
+        """Readiness false, new requests 503, requests in flight finish; those still running after `drain_timeout_s`
+        are ended between two steps with the tokens they have and finish_reason "abort" (a stream gets its last
+        chunk and [DONE]; a request with no token yet, 503), so that no client sees its connection cut mid-answer."""
         self.draining = True
         deadline = time.monotonic() + self.drain_timeout_s
         while self.engine.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.engine.in_flight:
+            log.warning("drain: %d request(s) still running after %g s are ended now (finish_reason \"abort\")",
+                        self.engine.in_flight, self.drain_timeout_s)
+            self.engine.abort_all("abort")
+            grace = time.monotonic() + 5.0
+            while self.engine.in_flight and time.monotonic() < grace:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # the handlers write their last event before the server stops
         self.engine.stop()
 
     # --- endpoints --------------------------------------------------------------------------------------------
@@ -163,8 +177,8 @@ class GenerationServer:
             return _error(500, f"generation failed: {exc}", "server_error", None)
         if done is None:
             return Response(status_code=499)
-        if _timed_out_empty([done]):
-            return _timeout_error(timeout_s)
+        if (empty := _ended_empty([done], timeout_s)) is not None:
+            return empty
         return JSONResponse({"model_name": self.name, "model_version": "1", "text_output": done.text,
                              "finish_reason": done.finish_reason})
 
@@ -224,8 +238,8 @@ class GenerationServer:
             return _error(500, f"generation failed: {exc}", "server_error", None)
         if any(c is None for c in done):
             return Response(status_code=499)
-        if _timed_out_empty(done):
-            return _timeout_error(timeout_s)
+        if (empty := _ended_empty(done, timeout_s)) is not None:
+            return empty
         choices = [{"index": i, "finish_reason": c.finish_reason, "logprobs": self._logprobs(c.logprobs, chat, ids),
                     **({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})}
                    for i, c in enumerate(done)]
@@ -441,13 +455,14 @@ class _BadRequest(_Refusal):
         super().__init__(400, message, "invalid_request_error", param)
 
 
-def _timed_out_empty(done: list[Completion]) -> bool:
-    """Every choice ended at its deadline before its first token."""
-    return all(c.finish_reason == "timeout" and not c.token_ids for c in done)
-
-
-def _timeout_error(timeout_s: float | None) -> Response:
-    return _error(504, f"the request's deadline ({timeout_s:g} s) passed before its first token", "timeout", "timeout")
+def _ended_empty(done: list[Completion], timeout_s: float | None) -> Response | None:
+    """The error for a request every choice of which was ended from outside before its first token: 504 at its
+    deadline, 503 when the server's drain ran out of time; None when it has something to answer."""
+    if not all(c.finish_reason in ("timeout", "abort") and not c.token_ids for c in done):
+        return None
+    if all(c.finish_reason == "timeout" for c in done):
+        return _error(504, f"the request's deadline ({timeout_s:g} s) passed before its first token", "timeout", "timeout")
+    return _error(503, "the server shut down before the request's first token", "server_error", None, retry=True)
 
 
 def _error(status: int, message: str, kind: str, param: str | None, *, retry: bool = False) -> Response:

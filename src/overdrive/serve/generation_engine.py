@@ -35,6 +35,7 @@ class GenerationEngine:
         self.gen, self.max_waiting = gen, max_waiting
         self._cv = threading.Condition()
         self._inbox: deque[tuple] = deque()  # ("submit", ticket, ids, params, listener, deadline) | ("cancel", ticket)
+        #                                      | ("abort_all", finish_reason)
         self._tickets = itertools.count()
         self._open: set[int] = set()  # tickets submitted and not yet ended or cancelled
         self._ids: dict[int, int] = {}  # ticket -> the generator's request id (engine thread only)
@@ -61,6 +62,13 @@ class GenerationEngine:
             self._inbox.append(("submit", ticket, ids, params, listener, deadline))
             self._cv.notify()
         return ticket
+
+    def abort_all(self, finish_reason: str) -> None:
+        """Ends every request in flight between two steps, as a deadline does (the class docstring), with
+        `finish_reason` (a drain that ran out of time: "abort", vLLM's name for a request the server ended)."""
+        with self._cv:
+            self._inbox.append(("abort_all", finish_reason))
+            self._cv.notify()
 
     def cancel(self, ticket: int) -> None:
         with self._cv:
@@ -111,6 +119,8 @@ class GenerationEngine:
                 self._listeners[request_id] = (ticket, listener)
                 if deadline is not None:
                     self._deadlines[request_id] = deadline
+            elif item[0] == "abort_all":
+                calls += self._end_requests(list(self._listeners), item[1])
             else:
                 request_id = self._ids.pop(item[1], None)
                 if request_id is not None:
@@ -121,12 +131,16 @@ class GenerationEngine:
 
     def _expire(self) -> list[tuple]:
         """Ends the requests whose deadline has passed (the class docstring)."""
-        now, calls = time.monotonic(), []
-        for request_id, deadline in list(self._deadlines.items()):
-            if deadline > now:
-                continue
-            del self._deadlines[request_id]
-            completion = self.gen.abort(request_id, "timeout")
+        now = time.monotonic()
+        return self._end_requests([r for r, deadline in self._deadlines.items() if deadline <= now], "timeout")
+
+    def _end_requests(self, request_ids: list[int], finish_reason: str) -> list[tuple]:
+        """Ends `request_ids` now with `finish_reason`: each listener gets a `TokenEvent` with token_id -1 and the
+        request's `Completion` (the tokens it had), its blocks are freed."""
+        calls = []
+        for request_id in request_ids:
+            self._deadlines.pop(request_id, None)
+            completion = self.gen.abort(request_id, finish_reason)
             ticket, listener = self._listeners.pop(request_id, (None, None))
             if listener is not None and completion is not None:
                 calls.append((listener, TokenEvent(request_id, -1, completion)))
