@@ -123,7 +123,7 @@ def test_bad_requests_get_openais_error_shape_before_taking_blocks(lm, body, sta
 def test_an_oversized_or_too_deeply_nested_body_is_refused_in_openais_shape(lm):
     from starlette.testclient import TestClient
 
-    from overdrive.serve.generation import MAX_REQUEST_BYTES
+    from overdrive.serve.openai_protocol import MAX_REQUEST_BYTES
 
     server = _server(lm)
     with TestClient(server.app) as client:

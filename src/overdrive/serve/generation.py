@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -48,9 +47,10 @@ from starlette.routing import Route
 from overdrive.generate.continuous import ContinuousGenerator, TokenEvent
 from overdrive.generate.engine import Completion, SamplingParams
 from overdrive.serve.generation_engine import GenerationEngine, GenerationMetrics, QueueFull
-from overdrive.serve.http_util import BodyCut, disconnected, read_body
+from overdrive.serve.http_util import disconnected
 from overdrive.serve.logprobs import chat_logprobs, completion_logprobs, requested
-from overdrive.serve.protocol import TooLarge
+from overdrive.serve.openai_protocol import (CHAT_FIELDS, COMPLETION_FIELDS, BadRequest, Refusal, ended_empty,
+                                             error_response, prompt_of, read_json, reseeded, sampling_params, sse)
 
 PLAIN_CHAT = "plain (role: content lines, then 'assistant:')"
 log = logging.getLogger("overdrive.serve")
@@ -133,98 +133,98 @@ class GenerationServer:
         return await self._openai(request, chat=True)
 
     async def kserve_unknown(self, request: Request) -> Response:
-        return _error(404, f"no model {request.path_params['other']!r}; this server has {self.name!r}",
+        return error_response(404, f"no model {request.path_params['other']!r}; this server has {self.name!r}",
                       "model_not_found", "model")
 
     async def kserve_generate(self, request: Request) -> Response:
         stream = request.url.path.endswith("_stream")
         try:
-            body = await _json(request)
+            body = await read_json(request)
             text = body.get("text_input")
             if not isinstance(text, str) or not text:
-                raise _BadRequest("text_input must be a non-empty string", "text_input")
+                raise BadRequest("text_input must be a non-empty string", "text_input")
             parameters = body.get("parameters", {})
             if not isinstance(parameters, dict):
-                raise _BadRequest("parameters must be an object", "parameters")
+                raise BadRequest("parameters must be an object", "parameters")
             unknown = sorted(set(parameters) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                                                 "timeout"})
             if unknown:
-                raise _BadRequest(f"unknown parameters {unknown}; known: max_tokens, temperature, top_p, top_k, seed, "
+                raise BadRequest(f"unknown parameters {unknown}; known: max_tokens, temperature, top_p, top_k, seed, "
                                   "stop, timeout", "parameters")
-            params = _sampling(parameters, default_temperature=0.0, stop_token_ids=self.gen.defaults.stop_token_ids)
+            params = sampling_params(parameters, default_temperature=0.0, stop_token_ids=self.gen.defaults.stop_token_ids)
             timeout = parameters.get("timeout")
             if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0):
-                raise _BadRequest(f"timeout is in microseconds and must be an integer ≥ 0 (0: none), got {timeout!r}",
+                raise BadRequest(f"timeout is in microseconds and must be an integer ≥ 0 (0: none), got {timeout!r}",
                                   "timeout")
             timeout_s = self.request_timeout_s if timeout is None else (timeout / 1e6 or None)
             requests = self._start([self.gen.encode(text)], params, timeout_s)
-        except _Refusal as exc:
+        except Refusal as exc:
             return exc.response()
         except (ValueError, TypeError) as exc:  # TypeError: text the tokenizer cannot take (a lone surrogate)
-            return _error(400, str(exc), "invalid_request_error", None)
+            return error_response(400, str(exc), "invalid_request_error", None)
         if stream:
             async def events():
                 try:
                     async for delta, done, _ in _texts(self, requests[0], params):
-                        yield _sse({"model_name": self.name, "model_version": "1", "text_output": delta,
+                        yield sse({"model_name": self.name, "model_version": "1", "text_output": delta,
                                     **({"finish_reason": done.finish_reason} if done else {})})
                 except Exception as exc:  # noqa: BLE001 — the engine's step failed: the stream ends with the error
-                    yield _sse({"error": f"generation failed: {exc}"})
+                    yield sse({"error": f"generation failed: {exc}"})
             return StreamingResponse(events(), media_type="text/event-stream")
         try:
             (done,) = await self._collect(request, requests)
         except Exception as exc:  # noqa: BLE001 — the engine's step failed (logged there)
-            return _error(500, f"generation failed: {exc}", "server_error", None)
+            return error_response(500, f"generation failed: {exc}", "server_error", None)
         if done is None:
             return Response(status_code=499)
-        if (empty := _ended_empty([done], timeout_s)) is not None:
+        if (empty := ended_empty([done], timeout_s)) is not None:
             return empty
         return JSONResponse({"model_name": self.name, "model_version": "1", "text_output": done.text,
                              "finish_reason": done.finish_reason})
 
     async def _openai(self, request: Request, *, chat: bool) -> Response:
         try:
-            body = await _json(request)
+            body = await read_json(request)
             if body.get("model") not in (None, self.name):
-                raise _Refusal(404, f"no model {body.get('model')!r}; this server has {self.name!r}", "model_not_found",
+                raise Refusal(404, f"no model {body.get('model')!r}; this server has {self.name!r}", "model_not_found",
                                "model")
-            unknown = sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
+            unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
             if unknown:  # as OpenAI answers one: a typo must not pass for a setting
-                raise _BadRequest(f"unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
+                raise BadRequest(f"unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
             for field in ("echo", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "tools",
                           "response_format"):
                 if body.get(field) not in (None, False, 0, {}, []):  # asked for, not only sent at its default
-                    raise _BadRequest(f"{field} is not supported by this server", field)
+                    raise BadRequest(f"{field} is not supported by this server", field)
             if body.get("best_of") not in (None, 1):
-                raise _BadRequest("best_of is not supported by this server", "best_of")
+                raise BadRequest("best_of is not supported by this server", "best_of")
             if not isinstance(body.get("stream", False), bool):
-                raise _BadRequest(f"stream must be true or false, got {body['stream']!r}", "stream")
+                raise BadRequest(f"stream must be true or false, got {body['stream']!r}", "stream")
             n = 1 if body.get("n") is None else body["n"]
             if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
-                raise _BadRequest(f"n must be an integer from 1 to 16, got {n!r}", "n")
-            prompt = self._chat_prompt(body.get("messages")) if chat else _prompt(body.get("prompt"))
-            params = _sampling(body, default_temperature=1.0, stop_token_ids=self.gen.defaults.stop_token_ids)
+                raise BadRequest(f"n must be an integer from 1 to 16, got {n!r}", "n")
+            prompt = self._chat_prompt(body.get("messages")) if chat else prompt_of(body.get("prompt"))
+            params = sampling_params(body, default_temperature=1.0, stop_token_ids=self.gen.defaults.stop_token_ids)
             try:
                 params = replace(params, logprobs=requested(body, chat=chat))
             except ValueError as exc:
-                raise _BadRequest(*exc.args) from None
+                raise BadRequest(*exc.args) from None
             if chat and getattr(self.gen.tokenizer, "chat_template", None):
                 # The template writes its own special tokens (a BOS among them): encoding adds none (as vLLM does).
                 prompt = list(self.gen.tokenizer(prompt, add_special_tokens=False)["input_ids"])
             ids = self.gen.encode(prompt)
             # n choices: the same prompt n times, each with its own seed (seed + i when the request gives one)
-            per_choice = [params if params.seed is None or i == 0 else _reseeded(params, params.seed + i)
+            per_choice = [params if params.seed is None or i == 0 else reseeded(params, params.seed + i)
                           for i in range(n)]
             timeout = body.get("timeout")
             if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                         or not 0 < timeout < float("inf")):
-                raise _BadRequest(f"timeout is in seconds and must be a number > 0, got {timeout!r}", "timeout")
+                raise BadRequest(f"timeout is in seconds and must be a number > 0, got {timeout!r}", "timeout")
             timeout_s = self.request_timeout_s if timeout is None else float(timeout)
             requests = self._start([ids] * n, per_choice, timeout_s)
-        except _Refusal as exc:
+        except Refusal as exc:
             return exc.response()
         except (ValueError, TypeError) as exc:  # TypeError: text the tokenizer cannot take (a lone surrogate)
-            return _error(400, str(exc), "invalid_request_error", None)
+            return error_response(400, str(exc), "invalid_request_error", None)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
         headers = {"x-overdrive-chat-template": self.chat_template} if chat else None
@@ -235,10 +235,10 @@ class GenerationServer:
         try:
             done = await self._collect(request, requests)
         except Exception as exc:  # noqa: BLE001 — the engine's step failed (logged there)
-            return _error(500, f"generation failed: {exc}", "server_error", None)
+            return error_response(500, f"generation failed: {exc}", "server_error", None)
         if any(c is None for c in done):
             return Response(status_code=499)
-        if (empty := _ended_empty(done, timeout_s)) is not None:
+        if (empty := ended_empty(done, timeout_s)) is not None:
             return empty
         choices = [{"index": i, "finish_reason": c.finish_reason, "logprobs": self._logprobs(c.logprobs, chat, ids),
                     **({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})}
@@ -264,7 +264,7 @@ class GenerationServer:
                 offsets[i] += sum(len(t) for t in logprobs["tokens"])
             choice = {"index": i, "finish_reason": finish, "logprobs": logprobs,
                       **({"delta": delta} if chat else {"text": delta})}
-            return _sse({"id": ident, "object": chunk, "created": created, "model": self.name, "choices": [choice]})
+            return sse({"id": ident, "object": chunk, "created": created, "model": self.name, "choices": [choice]})
 
         if chat:
             for i in range(len(requests)):
@@ -285,7 +285,7 @@ class GenerationServer:
             while remaining:
                 i, delta, done, entries = await merged.get()
                 if isinstance(delta, Exception):
-                    yield _sse({"error": {"message": f"generation failed: {delta}", "type": "server_error",
+                    yield sse({"error": {"message": f"generation failed: {delta}", "type": "server_error",
                                           "param": None, "code": None}})
                     return
                 if delta is None and done is None:
@@ -297,7 +297,7 @@ class GenerationServer:
                     completion_tokens += done.completion_tokens
                     yield frame(i, {} if chat else "", done.finish_reason, None if delta else entries)
             if include_usage:
-                yield _sse({"id": ident, "object": chunk, "created": created, "model": self.name, "choices": [],
+                yield sse({"id": ident, "object": chunk, "created": created, "model": self.name, "choices": [],
                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                       "total_tokens": prompt_tokens + completion_tokens}})
             yield "data: [DONE]\n\n"
@@ -317,7 +317,7 @@ class GenerationServer:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
-            raise _BadRequest("messages must be a non-empty list of {\"role\": ..., \"content\": ...} with string "
+            raise BadRequest("messages must be a non-empty list of {\"role\": ..., \"content\": ...} with string "
                               "content", "messages")
         tok = self.gen.tokenizer
         if getattr(tok, "chat_template", None):
@@ -328,10 +328,10 @@ class GenerationServer:
         """Submits each prompt, each to end at most `timeout_s` from now (None: no deadline); all or none (a refusal
         cancels those already queued)."""
         if self.draining:
-            raise _Refusal(503, "the server is draining (shutting down)", "service_unavailable", None, retry=True)
+            raise Refusal(503, "the server is draining (shutting down)", "service_unavailable", None, retry=True)
         params = params if isinstance(params, list) else [params] * len(prompts)
         if 1 < len(prompts) > self.engine.max_waiting:  # its n choices could never all wait at once
-            raise _BadRequest(f"n is {len(prompts)}, more than this server's waiting queue holds "
+            raise BadRequest(f"n is {len(prompts)}, more than this server's waiting queue holds "
                               f"({self.engine.max_waiting}, --max-queue-size)", "n")
         started: list[_Request] = []
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -341,7 +341,7 @@ class GenerationServer:
         except QueueFull as exc:
             for r in started:
                 r.cancel()
-            raise _Refusal(429, f"too many requests waiting ({exc}); retry later", "rate_limit_exceeded", None,
+            raise Refusal(429, f"too many requests waiting ({exc}); retry later", "rate_limit_exceeded", None,
                            retry=True) from None
         except ValueError:
             for r in started:
@@ -439,107 +439,6 @@ async def _texts(server: GenerationServer, request: _Request, params: SamplingPa
             yield ready[len(sent):], None, pending
             sent = ready
             pending = [] if pending is not None else None
-
-
-class _Refusal(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None, *, retry: bool = False):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.retry = status, kind, param, retry
-
-    def response(self) -> Response:
-        return _error(self.status, str(self), self.kind, self.param, retry=self.retry)
-
-
-class _BadRequest(_Refusal):
-    def __init__(self, message: str, param: str | None):
-        super().__init__(400, message, "invalid_request_error", param)
-
-
-def _ended_empty(done: list[Completion], timeout_s: float | None) -> Response | None:
-    """The error for a request every choice of which was ended from outside before its first token: 504 at its
-    deadline, 503 when the server's drain ran out of time; None when it has something to answer."""
-    if not all(c.finish_reason in ("timeout", "abort") and not c.token_ids for c in done):
-        return None
-    if all(c.finish_reason == "timeout" for c in done):
-        return _error(504, f"the request's deadline ({timeout_s:g} s) passed before its first token", "timeout", "timeout")
-    return _error(503, "the server shut down before the request's first token", "server_error", None, retry=True)
-
-
-def _error(status: int, message: str, kind: str, param: str | None, *, retry: bool = False) -> Response:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status, headers={"Retry-After": "1"} if retry else None)
-
-
-MAX_REQUEST_BYTES = 1 << 22  # 4 MiB: a prompt of a million characters; more is refused (413) as it streams in
-
-
-async def _json(request: Request) -> dict:
-    """The request's JSON object. Raises _Refusal: 413 over `MAX_REQUEST_BYTES`, 400 not a JSON object or a body
-    the client cut short."""
-    try:
-        body = json.loads(await read_body(request, MAX_REQUEST_BYTES))
-    except TooLarge as exc:
-        raise _Refusal(413, str(exc), "invalid_request_error", None) from None
-    except BodyCut as exc:
-        raise _BadRequest(str(exc), None) from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise _BadRequest(f"the body is not JSON: {exc}" if not isinstance(exc, RecursionError)
-                          else "the body is not JSON this server reads: nested too deep", None) from None
-    if not isinstance(body, dict):
-        raise _BadRequest("the body must be a JSON object", None)
-    return body
-
-
-def _prompt(prompt):
-    """A completion's prompt: a string, a list of token ids, or a list of one of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise _BadRequest("prompt must be a non-empty string or list of token ids (one prompt per request here)", "prompt")
-
-
-# The request fields of OpenAI's completions and chat completions APIs (those that change nothing here, `user`,
-# `store`, `metadata`, ..., are taken; those asking for what this server does not do are refused by name), plus
-# `top_k` and `timeout` (extensions, as vLLM's `top_k`). Any other field is a 400.
-_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
-                            "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "seed", "top_k",
-                            "timeout"})
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of",
-                                      "top_logprobs"}  # refused by `requested` with a better message: a chat's field
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                 "parallel_tool_calls", "response_format", "store", "metadata", "service_tier",
-                                 "modalities", "reasoning_effort", "prediction", "audio", "functions", "function_call",
-                                 "web_search_options", "safety_identifier", "prompt_cache_key", "verbosity"}
-
-
-def _sampling(body: dict, *, default_temperature: float, stop_token_ids: tuple[int, ...]) -> SamplingParams:
-    """OpenAI's fields as `SamplingParams` (max_tokens default 16, as OpenAI's; ending at `stop_token_ids`, the
-    tokenizer's end-of-text). Raises _BadRequest."""
-    stop = body.get("stop")
-    fields = {"max_new_tokens": next((body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None),
-                                     16),
-              "temperature": body.get("temperature", default_temperature), "top_p": body.get("top_p"),
-              "top_k": body.get("top_k"), "seed": body.get("seed"),
-              "stop": () if stop is None else stop, "stop_token_ids": stop_token_ids}
-    if fields["temperature"] is None:
-        fields["temperature"] = default_temperature
-    try:
-        return SamplingParams(**fields)
-    except ValueError as exc:
-        param = next((k for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") if k in str(exc)
-                      or (k == "max_tokens" and "max_new_tokens" in str(exc))), None)
-        raise _BadRequest(str(exc).replace("max_new_tokens", "max_tokens"), param) from None
-
-
-def _reseeded(params: SamplingParams, seed: int) -> SamplingParams:
-    return replace(params, seed=seed)
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 @contextlib.contextmanager
