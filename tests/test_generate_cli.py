@@ -70,6 +70,19 @@ def test_a_draft_model_is_derived_distilled_judged_and_timed_and_its_plan_rebuil
         build_generator(workload.model, workload.tokenizer, []).generate(workload.prompts[:2], SamplingParams(max_new_tokens=5))
 
 
+def test_run_of_an_empty_file_is_refused_and_a_records_setting_is_named_as_it_wrote_it(toy_pydoc_lm, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=4, steps=[]).save(plan_path)
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["run", str(plan_path), "--input", str(tmp_path / "blank.jsonl"), "--output", str(out)]) == 2
+    assert "holds no records" in capsys.readouterr().err and not out.exists()  # as `run` of any other plan
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "A list is", "max_tokens": -3}) + "\n")
+    assert cli.main(["run", str(plan_path), "--input", str(tmp_path / "bad.jsonl"), "--output", str(out)]) == 0
+    (error,) = [json.loads(line)["error"] for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert "max_tokens" in error and "max_new_tokens" not in error, error
+
+
 def test_bench_times_a_plan_against_the_baseline_at_each_batch_size(toy_pydoc_lm, tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
     GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=4, steps=[{"name": "kv-int8"}]).save(plan_path)

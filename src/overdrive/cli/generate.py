@@ -19,7 +19,7 @@ from collections import deque
 from pathlib import Path
 
 from overdrive.core.digest import file_sha256
-from overdrive.core.errors import ConfigError, RunAborted, arg
+from overdrive.core.errors import ConfigError, DataError, RunAborted, arg
 
 # Flags of `optimize` / `bench` that mean nothing for a causal LM, with the value that says "not given".
 ONE_PASS_ONLY = {"num_samples": None, "input_shape": None, "data": None, "text_field": None, "dynamic_dim": None,
@@ -292,6 +292,9 @@ def run_main(args) -> int:
         raise ConfigError(f"{arg('output', str(output))}: a generation run writes JSONL (.jsonl)")
     if not source.is_file():
         raise ConfigError(f"{arg('input', str(source))}: no such file")
+    records = list(_read_prompts(source, args.text_field or "prompt"))
+    if not records:  # as `run` of any other plan: said before the model is built
+        raise DataError(f"{arg('input', str(source))} holds no records (the file is empty or blank)")
     errors_path = output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
     manifest_path = output.with_name(output.name.removesuffix(".jsonl") + ".manifest.json")
     done = set()
@@ -324,7 +327,6 @@ def run_main(args) -> int:
     eos = getattr(workload.tokenizer, "eos_token_id", None)
     if eos is not None:  # a completion ends at the end of its text, as Hugging Face's generate ends it
         default["stop_token_ids"] = (eos,)
-    records = list(_read_prompts(source, args.text_field or "prompt"))
     context = getattr(workload.model.config, "max_position_embeddings", None)
     started, failed = time.perf_counter(), 0
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -390,7 +392,7 @@ def run_main(args) -> int:
                   highlight=False)
     scheduling = (f"continuous batching of up to {batch} sequence{'s' if batch > 1 else ''}"
                   + (f" (KV blocks {gen.stats.kv_waste:.1%} empty, {gen.stats.preemptions} preempted)" if tokens else "")
-                  if continuous else "one prompt at a time (prompt lookup)")
+                  if continuous else f"one prompt at a time ({next(n for n in SPECULATIVE if n in plan.names)})")
     console.print(f"{tokens:,} new tokens in {wall:.3g} s = {tokens / max(wall, 1e-9):,.1f} tokens/s on "
                   f"{devices.describe(device)}, {scheduling} (plan: {' + '.join(plan.names) or 'baseline'}); set-up "
                   f"before that {setup_s:.1f} s (model, warm-up)",
@@ -484,4 +486,9 @@ def _request(record, default: dict, field: str):
         raise ValueError(f"unknown fields {unknown}; known: {field}, id, {', '.join(PARAM_FIELDS)}")
     params = dict(default)
     params.update({PARAM_FIELDS[k]: v for k, v in record.items() if k in PARAM_FIELDS})
-    return text, SamplingParams(**params)
+    try:
+        return text, SamplingParams(**params)
+    except ValueError as exc:  # in the record's own words: it said max_tokens
+        if "max_new_tokens" in str(exc) and "max_tokens" in record:
+            raise ValueError(str(exc).replace("max_new_tokens", "max_tokens")) from None
+        raise
