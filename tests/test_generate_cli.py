@@ -42,6 +42,8 @@ def test_optimize_writes_a_generation_plan_with_every_row_judged_or_said_why_not
         assert fid is None or (fid["prompts"] == 32 and fid["perplexity_reference"] > 1), rows[name]
         assert rows[name]["status"] in ("kept", "rejected") and (rows[name]["status"] == "kept" or rows[name]["reason"])
     assert rows["int4-weight"]["status"] == "untried" and rows["int4-weight"]["reason"]
+    baseline = next(r for r in rows.values() if r["status"] == "baseline")
+    assert baseline["tokens_per_s"] > 0  # the baseline's row has its own figure, as every other row
     assert "greedy changed" in printed and "overdrive bench pydoc-lm --plan" in printed
     assert cli.main(["optimize", "pydoc-lm", "--device", "cpu", "--out", str(tmp_path)]) == 2  # no silent overwrite
     assert "exists" in capsys.readouterr().err

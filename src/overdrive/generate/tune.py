@@ -387,6 +387,8 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
             warnings.append(f"at batch {b} the plan is slower than the baseline, {gain.describe()}{why}: {advice}")
         elif gain.uncertain:
             warnings.append(f"the plan's gain at batch {b} is uncertain: {gain.uncertain}")
+    if base[batch_size].pass_s:  # the baseline's own row: its tokens/s over every pass it was timed in
+        rows[0].tokens_per_s = base[batch_size].tokens_per_s()
     head = measured["batch_sizes"][str(batch_size)]
     if "gain" in head:
         measured.update(speedup_point=head["gain"]["ratio"], speedup_interval99=head["gain"]["interval"],
