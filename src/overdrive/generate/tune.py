@@ -207,7 +207,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         guard_prompts, guard_tokens: the guard's prompts and greedy tokens per prompt.
         search_kl: the per-layer search's mean-KL budget (default: half of `budget.max_mean_kl`).
         draft_seconds: about how long the draft model's distillation may take (its steps are chosen from one step's
-            time, at most `draft.DEFAULT_STEPS`).
+            time: at least 1, at most `draft.DEFAULT_STEPS`).
 
     Raises:
         ConfigError: an unknown technique name, a batch size above the workload's prompts.
@@ -300,7 +300,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         except (RuntimeError, ValueError) as exc:  # a model whose layers cannot be dropped
             rows.append(GenerationRow(technique="draft-model", status="rejected", reason=f"failed: {exc}"[:200]))
             return
-        steps = max(0, min(DEFAULT_STEPS, int(seconds / per_step)))
+        steps = max(1, min(DEFAULT_STEPS, int(seconds / per_step)))  # at least one, however slow the machine
         progress(f"draft-model: distilling {len(layers)} of {total} layers, {steps} steps")
         candidate = try_step("draft-model", {"name": "draft-model", "layers": layers, "num_tokens": 4, "steps": steps})
         row, facts = rows[-1], candidate.speculative.facts if candidate is not None else None
