@@ -162,6 +162,17 @@ def test_a_sampled_speculative_request_draws_as_the_model_samples():
     assert distance(plain, blind) > 0.5
 
 
+def test_speculation_up_to_the_last_position_of_a_learned_position_model():
+    """GPT-2's learned position embeddings have no row past its context: a prompt and answer filling all 32 positions
+    put the last verification's guesses (and fillers) past the end, which raised IndexError; they are never kept."""
+    hf = _hf("gpt2", n_positions=32, n_layer=3)
+    decoder = Decoder.from_hf(hf)
+    prompt, params = [5, 6, 7] * 3 + [5], SamplingParams(max_new_tokens=22)  # 10 + 22 = all 32 positions
+    plain = Generator(decoder).generate([prompt], params)[0].token_ids
+    for drafter in (PromptLookup(num_tokens=4), DraftModel(Decoder.from_hf(derive(hf, [0])), num_tokens=4)):
+        assert Generator(decoder, speculative=drafter).generate([prompt], params)[0].token_ids == plain
+
+
 def test_a_derived_draft_keeps_the_layers_asked_and_distillation_brings_it_toward_the_target():
     hf = _hf(num_hidden_layers=4)
     assert draft_layers(4) == [0] and draft_layers(12) == [0, 6, 11] and draft_layers(6, keep=2) == [0, 5]

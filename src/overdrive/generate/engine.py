@@ -393,7 +393,11 @@ class Generator:
             feed = [c.token_ids[-1]] + draft + [0] * (k - len(draft))  # always k + 1 tokens: one compiled shape
             at = slot[at_last:at_last + k + 1]
             mask = (slot[None, :] <= at[:, None])[None, None]  # [1, 1, k + 1, S]
-            logits = self._decode(torch.tensor([feed], device=dev), at[None], cache, at, mask)  # [1, k + 1, V]
+            # Near the context's end the last guesses (or fillers) lie past the model's positions; they are past the
+            # answer's last token too (prompt + max_new_tokens fit), so their outputs are never kept: clamped, as
+            # learned position embeddings (GPT-2) have no row for them.
+            positions = at.clamp(max=self.model.config.max_positions - 1)
+            logits = self._decode(torch.tensor([feed], device=dev), positions[None], cache, at, mask)  # [1, k + 1, V]
             if q.temperature == 0:
                 new = accepted(draft, logits[0].argmax(-1).cpu().tolist())
             else:

@@ -123,7 +123,9 @@ class DraftModel:
         for _ in range(k):
             at = slot[state.filled:state.filled + len(feed)]
             mask = (slot[None, :] <= at[:, None])[None, None]  # [1, 1, T, S]: the sequence's own slots, causally
-            logits = self.decoder(torch.tensor([feed], device=device), at[None], state.cache, at, mask, last_only=True)[0, 0]
+            positions = at.clamp(max=self.decoder.config.max_positions - 1)  # past the context: guesses never kept
+            logits = self.decoder(torch.tensor([feed], device=device), positions[None], state.cache, at, mask,
+                                  last_only=True)[0, 0]
             state.filled += len(feed)
             if params.temperature == 0:
                 guess = int(logits.argmax())
