@@ -43,7 +43,7 @@ from overdrive.run.job import RunConfig, run_offline  # noqa: E402
 from overdrive.techniques.batching.length_bucketing import LengthBucketingConfig  # noqa: E402
 from overdrive.techniques.runtime.torch_compile import CompileConfig  # noqa: E402
 from overdrive.tuning.plan import Plan  # noqa: E402
-from overdrive.workloads.sentences import python_docstring_sentences  # noqa: E402
+from overdrive.files.sentences import python_docstring_sentences  # noqa: E402
 from overdrive.workloads.user import build_from_import_path  # noqa: E402
 
 

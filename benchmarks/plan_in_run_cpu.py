@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from overdrive.run.job import RunConfig, run_offline  # noqa: E402
 from overdrive.tuning.plan import Plan  # noqa: E402
-from overdrive.workloads.sentences import python_doc_sentences  # noqa: E402
+from overdrive.files.sentences import python_doc_sentences  # noqa: E402
 
 
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:

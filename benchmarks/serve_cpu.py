@@ -56,7 +56,7 @@ def request_bodies(workload: str) -> tuple[list, list, list]:
     from serve_load import http_body
 
     if workload == "minilm":
-        from overdrive.workloads.sentences import python_doc_sentences
+        from overdrive.files.sentences import python_doc_sentences
 
         texts = list(python_doc_sentences()[:2048])
         oip = [text_http_body(t) for t in texts]

@@ -165,7 +165,7 @@ def test_run_of_a_prompt_lookup_plan_answers_one_prompt_at_a_time_with_the_same_
         assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu"]) == 0
         answers[name] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
         said = capsys.readouterr().out
-        assert ("one prompt at a time (prompt lookup)" if steps else "continuous batching of up to 2") in said
+        assert ("one prompt at a time (prompt-lookup)" if steps else "continuous batching of up to 2") in said
     assert answers["lookup"] == answers["batched"] and len(answers["batched"]) == 3
 
 

@@ -50,14 +50,17 @@ def test_keyword_inputs_and_a_model_output_are_taken_as_they_come():
 
 def test_several_outputs_are_each_judged_and_the_worst_counts():
     """A 1-wide output gone wrong next to a 1000-wide one that is right: concatenated, the cosine
-    would hide it; judged apart, it fails."""
+    would hide it; judged apart, it fails, by R² (a one-value output has no cosine of its own: a
+    row's cosine there is only its sign), which the guard judges beside the cosine."""
     reference = torch.cat([torch.randn(8, 1000), torch.randn(8, 1)], dim=1)
     output = reference.clone()
     output[:, -1] = -output[:, -1]  # the small output's sign flipped
     fidelity = outputs_fidelity([1000, 1])
     assert nn.functional.cosine_similarity(output, reference).min() > 0.99
-    assert fidelity(output, reference)["min_cosine"] < -0.99
+    figures = fidelity(output, reference)
+    assert figures["min_cosine"] > 0.99 and figures["r2"] < -1  # the wide output's cosine; the worst R², the small one's
     assert fidelity(reference, reference)["min_cosine"] == pytest.approx(1.0)
+    assert fidelity(reference, reference)["r2"] == pytest.approx(1.0)
 
 
 def test_a_two_input_model_with_a_tuple_of_outputs():

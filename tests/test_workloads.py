@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from overdrive.workloads import create_workload
-from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
+from overdrive.files.sentences import python_doc_sentences, python_docstring_sentences
 
 
 def test_python_doc_sentences_are_real_and_plentiful():

@@ -89,13 +89,13 @@ def derive(hf_model: nn.Module, layers: Sequence[int]) -> nn.Module:
 
 
 def distillation_texts(tokenizer, limit: int = 4000) -> list[list[int]]:
-    """Real text for distilling a draft, as token ids of `tokenizer`: the first `limit` of the sentences pydoc-lm
-    trains on (CPython's docstrings and reference, its held-out sentences excluded, so never a built-in's prompt),
-    which every machine has. A draft learns from them to guess its target's next tokens; what it guesses wrong only
-    costs speed, since the target verifies every guess."""
-    from overdrive.workloads.pydoc_lm import split
+    """Real text for distilling a draft, as token ids of `tokenizer`: the first `limit` sentences of the standard
+    library's docstrings (`files.sentences`), which every machine has and none of the built-in workloads' prompts
+    come from (theirs are the language reference's held-out sentences). A draft learns from them to guess its
+    target's next tokens; what it guesses wrong only costs speed, since the target verifies every guess."""
+    from overdrive.files.sentences import python_docstring_sentences
 
-    sentences = split()[0][:limit]
+    sentences = list(python_docstring_sentences())[:limit]
     return [ids for ids in tokenizer(sentences, add_special_tokens=False)["input_ids"] if ids]
 
 

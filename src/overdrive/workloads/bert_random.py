@@ -15,7 +15,7 @@ import zlib
 import torch
 
 from overdrive.core.workload import Workload, embedding_fidelity, pad_token_ids
-from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
+from overdrive.files.sentences import python_doc_sentences, python_docstring_sentences
 
 VOCAB_SIZE = 30522
 CLS, SEP, FIRST_WORD_ID = 101, 102, 1000

@@ -69,7 +69,7 @@ def lm_workload(name: str, model: nn.Module, tokenizer, prompts: list[str] | Non
         ConfigError: prompts that are not a non-empty list of non-empty strings.
     """
     from overdrive.generate.decoder import DecoderConfig
-    from overdrive.workloads.sentences import python_doc_sentences
+    from overdrive.files.sentences import python_doc_sentences
 
     try:
         DecoderConfig.from_hf(model.config)

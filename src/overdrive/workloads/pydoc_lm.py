@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from overdrive.files.cache import cached, versions
-from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
+from overdrive.files.sentences import python_doc_sentences, python_docstring_sentences
 
 SEED = 0
 VOCAB = 4096

@@ -416,7 +416,7 @@ def text_workload(name: str, model: nn.Module, tokenizer: Any, *, output: str | 
     Raises:
         WorkloadError: the tokenizer fails on a sentence, or the model on its output.
     """
-    from overdrive.workloads.sentences import python_doc_sentences, python_docstring_sentences
+    from overdrive.files.sentences import python_doc_sentences, python_docstring_sentences
     from overdrive.workloads.structured import OutputLayout
 
     try:
