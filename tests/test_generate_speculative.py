@@ -11,7 +11,7 @@ import torch
 
 from overdrive.generate import Decoder, DraftModel, Generator, PromptLookup, SamplingParams
 from overdrive.generate import engine as engine_mod
-from overdrive.generate.draft import derive, distill, draft_layers, windows
+from overdrive.generate.draft import build_draft, derive, distill, draft_layers, seconds_per_step, windows
 from overdrive.generate.speculative import accepted, verify
 from tests.test_generate import VOCAB, _hf, _prompts
 
@@ -171,6 +171,32 @@ def test_speculation_up_to_the_last_position_of_a_learned_position_model():
     plain = Generator(decoder).generate([prompt], params)[0].token_ids
     for drafter in (PromptLookup(num_tokens=4), DraftModel(Decoder.from_hf(derive(hf, [0])), num_tokens=4)):
         assert Generator(decoder, speculative=drafter).generate([prompt], params)[0].token_ids == plain
+
+
+def test_a_draft_that_cannot_guess_for_its_target_is_refused_by_name_and_no_guess_is_wasted():
+    """From a new user's trial: each of these raised from deep inside torch (IndexError, AttributeError) or was taken;
+    and the last verification drafted k guesses when the answer needed fewer (counted as drafted and refused)."""
+    import transformers
+
+    hf = _hf("gpt2", n_positions=32, n_layer=3)
+    texts = [list(range(1, 10)) * 20]
+    for bad, match in ((lambda: DraftModel(hf), "takes overdrive's Decoder"),
+                       (lambda: Generator(Decoder.from_hf(hf), speculative=DraftModel(Decoder.from_hf(_hf(vocab_size=50)))),
+                        "vocabulary \\(50\\) is not the target's \\(96\\)"),
+                       (lambda: derive(transformers.BertForMaskedLM(transformers.BertConfig(
+                           vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37)), [0]),
+                        "derived from a Hugging Face causal LM"),
+                       (lambda: build_draft(hf, [0], [[500] * 50], steps=1), "outside the model's vocabulary of 96"),
+                       (lambda: build_draft(hf, [0], texts, steps=-1), "steps are an integer ≥ 0"),
+                       (lambda: draft_layers(4, 2.5), "whole number of layers")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+    # Distillation rows fit a context shorter than its 128-token window (GPT-2's positions end at 32: IndexError)
+    assert seconds_per_step(hf, [0], texts) > 0 and build_draft(hf, [0], texts, steps=2)[1]["steps"] == 2
+    itself = Generator(Decoder.from_hf(hf), speculative=DraftModel(Decoder.from_hf(hf), num_tokens=4))
+    for new, drafted in ((2, 0), (7, 4)):  # 7: the prefill's token, 4 guesses + the target's, then 1 more alone
+        itself.generate([[5, 6, 7]], SamplingParams(max_new_tokens=new))
+        assert (itself.timings[-1].accepted, itself.timings[-1].drafted) == (drafted, drafted)
 
 
 def test_a_derived_draft_keeps_the_layers_asked_and_distillation_brings_it_toward_the_target():

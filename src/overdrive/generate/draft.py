@@ -41,6 +41,8 @@ DEFAULT_STEPS = 100
 def draft_layers(num_layers: int, keep: int | None = None) -> list[int]:
     """The target's layers a draft keeps: `keep` of them (default: a quarter, at least 1, rounded up), evenly
     spaced from the first to the last."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)):
+        raise ValueError(f"a draft keeps a whole number of layers, got {keep!r}")
     keep = max(1, math.ceil(num_layers / 4)) if keep is None else keep
     if not 1 <= keep <= num_layers:
         raise ValueError(f"a draft keeps 1 to {num_layers} of the target's layers, not {keep}")
@@ -65,7 +67,12 @@ def derive(hf_model: nn.Module, layers: Sequence[int]) -> nn.Module:
         ValueError: layer indices out of range or repeated, or a model whose layers depend on their index
             (GPT-2 with `scale_attn_by_inverse_layer_idx`).
     """
-    config = hf_model.config
+    from overdrive.generate.decoder import FAMILIES
+
+    config = getattr(hf_model, "config", None)
+    if getattr(config, "model_type", None) not in FAMILIES or not hasattr(hf_model, "generation_config"):
+        raise ValueError(f"a draft is derived from a Hugging Face causal LM of the {', '.join(FAMILIES)} families "
+                         f"(e.g. LlamaForCausalLM); got {type(hf_model).__name__}")
     if getattr(config, "scale_attn_by_inverse_layer_idx", False):
         raise ValueError("a GPT-2 that scales attention by the layer's index cannot drop layers")
     holder, attribute, count_name = _layer_list(hf_model)
@@ -161,7 +168,7 @@ def seconds_per_step(hf_model: nn.Module, layers: Sequence[int], texts: Sequence
                      eos: int | None = None) -> float:
     """What one distillation step of a draft keeping `layers` takes here, seconds (one step timed on a copy,
     after one untimed): for choosing the steps a time budget allows."""
-    draft, rows = derive(hf_model, layers).train(), windows(texts, eos)[:BATCH]
+    draft, rows = derive(hf_model, layers).train(), _rows(hf_model, texts, eos)[:BATCH]
     for timed in (False, True):
         started = time.perf_counter()
         _step(draft, hf_model, rows)
@@ -176,6 +183,23 @@ def _kl(draft: nn.Module, target: nn.Module, rows: torch.Tensor) -> float:
     return float(nn.functional.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean())
 
 
+def _window(hf_model: nn.Module) -> int:
+    """Distillation rows: `WINDOW` tokens, or the model's whole context where it is shorter."""
+    config = hf_model.config
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return min(WINDOW, context) if context else WINDOW
+
+
+def _rows(hf_model: nn.Module, texts: Sequence[Sequence[int]], eos: int | None) -> torch.Tensor:
+    """The distillation rows of `texts` for `hf_model`. Raises ValueError: token ids outside its vocabulary."""
+    rows = windows(texts, eos, _window(hf_model))
+    vocab = hf_model.config.vocab_size
+    if rows.numel() and (int(rows.max()) >= vocab or int(rows.min()) < 0):
+        raise ValueError(f"the distillation texts hold token ids up to {int(rows.max())}, outside the model's vocabulary "
+                         f"of {vocab}: they are not the model's tokenizer's")
+    return rows
+
+
 def build_draft(hf_model: nn.Module, layers: Sequence[int], texts: Sequence[Sequence[int]], *, steps: int,
                 eos: int | None = None, log: Callable[[str], None] | None = None) -> tuple[nn.Module, dict]:
     """The distilled draft of `hf_model` keeping `layers`, from overdrive's cache or made now (`derive`, then
@@ -188,8 +212,10 @@ def build_draft(hf_model: nn.Module, layers: Sequence[int], texts: Sequence[Sequ
     from overdrive.core.digest import weights_fingerprint
     from overdrive.files.cache import cached, versions
 
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"a draft's distillation steps are an integer ≥ 0, got {steps!r}")
     layers = list(layers)
-    rows = windows(texts, eos)
+    rows = _rows(hf_model, texts, eos)
     key = {"code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(), "target": weights_fingerprint(hf_model),
            "layers": layers, "steps": steps, "recipe": [SEED, WINDOW, BATCH, LEARNING_RATE],
            "texts": hashlib.sha256(rows.numpy().tobytes()).hexdigest(), "versions": versions("torch", "transformers")}

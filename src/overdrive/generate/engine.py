@@ -220,6 +220,8 @@ class Generator:
                  speculative: PromptLookup | DraftModel | None = None, defaults: SamplingParams | None = None):
         if speculative is not None and not isinstance(speculative, (PromptLookup, DraftModel)):
             raise ValueError(f"speculative must be a PromptLookup or a DraftModel (or None), got {speculative!r}")
+        if isinstance(speculative, DraftModel):
+            speculative.check(model)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.speculative = speculative
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -371,8 +373,9 @@ class Generator:
         started = time.perf_counter()
         n = len(ids)
         slots = n + q.max_new_tokens + k  # a verification writes k slots past its last token (drafts or filler)
-        if self.compiled:
-            slots = -(-slots // self.SLOT_ROUNDING) * self.SLOT_ROUNDING
+        if self.compiled:  # rounded for a few graphs, as a batch's are, but no further than the context needs
+            rounded = -(-slots // self.SLOT_ROUNDING) * self.SLOT_ROUNDING
+            slots = max(slots, min(rounded, self.model.config.max_positions))
         cache = KVCache(self.model.config, 1, slots, device=dev, dtype=self.cache_dtype)
         state = drafter.start(ids, slots, dev, self.cache_dtype)
         timings.slots = slots
@@ -388,8 +391,9 @@ class Generator:
         at_last = n  # the slot of the last chosen token, which is not in the cache yet
         while c.finish_reason is None:
             sequence = ids + c.token_ids
-            draft, drawn = drafter.propose(state, sequence, k, q, generator)
-            draft = draft[:k]
+            wanted = min(k, q.max_new_tokens - len(c.token_ids) - 1)  # a verification adds one token of its own
+            draft, drawn = drafter.propose(state, sequence, wanted, q, generator) if wanted > 0 else ([], None)
+            draft = draft[:wanted]
             feed = [c.token_ids[-1]] + draft + [0] * (k - len(draft))  # always k + 1 tokens: one compiled shape
             at = slot[at_last:at_last + k + 1]
             mask = (slot[None, :] <= at[:, None])[None, None]  # [1, 1, k + 1, S]
@@ -403,7 +407,7 @@ class Generator:
             else:
                 target = torch.stack([warped_probs(logits[0, i], q) for i in range(len(draft) + 1)])
                 new = verify(draft, drawn, target, generator)
-            drafter.keep(state, len(sequence) + min(len(new) - 1, k - 1))  # the guesses kept that it was fed
+            drafter.keep(state, len(sequence) + min(len(new) - 1, max(wanted - 1, 0)))  # the kept guesses it was fed
             kept = 0
             for token in new:
                 c.token_ids.append(token)

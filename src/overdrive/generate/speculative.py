@@ -103,8 +103,23 @@ class DraftModel:
     facts: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        from overdrive.generate.decoder import Decoder
+
+        if not isinstance(self.decoder, Decoder):
+            raise ValueError(f"DraftModel takes overdrive's Decoder (Decoder.from_hf(draft)), got {type(self.decoder).__name__}")
         if not isinstance(self.num_tokens, int) or isinstance(self.num_tokens, bool) or self.num_tokens < 1:
             raise ValueError(f"DraftModel needs num_tokens ≥ 1, got {self.num_tokens!r}")
+
+    def check(self, target: torch.nn.Module) -> None:
+        """Raises ValueError: a draft that cannot guess for `target` (a `Decoder`): another vocabulary, a shorter
+        context."""
+        mine, theirs = self.decoder.config, target.config
+        if mine.vocab_size != theirs.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({mine.vocab_size}) is not the target's ({theirs.vocab_size}): "
+                             "a draft guesses the target's own token ids")
+        if mine.max_positions < theirs.max_positions:
+            raise ValueError(f"the draft's context ({mine.max_positions} positions) is shorter than the target's "
+                             f"({theirs.max_positions})")
 
     def start(self, ids: Sequence[int], slots: int, device, dtype) -> _DraftState:
         from overdrive.generate.decoder import KVCache

@@ -297,8 +297,9 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         eos = tok.eos_token_id if isinstance(getattr(tok, "eos_token_id", None), int) else None
         try:
             per_step = seconds_per_step(hf, layers, distillation_texts(tok), eos)
-        except (RuntimeError, ValueError) as exc:  # a model whose layers cannot be dropped
-            rows.append(GenerationRow(technique="draft-model", status="rejected", reason=f"failed: {exc}"[:200]))
+        except Exception as exc:  # noqa: BLE001 - a model whose layers cannot be dropped is a row, not the end of the run
+            rows.append(GenerationRow(technique="draft-model", status="rejected",
+                                      reason=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
             return
         steps = max(1, min(DEFAULT_STEPS, int(seconds / per_step)))  # at least one, however slow the machine
         progress(f"draft-model: distilling {len(layers)} of {total} layers, {steps} steps")
