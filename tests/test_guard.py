@@ -171,6 +171,33 @@ def test_one_value_per_row_is_judged_by_r2_not_by_a_cosine_of_its_sign():
     assert row["fidelity"]["r2"] > 0.99 and "min_cosine" not in row["fidelity"]
 
 
+class _Tiny(torch.nn.Module):
+    """The scalar regressor's outputs times 1e-10: every output within 1e-6 of zero, yet varying from row to row."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 1e-10
+
+
+def test_outputs_near_zero_that_vary_and_a_single_value_are_not_waved_through():
+    """From a new user's trial: outputs all within 1e-6 of zero were judged by max |error| ≤ 1e-5 alone, so bf16 was
+    kept at R² −21; and one row of one value was judged at 1e-3 of its size, so bf16 turning 1000 + score into 1000
+    was kept. Now R² judges the first (it is scale-free), and the second must agree as a lossless technique does."""
+    model, example = guard_models.scalar_regressor()
+    tiny = overdrive.optimize(_Tiny(model).eval(), example, techniques=["bf16"], min_gain=0, **QUICK)
+    row = _row(tiny.table, "bf16")
+    assert tiny.rule.degenerate and tiny.rule.r2_floor == 0.99
+    assert not row["kept"] and row["reason"].startswith("r2 ") and row["fidelity"]["r2"] < 0.5, row
+    one = overdrive.optimize(model, example[:1], techniques=["bf16"], min_gain=0, **QUICK)
+    row = _row(one.table, "bf16")
+    assert "one evaluation row of one value" in one.rule.degenerate
+    assert not row["kept"] and row["reason"].startswith("max_abs_error"), row
+    assert any("one evaluation row of one value" in w for w in one.warnings)  # said where a user reads
+
+
 def test_a_spike_row_finds_batch_dependence_that_a_leading_layer_norm_hides_from_a_scaled_row():
     model, example = guard_models.layer_norm_first()
     result = overdrive.optimize(model, example, techniques=["int8-dynamic"], min_gain=0, **QUICK)

@@ -22,7 +22,7 @@ import torch
 from overdrive.core.errors import ConfigError, WorkloadError, arg
 from overdrive.core.graph_ops import training_mode_ops
 from overdrive.core.measure import Measurement, Runner
-from overdrive.core.workload import Workload
+from overdrive.core.workload import Workload, explained_variance
 
 # Reference outputs all smaller than this are float noise: cosine and agreement with them mean nothing
 # (a random-weight torchvision MobileNet gives ~1e-10, a ViT with its zero-initialised head exactly 0).
@@ -113,12 +113,15 @@ class FidelityRule:
     """How candidates' outputs are judged against the reference: the fidelity figure `key` and each
     figure in `also` ≥ `floor` (`also` is R², `workload.explained_variance`, beside a cosine figure
     where the workload's fidelity gives it: cosine alone cannot see errors hidden by an offset all
-    rows share), or, for a degenerate reference (`degenerate` says why), `max_abs_error` ≤ `floor`."""
+    rows share), or, for a degenerate reference (`degenerate` says why), `max_abs_error` ≤ `floor`, and
+    R² ≥ `r2_floor` where it is set (outputs within 1e-6 of zero that still vary from row to row: R² is
+    scale-free, so it judges them as any others)."""
 
     key: str
     floor: float
     also: tuple[str, ...] = ()
     degenerate: str = ""
+    r2_floor: float | None = None
 
     def passes(self, value: float) -> bool:
         return value <= self.floor if self.degenerate else value >= self.floor  # NaN fails both
@@ -132,11 +135,16 @@ class FidelityRule:
                 return f"{key} {value:.3g} > {self.floor:.3g} tolerance"
             why = " (the error is large next to how much the outputs vary from row to row)" if key == "r2" else ""
             return f"{key} {value:.4f} < {self.floor:.6g} floor{why}"
+        r2 = figures.get("r2")
+        if self.r2_floor is not None and r2 is not None and not r2 >= self.r2_floor:
+            return (f"r2 {r2:.4f} < {self.r2_floor:.6g} floor (the error is large next to how much the outputs vary "
+                    "from row to row)")
         return None
 
     def describe(self) -> str:
         if self.degenerate:
-            return f"degenerate reference ({self.degenerate}): judged by max_abs_error ≤ {self.floor:.3g}, not cosine"
+            also = f" and r2 ≥ {self.r2_floor:.6g}" if self.r2_floor is not None else ""
+            return f"degenerate reference ({self.degenerate}): judged by max_abs_error ≤ {self.floor:.3g}{also}, not cosine"
         return " and ".join(f"{k} ≥ {self.floor:.6g}" for k in (self.key, *self.also))
 
 
@@ -160,19 +168,21 @@ def fidelity_rule(workload: Workload, guard: Guard, first: torch.Tensor, second:
                             f"(largest difference {moved:.3g} of outputs up to {scale:.3g}; {key} {figure:.4f} between "
                             f"the runs): {moving_cause(workload.model)}. No technique can be judged against a moving reference")
     rows = first.reshape(len(first), -1)
-    degenerate = ""
-    if scale < DEGENERATE_OUTPUT:
-        degenerate = f"every output is within {DEGENERATE_OUTPUT:g} of zero, the largest {scale:.2g}"
-    elif len(rows) > 1 and float((rows - rows[:1]).abs().max()) <= SAME_ROWS_RTOL * scale:
-        degenerate = "every row's output is the same, whatever its input"
-    if degenerate:
-        return FidelityRule(key="max_abs_error", floor=DEGENERATE_ATOL + DEGENERATE_RTOL * scale, degenerate=degenerate)
     floor = 1.0 - LOSSLESS_TOLERANCE if guard.lossless_only else guard.min_fidelity
+    if scale < DEGENERATE_OUTPUT:
+        varies = explained_variance(second, first) is not None  # rows that vary: R² judges them whatever their scale
+        return FidelityRule(key="max_abs_error", floor=DEGENERATE_ATOL + DEGENERATE_RTOL * scale,
+                            degenerate=f"every output is within {DEGENERATE_OUTPUT:g} of zero, the largest {scale:.2g}",
+                            r2_floor=floor if varies and floor > 0 else None)
+    if len(rows) > 1 and float((rows - rows[:1]).abs().max()) <= SAME_ROWS_RTOL * scale:
+        return FidelityRule(key="max_abs_error", floor=DEGENERATE_ATOL + DEGENERATE_RTOL * scale,
+                            degenerate="every row's output is the same, whatever its input")
     figures = workload.fidelity(second, first)
     own = figures.get(key)
-    if own is None and key == "r2" and len(rows) < 2:  # R² needs rows to vary over: one row is judged as degenerate
-        return FidelityRule(key="max_abs_error", floor=DEGENERATE_ATOL + DEGENERATE_RTOL * scale,
-                            degenerate="one evaluation row of one value: no spread over rows to judge R² against")
+    if own is None and key == "r2" and len(rows) < 2:  # one value: no spread to judge an error against
+        return FidelityRule(key="max_abs_error", floor=DEGENERATE_ATOL + LOSSLESS_TOLERANCE * scale, degenerate=(
+            "one evaluation row of one value: no spread over rows to judge R² against, so it must agree as a lossless "
+            "technique does; give more rows (data=) to judge lossy techniques"))
     if own is None:
         raise WorkloadError(f"{name}: its fidelity function gives no {key!r} figure (it gives {sorted(figures)})")
     if not own >= min(floor, 1.0 - LOSSLESS_TOLERANCE):  # identical outputs give float noise below 1 (0.99999988)

@@ -175,6 +175,8 @@ class Tuner:
             raise WorkloadError(f"{name}: the eager fp32 model gives {nonfinite} non-finite output values (NaN/inf) on its "
                                 "samples, so no technique can be judged against it")
         self.rule = fidelity_rule(self.workload, self.guard, first, second)
+        if self.rule.degenerate:  # said where a user reads, not only in the rule
+            self.warnings.append(f"fidelity: {self.rule.describe()}")
         self.repeat = second
         self.flops, self.weights = flops, weight_bytes(runner.model)
         self.shares: dict[tuple, float | None] = {}
