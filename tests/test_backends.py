@@ -90,6 +90,28 @@ def test_a_keyword_input_model_returning_a_bare_tensor_exports_and_loads(tmp_pat
         torch.testing.assert_close(torch.from_numpy(got), workload.model(*example.values()), rtol=1e-4, atol=1e-4)
 
 
+def test_export_of_a_saved_plan_keeps_its_varying_sequence_dimension(tmp_path):
+    """From a new user's trial: `overdrive.export(plan.json, "onnx", out, model=model)` rebuilt the model from the plan's
+    input shapes alone, so the file took only the traced length (T 12: "Got: 5 Expected: 12"), while the plan records
+    the varying dimension and `overdrive.load` honours it; its notes called made-up rows real ones."""
+    import overdrive
+
+    torch.manual_seed(0)
+    model = _KeywordEncoder().eval()
+    mask = torch.ones(8, 12, dtype=torch.long)
+    mask[::2, 8:] = 0
+    example = {"input_ids": torch.randint(1, 100, (8, 12)), "attention_mask": mask}
+    result = overdrive.optimize(model, example, techniques=["onnxruntime"], device="cpu", sweep_batch_sizes=[], min_gain=0)
+    result.save(tmp_path / "out")
+    exported = overdrive.export(tmp_path / "out" / "plan.json", "onnx", tmp_path / "m.onnx", model=model)
+    session = ort_session(exported.path)
+    assert [i.shape for i in session.get_inputs()] == [["batch", "dim1"]] * 2
+    short = {"input_ids": torch.randint(1, 100, (3, 5)), "attention_mask": torch.ones(3, 5, dtype=torch.long)}
+    (got,) = session.run(None, {k: v.numpy() for k, v in short.items()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(got), model(**short), rtol=1e-4, atol=1e-5)
+
+
 def test_an_export_that_answers_differently_is_refused_with_the_figure(tmp_path):
     workload = make_conv_workload()
     exported = export_onnx(workload.model, workload, tmp_path / "m.onnx")
@@ -270,7 +292,7 @@ def test_a_plan_that_keeps_onnxruntime_exports_the_file_it_ran(tmp_path):
     path = tmp_path / "plan.json"
     Plan(workload="digits-cnn", device="cpu", batch_size=16, steps=[default_config("onnxruntime")]).save(path)
     result = export(path, "onnx", tmp_path / "ran.onnx")
-    assert result.carried == ["onnxruntime"] and "the file ONNX Runtime ran" in result.notes[0]
+    assert result.carried == ["onnxruntime"] and "the file the plan's ONNX Runtime step runs" in result.notes[0]
     assert result.max_abs_diff is not None and result.max_abs_diff < 1e-4
 
 

@@ -165,7 +165,11 @@ def _resolve(plan: Any, model: Any):
     if model is not None:
         from overdrive.tuning.reuse import _example_from
 
-        return plan, as_workload(model, _example_from(plan)), plan_path
+        # the workload optimize measured, as `overdrive.load` rebuilds it: input names, judged outputs, varying dims
+        workload = as_workload(model, _example_from(plan), output=plan.outputs, dynamic_dims=plan.dynamic_dims or {})
+        workload.extra["rows_said"] = ("rows made to the plan's input shapes (not your data: export the OptimizeResult "
+                                       "for a proof on its rows)")
+        return plan, workload, plan_path
     if plan.workload.startswith(PYTHON_MODEL_PREFIX):
         raise ConfigError(f"the plan was made from a Python module ({plan.workload}), which only Python can rebuild: "
                           "overdrive.export(plan, format, out, model=<that module>), or optimize a factory "
@@ -220,11 +224,16 @@ def _onnx(workload: Workload, steps, path: Path) -> Exported:
         prove_onnx(copied, pytorch, workload, batch_size=len(inputs[0]), refuse=not quantised)
         note = "; its difference is int8 quantisation's, judged by the plan's fidelity floor" if quantised else ""
         return Exported(format="onnx", path=path, files=[path], max_abs_diff=copied.max_abs_diff,
-                        notes=[f"the file ONNX Runtime ran in the plan ({model.runtime}){note}", *copied.notes])
+                        notes=[f"the file the plan's ONNX Runtime step runs ({model.runtime}){note}", *copied.notes])
     exported = export_onnx(model, workload, path)
     return Exported(format="onnx", path=path, files=[path], max_abs_diff=exported.max_abs_diff,
                     notes=[f"{exported.exporter} exporter; dynamic axes {exported.dynamic_axes}; "
-                           f"proved on {exported.proof_rows} real rows with ONNX Runtime", *exported.notes])
+                           f"proved on {exported.proof_rows} {_rows_said(workload)} with ONNX Runtime", *exported.notes])
+
+
+def _rows_said(workload: Workload) -> str:
+    """What the rows an export is proved on are, for its notes."""
+    return workload.extra.get("rows_said", "real rows")
 
 
 def _pt2(workload: Workload, steps, path: Path) -> Exported:
@@ -254,7 +263,7 @@ def _pt2(workload: Workload, steps, path: Path) -> Exported:
         raise ExportError(f"{workload.name}: the torch.export program differs from the model by max |diff| {worst:.3g}; refused")
     axes = axes_for(workload, inputs)
     return Exported(format="pt2", path=path, files=[path], max_abs_diff=worst,
-                    notes=[f"torch.export program, dynamic axes {axes}; loaded back and proved on {rows} real rows"])
+                    notes=[f"torch.export program, dynamic axes {axes}; loaded back and proved on {rows} {_rows_said(workload)}"])
 
 
 # -- triton ---------------------------------------------------------------------------------------
