@@ -139,7 +139,7 @@ def test_a_text_encoder_factory_still_takes_the_one_pass_path():
      "for a Hugging Face causal LM"),
     (lambda: overdrive.optimize(lm_models.build()[0], prompts=["A list is"]), ConfigError, "needs its tokenizer"),
     (lambda: overdrive.optimize(*lm_models.gpt2(), tokenizer=lm_models.tokenizer()), ConfigError,
-     "not for a causal LM"),
+     "for a one-pass model, not a causal LM"),
     (lambda: overdrive.optimize(lm_models.gpt_neox(), tokenizer=lm_models.tokenizer()), WorkloadError,
      "takes the llama, mistral, qwen2, phi3, gpt2 families; this model is 'gpt_neox'"),
     (lambda: overdrive.optimize("pydoc-lm", prompts=["A list is"]), ConfigError, "brings its own"),
@@ -153,6 +153,8 @@ def test_a_text_encoder_factory_still_takes_the_one_pass_path():
     (lambda: _optimize_built({"max_position_embeddings": 16}, max_new_tokens=16), ConfigError,
      "exceed the model's context of 16"),
     (lambda: _optimize_built({}, max_new_tokens=0), ConfigError, "max_new_tokens=0: expected a positive integer"),
+    (lambda: _optimize_built({"max_position_embeddings": 4}, max_new_tokens=2), ConfigError,
+     "fills the model's context of 4 positions by itself"),
     (lambda: build_generator(lm_models.build()[0], None, [{"name": "nonsense"}]), ConfigError,
      "unknown generation steps \\['nonsense'\\]"),
     (lambda: build_generator(lm_models.build()[0], None, [{"name": "kv-int8", "bogus": 3}]), ConfigError,
@@ -169,7 +171,8 @@ def test_a_text_encoder_factory_still_takes_the_one_pass_path():
      "beyond the model's vocabulary of 100"),
     (lambda: Decoder.from_hf(lm_models.gpt2()[0].transformer), ValueError, "not the bare model"),
 ], ids=["prompts-a-string", "not-an-lm", "no-tokenizer", "example-inputs", "gpt-neox", "builtin-with-prompts",
-        "gelu", "attention-bias", "small-vocabulary", "small-context", "zero-new-tokens", "unknown-step",
+        "gelu", "attention-bias", "small-vocabulary", "small-context", "zero-new-tokens", "prompt-fills-context",
+        "unknown-step",
         "step-setting", "two-drafters", "draft-layers", "draft-steps", "text-beyond-vocabulary", "bare-gpt2"])
 def test_what_does_not_fit_is_refused_by_name(call, error, message):
     with pytest.raises(error, match=message):

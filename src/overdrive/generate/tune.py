@@ -226,6 +226,9 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
     guard_tokens = max(2, min(guard_tokens, new_tokens))  # never more than the user's answers are long
     context = getattr(hf.config, "max_position_embeddings", None)
     longest = max(len(p) for p in workload.prompts)
+    if context is not None and longest >= context:
+        raise ConfigError(f"{arg('prompts')}: the longest prompt ({longest} tokens) fills the model's context of {context} "
+                          "positions by itself; give shorter prompts")
     if context is not None and longest + max(new_tokens, guard_tokens) > context:
         raise ConfigError(f"{arg('max_new_tokens', new_tokens)}: the longest prompt ({longest} tokens) and "
                           f"{max(new_tokens, guard_tokens)} new tokens exceed the model's context of {context} "
@@ -348,7 +351,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
                                f"{time.perf_counter() - started:.0f} s; " + rows[-1].detail).rstrip("; ")
         elif name in SPECULATIVE and batch_size != 1:
             rows.append(GenerationRow(technique=name, status="untried", reason=(
-                f"verifies one sequence at a time: a plan at batch {batch_size} cannot use it (try --batch-size 1)")))
+                f"verifies one sequence at a time: a plan at batch {batch_size} cannot use it (optimize at batch size 1)")))
         elif name == "prompt-lookup":
             try_step(name, {"name": name, "num_tokens": 4})
         elif name == "draft-model":

@@ -79,14 +79,15 @@ def optimize_lm_from_python(model, *, one_pass: dict, tokenizer=None, prompts: l
 
     given = [n for n, value in one_pass.items() if value is not None and (n != "min_fidelity" or value != 0.99)]
     if given:
-        raise ConfigError(f"{', '.join(arg(n) for n in given)}: not for a causal LM (it is judged by its prompts: "
-                          f"greedy tokens, KL and perplexity against fp32)")
+        raise ConfigError(f"{', '.join(arg(n) for n in given)}: for a one-pass model, not a causal LM (one is judged "
+                          "by its prompts: greedy tokens, KL and perplexity against fp32; and timed at its batch size "
+                          "and at 8, `overdrive bench --batch-sizes` times others)")
     check_techniques(techniques)
     done = [0]
 
-    def step(description: str) -> None:
+    def step(description: str) -> None:  # each technique reports twice (judged, then timed); the plan at two sizes
         if progress is not None:
-            progress(description, done[0], len(techniques or TECHNIQUES) + 2)
+            progress(description, done[0], max(1 + 2 * len(techniques or TECHNIQUES) + 2, done[0] + 1))
             done[0] += 1
 
     if isinstance(model, str):
