@@ -64,8 +64,8 @@ def derive(hf_model: nn.Module, layers: Sequence[int]) -> nn.Module:
     embeddings, final norm and LM head kept: the undistilled draft. The target is left as it was.
 
     Raises:
-        ValueError: layer indices out of range or repeated, or a model whose layers depend on their index
-            (GPT-2 with `scale_attn_by_inverse_layer_idx`).
+        ValueError: not a causal LM of `decoder.FAMILIES`, layer indices out of range or repeated, or a model whose
+            layers depend on their index (GPT-2 with `scale_attn_by_inverse_layer_idx`).
     """
     from overdrive.generate.decoder import FAMILIES
 
