@@ -57,13 +57,17 @@ def test_a_draft_model_is_derived_distilled_judged_and_timed_and_its_plan_rebuil
     from overdrive.workloads.generation import create_generation_workload
 
     workload = create_generation_workload("pydoc-lm", log=None)
-    result = optimize_generation(workload, techniques=["draft-model"], new_tokens=6, guard_prompts=8,
-                                 other_batch_size=None, draft_seconds=2)
+    # min_gain 0 keeps prompt-lookup whatever its speed; the draft then goes in its place only if it beats it
+    result = optimize_generation(workload, techniques=["prompt-lookup", "draft-model"], new_tokens=6, guard_prompts=8,
+                                 other_batch_size=None, draft_seconds=2, min_gain=0)
     row = next(r for r in result.rows if r.technique == "draft-model")
-    assert row.status in ("kept", "rejected") and (row.status == "kept" or row.reason), row
+    assert next(r for r in result.rows if r.technique == "prompt-lookup").status == "kept"
+    assert row.status in ("kept", "rejected") and (row.status == "kept" or "than the plan with prompt-lookup" in row.reason)
+    assert row.status == "rejected" or row.gain.low >= 1.0, row.gain  # not a slower drafter in place of a faster one
     assert row.fidelity["prompts"] == 8 and row.fidelity["diverged_beyond_ties"] == 0, row.fidelity
     assert "keeps layers [0] of 2" in row.detail and "distilled" in row.detail and "drafts accepted" in row.detail
-    (step,) = row.steps
+    assert "timed in place of prompt-lookup" in row.detail
+    (step,) = row.steps  # one drafter: the draft in prompt-lookup's place
     assert step["name"] == "draft-model" and step["layers"] == [0] and step["steps"] >= 1
     rebuilt = build_generator(workload.model, workload.tokenizer, row.steps, device="cpu")
     assert rebuilt.speculative.facts["cached"] and rebuilt.speculative.facts["steps"] == step["steps"]

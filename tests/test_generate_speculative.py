@@ -188,7 +188,11 @@ def test_a_draft_that_cannot_guess_for_its_target_is_refused_by_name_and_no_gues
                         "derived from a Hugging Face causal LM"),
                        (lambda: build_draft(hf, [0], [[500] * 50], steps=1), "outside the model's vocabulary of 96"),
                        (lambda: build_draft(hf, [0], texts, steps=-1), "steps are an integer ≥ 0"),
-                       (lambda: draft_layers(4, 2.5), "whole number of layers")):
+                       (lambda: draft_layers(4, 2.5), "whole number of layers"),
+                       (lambda: draft_layers(0), "layer count is a positive integer"),
+                       (lambda: derive(hf, [0, 1.0]), "increasing indices"),
+                       (lambda: build_draft(hf, [0], ["hello world"], steps=1), "lists of token ids"),
+                       (lambda: Generator(Decoder.from_hf(hf), speculative=hf), "got GPT2LMHeadModel$")):
         with pytest.raises(ValueError, match=match):
             bad()
     # Distillation rows fit a context shorter than its 128-token window (GPT-2's positions end at 32: IndexError)

@@ -41,6 +41,8 @@ DEFAULT_STEPS = 100
 def draft_layers(num_layers: int, keep: int | None = None) -> list[int]:
     """The target's layers a draft keeps: `keep` of them (default: a quarter, at least 1, rounded up), evenly
     spaced from the first to the last."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"the target's layer count is a positive integer, got {num_layers!r}")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)):
         raise ValueError(f"a draft keeps a whole number of layers, got {keep!r}")
     keep = max(1, math.ceil(num_layers / 4)) if keep is None else keep
@@ -78,7 +80,8 @@ def derive(hf_model: nn.Module, layers: Sequence[int]) -> nn.Module:
     holder, attribute, count_name = _layer_list(hf_model)
     total = len(getattr(holder, attribute))
     layers = list(layers)
-    if not layers or sorted(set(layers)) != layers or layers[0] < 0 or layers[-1] >= total:
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in layers) or not layers or \
+            sorted(set(layers)) != layers or layers[0] < 0 or layers[-1] >= total:
         raise ValueError(f"a draft's layers are increasing indices in [0, {total}), got {layers}")
     draft = copy.deepcopy(hf_model)
     draft_holder, _, _ = _layer_list(draft)
@@ -111,6 +114,8 @@ def windows(texts: Sequence[Sequence[int]], eos: int | None, window: int = WINDO
     last, shorter piece is dropped unless it is the only one."""
     stream: list[int] = []
     for ids in texts:
+        if isinstance(ids, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"distillation texts are lists of token ids (a tokenizer's input_ids), got {ids!r:.60}")
         stream += list(ids) + ([eos] if eos is not None else [])
     if not stream:
         raise ValueError("no text to distil a draft on")

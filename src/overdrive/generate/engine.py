@@ -219,7 +219,7 @@ class Generator:
                  cache_dtype: torch.dtype | None = None, compile: bool = False,
                  speculative: PromptLookup | DraftModel | None = None, defaults: SamplingParams | None = None):
         if speculative is not None and not isinstance(speculative, (PromptLookup, DraftModel)):
-            raise ValueError(f"speculative must be a PromptLookup or a DraftModel (or None), got {speculative!r}")
+            raise ValueError(f"speculative must be a PromptLookup or a DraftModel (or None), got {type(speculative).__name__}")
         if isinstance(speculative, DraftModel):
             speculative.check(model)
         self.model, self.tokenizer = model.eval(), tokenizer

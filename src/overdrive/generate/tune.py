@@ -280,8 +280,11 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         row.gain, row.tokens_per_s = gain, runner.tokens_per_s()
         if gain.uncertain:  # decided on its interval, as a one-pass technique is; its figures said uncertain
             warnings.append(f"{name}: {gain.uncertain}: {gain.describe()}; its figures are uncertain")
-        if gain.low < min_gain:
-            row.reason = f"not faster by {min_gain}× at the 99% interval's low end ({gain.describe()})"
+        # A step in place of a kept one (one drafter per plan) must beat it, whatever min_gain allows an added step
+        bar = max(min_gain, 1.0) if replaced else min_gain
+        if gain.low < bar:
+            row.reason = f"not faster by {bar}× at the 99% interval's low end ({gain.describe()})" + \
+                (f" than the plan with {', '.join(replaced)}" if replaced else "")
         else:
             row.status, current, current_runner = "kept", steps, runner
         if name in SPECULATIVE:

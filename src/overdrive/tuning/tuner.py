@@ -263,7 +263,7 @@ class Tuner:
                           f"(99% interval, {gain.rounds} rounds; needs its low end ≥ {self.guard.min_gain:.2f}×)")
         else:
             row.kept = True
-        if gain.uncertain:
+        if gain.uncertain and not breaks:  # a row refused for its answers: its timing decided nothing
             self.warnings.append(f"{row.label}: {gain.uncertain}: {gain.describe()} over {row.versus}; its figures are "
                                  "uncertain")
         return row
