@@ -104,6 +104,11 @@ def test_bench_times_a_plan_against_the_baseline_at_each_batch_size(toy_pydoc_lm
         assert r["roofline"]["share"] > 0 and r["weight_bytes"] > 0
     base, plan = results[2], results[3]
     assert plan["kv_cache_bytes"] < base["kv_cache_bytes"] / 2  # int8 with a scale per vector against fp32
+    for r in results:  # the peak measured in one more pass, split: the cache allocated is the cache read per step
+        m = r["memory"]
+        assert m["peak"] == m["weights"] + m["kv_cache"] + m["other"] and m["kv_cache"] == r["kv_cache_bytes"], m
+    assert plan["memory"]["kv_cache"] < base["memory"]["kv_cache"] / 2
+    assert "peak MB" in printed.out
     assert plan["gain"]["rounds"] >= 4 and plan["gain"]["low"] <= plan["gain"]["ratio"] <= plan["gain"]["high"]
 
 

@@ -63,3 +63,46 @@ def test_the_kv_cache_and_the_share():
     assert point.share == pytest.approx(point.achieved_bytes_per_s / 1e10) and "of the bandwidth limit" in point.describe()
     measured = decode_roofline(decoder, batch_size=1, slots=8, cache_dtype=torch.float32, steps_per_s=1.0)
     assert measured.peak_bytes_per_s > 1e8  # this machine's copy bandwidth, measured
+
+
+def _pass(generator: Generator, batch: int, new: int):
+    prompts = [[3 + i, 5, 7, 11, 13][: 2 + i % 4] for i in range(batch)]
+    return lambda: generator.generate(prompts, SamplingParams(max_new_tokens=new))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_peak_memory_split_sees_the_kv_cache_and_what_else_a_pass_holds(compiled):
+    """The CPU measurement (the allocations the profiler sees, in order) against what is known: a pass's peak holds
+    at least its KV cache, grows with the batch by about the cache's growth, and sees a planted 32 MB buffer."""
+    from overdrive.generate.memory import measure_pass, storage_bytes
+
+    decoder = Decoder.from_hf(_hf(max_position_embeddings=1024))
+    generator = Generator(decoder, max_batch_size=16, compile=compiled)
+    splits = {}
+    for batch in (1, 16):
+        run = _pass(generator, batch, 48)
+        run()  # compiles
+        kv = kv_bytes_per_step(decoder, batch_size=batch, slots=generator.timings[-1].slots, dtype=torch.float32)
+        splits[batch] = measure_pass(decoder, run, kv_cache_bytes=kv)
+        assert splits[batch].kv_cache == kv and splits[batch].weights == storage_bytes(decoder)
+        assert splits[batch].peak == splits[batch].weights + splits[batch].kv_cache + splits[batch].other
+        assert splits[batch].source == "cpu_profiler"
+    grew = splits[16].kv_cache + splits[16].other - splits[1].kv_cache - splits[1].other
+    assert grew >= splits[16].kv_cache - splits[1].kv_cache
+    planted = 32 << 20
+
+    def with_a_buffer():
+        held = torch.ones(planted // 4)
+        _pass(generator, 16, 48)()
+        return held
+
+    more = measure_pass(decoder, with_a_buffer, kv_cache_bytes=splits[16].kv_cache)
+    assert planted <= more.other - splits[16].other <= planted + (1 << 20)
+
+
+def test_a_pass_whose_allocations_were_not_seen_is_refused():
+    from overdrive.generate.memory import measure_pass
+
+    decoder = Decoder.from_hf(_hf())
+    with pytest.raises(RuntimeError, match="not all seen"):
+        measure_pass(decoder, lambda: None, kv_cache_bytes=1 << 20)

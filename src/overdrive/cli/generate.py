@@ -90,6 +90,12 @@ def describe_figures(figures: dict) -> str:
     if "describe" in figures:
         text += (f" against the baseline's {figures['baseline_tokens_per_s']:,.1f}: {figures['describe']}; time to "
                  f"first token {figures['ttft_ms_p50']:.1f} ms, inter-token {figures['itl_ms_p50']:.1f} ms (p50)")
+    memory = figures.get("memory")
+    if isinstance(memory, dict):
+        text += (f"; peak memory {memory['peak'] / 1e6:,.1f} MB = {memory['weights'] / 1e6:,.1f} weights + "
+                 f"{memory['kv_cache'] / 1e6:,.1f} KV cache + {memory['other'] / 1e6:,.1f} other")
+    elif memory:
+        text += f"; peak memory not measured: {memory}"
     return text
 
 
@@ -142,7 +148,7 @@ def bench_main(args, plan_path: str) -> int:
     from overdrive.core.report import environment, make_console, print_table, write_results
     from overdrive.generate.plan import GenerationPlan, build_generator
     from overdrive.generate.roofline import decode_roofline, kv_bytes_per_step, weight_bytes_per_step
-    from overdrive.generate.tune import DecodeRunner
+    from overdrive.generate.tune import DecodeRunner, pass_memory
     from overdrive.tuning.generation import output_folder
     from overdrive.workloads.generation import create_generation_workload
 
@@ -162,7 +168,8 @@ def bench_main(args, plan_path: str) -> int:
     table = Table(title=f"overdrive bench {workload.name} — {devices.describe(device)}, {new_tokens} new tokens, "
                         f"prompts of {args.prompt_tokens or 'about 10'} tokens")
     for col in ("configuration", "batch", "tokens/s\ntotal", "tokens/s\nper sequence", "TTFT ms\np50",
-                "ITL ms\np50 / p99", "% of bandwidth\nlimit (forwards)", "weights MB\n+ KV MB", "speedup [99%]"):
+                "ITL ms\np50 / p99", "% of bandwidth\nlimit (forwards)", "peak MB: weights\n+ KV cache + other",
+                "speedup [99%]"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     results = []
     for b in sizes:
@@ -186,23 +193,33 @@ def bench_main(args, plan_path: str) -> int:
             forwards = runner.forwards_per_s()  # not tokens: a speculative forward keeps several per weight read
             roof = decode_roofline(gen.model, batch_size=b, slots=slots, cache_dtype=gen.cache_dtype,
                                    steps_per_s=forwards) if math.isfinite(forwards) else None
+            memory = pass_memory(runner)
             figures.update(configuration=label, batch_size=b, roofline=roof.to_dict() if roof else None,
                            weight_bytes=weight_bytes_per_step(gen.model),
                            kv_cache_bytes=kv_bytes_per_step(gen.model, batch_size=b, slots=slots, dtype=gen.cache_dtype),
+                           memory=memory if isinstance(memory, dict) else {"unmeasured": memory},
                            gain=gain.to_dict() if gain and runner is ours else None)
             results.append(figures)
             table.add_row(label, str(b), f"{figures['tokens_per_s']:,.1f}", f"{figures['tokens_per_s'] / b:,.1f}",
                           f"{figures['ttft_ms_p50']:.1f}", f"{figures['itl_ms_p50']:.2f} / {figures['itl_ms_p99']:.2f}",
                           f"{roof.share:.0%}" if roof else "",
-                          f"{figures['weight_bytes'] / 1e6:.1f} + {figures['kv_cache_bytes'] / 1e6:.1f}",
+                          (f"{memory['peak'] / 1e6:,.1f}: {memory['weights'] / 1e6:,.1f} + "
+                           f"{memory['kv_cache'] / 1e6:,.1f} + {memory['other'] / 1e6:,.1f}"
+                           if isinstance(memory, dict) else "not measured"),
                           gain.describe() if gain and runner is ours else "1.00×")
     print_table(console, table)
     console.print("tokens/s: new tokens over a pass's wall time (prefill included; batch 1 runs two prompts one after "
                   "the other); TTFT: prefill to the first token; ITL: one decode step (one token per sequence); the "
                   "bandwidth limit: decode forwards/s × (weights at their storage dtype + the KV cache each reads) ÷ "
-                  "the measured copy bandwidth (a speculative forward keeps several tokens for one read); speedup: interleaved with the baseline at the same batch, 99% interval", style="dim",
+                  "the measured copy bandwidth (a speculative forward keeps several tokens for one read); peak memory: one "
+                  "more pass, the weights' storage + the most the pass held at once (its KV cache, the rest: "
+                  "activations, logits, workspace), from the CPU allocator's reports to the profiler or CUDA's "
+                  "allocator; speedup: interleaved with the baseline at the same batch, 99% interval", style="dim",
                   highlight=False, soft_wrap=True)
     for figures in results:
+        if "unmeasured" in figures["memory"]:
+            console.print(f"[yellow]warning: batch {figures['batch_size']}, {figures['configuration']}: peak memory "
+                          f"not measured: {figures['memory']['unmeasured']}[/]", highlight=False, soft_wrap=True)
         if figures["gain"] and figures["gain"]["uncertain"]:
             console.print(f"[yellow]warning: batch {figures['batch_size']}: the speedup is uncertain: "
                           f"{figures['gain']['uncertain']}[/]", highlight=False, soft_wrap=True)
@@ -213,7 +230,8 @@ def bench_main(args, plan_path: str) -> int:
                                        "units": {"tokens_per_s": "new tokens per second, all sequences",
                                                  "ttft_ms_p50": "ms", "itl_ms_p50": "ms", "itl_ms_p99": "ms",
                                                  "weight_bytes": "bytes read per decode step",
-                                                 "kv_cache_bytes": "bytes of KV cache read per decode step"}})
+                                                 "kv_cache_bytes": "bytes of KV cache read per decode step",
+                                                 "memory": "bytes: peak = weights + kv_cache + other"}})
     console.print(f"wrote {out / 'bench.json'}")
     return 0
 

@@ -376,7 +376,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         if runner is not current_runner:
             runner.warm_up()
         if not current:
-            measured["batch_sizes"][str(b)] = {"tokens_per_s": _timed_alone(base[b])}
+            measured["batch_sizes"][str(b)] = {"tokens_per_s": _timed_alone(base[b]), "memory": pass_memory(base[b])}
             continue
         gain = compare(base[b], runner, min_gain=min_gain, min_rounds=HEADLINE_ROUNDS, max_rounds=3 * RECHECK_ROUNDS,
                        max_width=RECHECK_WIDTH)
@@ -384,7 +384,8 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         measured["batch_sizes"][str(b)] = {
             "tokens_per_s": runner.tokens_per_s(), "baseline_tokens_per_s": base[b].tokens_per_s(),
             "gain": gain.to_dict(), "describe": gain.describe(),
-            "ttft_ms_p50": _p50(runner.ttft_s) * 1e3, "itl_ms_p50": _p50(runner.step_s) * 1e3}
+            "ttft_ms_p50": _p50(runner.ttft_s) * 1e3, "itl_ms_p50": _p50(runner.step_s) * 1e3,
+            "memory": pass_memory(runner)}
         if gain.high < 1:  # slower even at the interval's high end, however wide it is
             drafter = next((n for n in SPECULATIVE if n in plan.names), None)
             why = f" ({drafter} verifies one sequence at a time)" if drafter and b > 1 else ""
@@ -405,6 +406,26 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
         warnings.append("random weights: the guard's figures say nothing about accuracy")
     warnings += workload.notes
     return GenerationResult(rows=rows, plan=plan, generator=final, workload=workload, warnings=warnings)
+
+
+def pass_memory(runner: DecodeRunner) -> dict | str:
+    """One more untimed pass of `runner`, its peak memory split (`memory.MemorySplit.to_dict`), or why it could not
+    be measured."""
+    from overdrive.generate.memory import measure_pass
+    from overdrive.generate.roofline import kv_bytes_per_step
+
+    gen = runner.generator
+    slots = gen.timings[-1].slots if gen.timings else 0
+    kv = kv_bytes_per_step(gen.model, batch_size=max(len(b) for b in runner.batches), slots=slots,
+                           dtype=gen.cache_dtype)
+    kept = runner.ttft_s, runner.step_s, runner.accepted  # the timed pass's figures, not the profiled one's
+    try:
+        with torch.no_grad():
+            return measure_pass(gen.model, lambda: runner._pass(timed=False), kv_cache_bytes=kv).to_dict()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        runner.ttft_s, runner.step_s, runner.accepted = kept
 
 
 def _timed_alone(runner: DecodeRunner) -> float:
