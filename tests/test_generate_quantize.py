@@ -34,6 +34,27 @@ def test_the_int8_layer_is_the_float_layer_to_int8_rounding(kernel):
         Int8WeightLinear(linear, "int4")
 
 
+def test_int8_rowwise_compiled_decode_kernel_gives_the_bits_of_int_mm_at_every_row_count():
+    """Under torch.compile a call of at most GEMV_ROWS rows is a fused integer reduction, larger ones `_int_mm`: both
+    sum in int32 (exact), so a row's output is the same bits whichever kernel its call's row count picked, and the
+    same as eager's. Rows at the int8 extremes (±127 products over 2,048 inputs) check the reduction does not
+    saturate."""
+    from overdrive.generate.quantize import GEMV_ROWS, Int8RowwiseLinear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(2048, 96, bias=True)
+    with torch.no_grad():  # row 0 of the weights all at its absmax: with row 0 of x, sums of 2,048 × 127² (> 2²⁴)
+        linear.weight[0] = linear.weight[0].abs().amax()
+    layer = Int8RowwiseLinear(linear)
+    x = torch.randn(GEMV_ROWS + 3, 1, 2048)
+    x[0] = 1.0
+    eager = layer(x)
+    compiled = torch.compile(layer, dynamic=False)
+    for rows in (1, 2, GEMV_ROWS, GEMV_ROWS + 3):
+        torch.testing.assert_close(compiled(x[:rows]), eager[:rows], rtol=0, atol=0)
+    assert (eager - linear(x)).abs().max() < 0.05 * linear(x).abs().max()
+
+
 def test_the_int4_layer_is_the_float_layer_rounded_to_16_levels_per_group_of_64():
     torch.manual_seed(0)
     linear = nn.Linear(128, 32, bias=True)

@@ -11,7 +11,12 @@ depend on its batch-mates):
 - `fp16-weight`: weight-only fp16 through FBGEMM's packed fp16 GEMM (`quantized.linear_dynamic_fp16`,
   CPU only; fp32 activations and accumulation). Opaque to torch.compile (a packed weight object).
 - `int8-rowwise`: int8 weights as above and int8 activations with one scale per row, quantized at
-  each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`.
+  each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`;
+  under torch.compile, a call of at most `GEMV_ROWS` rows (a decode step at small batch) as an integer
+  reduction that Inductor fuses into one loop reading each int8 weight once (`_int_mm` at one row is a
+  GEMM's blocking for a matrix-vector product). Both sum int8 products in int32, which is exact, so the
+  two kernels give the same bits for a row and the choice between them, made by the call's row count,
+  cannot make a row's answer depend on its batch-mates.
   A per-tensor activation scale (FBGEMM's `quantize_dynamic`) is not offered: it makes each row's
   answer depend on the others in its call (batch-mates, and in prefill the prompt's later tokens).
 - `int4-weight`: weight-only int4 in groups of `INT4_GROUP_SIZE` input channels, asymmetric (a scale and a
@@ -37,6 +42,7 @@ from torch import nn
 from overdrive.generate.decoder import Decoder
 
 FORMS = ("int8-weight", "fp16-weight", "int8-rowwise", "int4-weight")
+GEMV_ROWS = 4  # int8-rowwise under torch.compile: calls of at most this many rows as a fused integer reduction
 INT4_GROUP_SIZE = 64
 KERNELS = ("int8pack", "dequantize")  # of int8-weight
 
@@ -99,7 +105,8 @@ class Fp16WeightLinear(nn.Module):
 
 class Int8RowwiseLinear(nn.Module):
     """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
-    per row, from that row alone), int32 accumulation (`torch._int_mm`); x [..., in] → y [..., out] in x's dtype."""
+    per row, from that row alone), exact int32 accumulation (`torch._int_mm`; compiled, a fused reduction for calls
+    of at most `GEMV_ROWS` rows); x [..., in] → y [..., out] in x's dtype."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -112,7 +119,11 @@ class Int8RowwiseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         qx, sx = _int8_rows(rows)
-        y = torch._int_mm(qx, self.weight_t).float() * sx[:, None] * self.scale[None, :]
+        if torch.compiler.is_compiling() and rows.shape[0] <= GEMV_ROWS:  # exact as _int_mm: the same bits
+            acc = (qx[:, :, None].to(torch.int32) * self.weight_t.to(torch.int32)[None]).sum(1)
+        else:
+            acc = torch._int_mm(qx, self.weight_t)
+        y = acc.float() * sx[:, None] * self.scale[None, :]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
