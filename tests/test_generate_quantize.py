@@ -34,27 +34,6 @@ def test_the_int8_layer_is_the_float_layer_to_int8_rounding(kernel):
         Int8WeightLinear(linear, "int4")
 
 
-def test_int8_rowwise_compiled_decode_kernel_gives_the_bits_of_int_mm_at_every_row_count():
-    """Under torch.compile a call of at most GEMV_ROWS rows is a fused integer reduction, larger ones `_int_mm`: both
-    sum in int32 (exact), so a row's output is the same bits whichever kernel its call's row count picked, and the
-    same as eager's. Rows at the int8 extremes (±127 products over 2,048 inputs) check the reduction does not
-    saturate."""
-    from overdrive.generate.quantize import GEMV_ROWS, Int8RowwiseLinear
-
-    torch.manual_seed(0)
-    linear = nn.Linear(2048, 96, bias=True)
-    with torch.no_grad():  # row 0 of the weights all at its absmax: with row 0 of x, sums of 2,048 × 127² (> 2²⁴)
-        linear.weight[0] = linear.weight[0].abs().amax()
-    layer = Int8RowwiseLinear(linear)
-    x = torch.randn(GEMV_ROWS + 3, 1, 2048)
-    x[0] = 1.0
-    eager = layer(x)
-    compiled = torch.compile(layer, dynamic=False)
-    for rows in (1, 2, GEMV_ROWS, GEMV_ROWS + 3):
-        torch.testing.assert_close(compiled(x[:rows]), eager[:rows], rtol=0, atol=0)
-    assert (eager - linear(x)).abs().max() < 0.05 * linear(x).abs().max()
-
-
 def test_the_int4_layer_is_the_float_layer_rounded_to_16_levels_per_group_of_64():
     torch.manual_seed(0)
     linear = nn.Linear(128, 32, bias=True)
@@ -149,19 +128,22 @@ def test_forms_are_checked():
         convert_linear(nn.Linear(4, 4).to(torch.bfloat16), "fp16-weight")
 
 
-def test_pick_form_times_every_form_on_the_shapes_given():
-    choice, timings = pick_form([(32, 16)], repeats=2)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_pick_form_times_every_form_on_the_shapes_given(compiled):
+    choice, timings = pick_form([(32, 16), (48, 16), (32, 16)], repeats=2, compiled=compiled)
     assert choice in (*FORMS, None) and set(timings) == {"float32", *FORMS}
     assert all(t > 0 for t in timings.values())
     if choice is not None:
         assert timings[choice] == min(timings[f] for f in FORMS) < timings["float32"]
+    if compiled:  # FBGEMM's packed fp16 weight is opaque to torch.compile: said, not timed eager in its place
+        assert timings["fp16-weight"] == float("inf")
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_a_decoder_in_each_form_gives_a_prompt_the_same_tokens_alone_and_in_a_batch(form):
+@pytest.mark.parametrize("form,compiled", [(f, False) for f in FORMS] + [("int8-weight", True), ("int8-rowwise", True)])
+def test_a_decoder_in_each_form_gives_a_prompt_the_same_tokens_alone_and_in_a_batch(form, compiled):
     from overdrive.generate.fidelity import batch_invariance
 
     decoder = copy_decoder(Decoder.from_hf(_hf()))
     quantize_linears(decoder, form=form)
-    probe = batch_invariance(Generator(decoder, max_batch_size=8), _prompts(8), max_new_tokens=10)
+    probe = batch_invariance(Generator(decoder, max_batch_size=8, compile=compiled), _prompts(8), max_new_tokens=10)
     assert probe.breaks() is None, probe

@@ -11,12 +11,7 @@ depend on its batch-mates):
 - `fp16-weight`: weight-only fp16 through FBGEMM's packed fp16 GEMM (`quantized.linear_dynamic_fp16`,
   CPU only; fp32 activations and accumulation). Opaque to torch.compile (a packed weight object).
 - `int8-rowwise`: int8 weights as above and int8 activations with one scale per row, quantized at
-  each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`;
-  under torch.compile, a call of at most `GEMV_ROWS` rows (a decode step at small batch) as an integer
-  reduction that Inductor fuses into one loop reading each int8 weight once (`_int_mm` at one row is a
-  GEMM's blocking for a matrix-vector product). Both sum int8 products in int32, which is exact, so the
-  two kernels give the same bits for a row and the choice between them, made by the call's row count,
-  cannot make a row's answer depend on its batch-mates.
+  each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`.
   A per-tensor activation scale (FBGEMM's `quantize_dynamic`) is not offered: it makes each row's
   answer depend on the others in its call (batch-mates, and in prefill the prompt's later tokens).
 - `int4-weight`: weight-only int4 in groups of `INT4_GROUP_SIZE` input channels, asymmetric (a scale and a
@@ -33,6 +28,7 @@ stays within the budget. Which form is fastest depends on the CPU and the batch 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -42,7 +38,6 @@ from torch import nn
 from overdrive.generate.decoder import Decoder
 
 FORMS = ("int8-weight", "fp16-weight", "int8-rowwise", "int4-weight")
-GEMV_ROWS = 4  # int8-rowwise under torch.compile: calls of at most this many rows as a fused integer reduction
 INT4_GROUP_SIZE = 64
 KERNELS = ("int8pack", "dequantize")  # of int8-weight
 
@@ -105,8 +100,7 @@ class Fp16WeightLinear(nn.Module):
 
 class Int8RowwiseLinear(nn.Module):
     """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
-    per row, from that row alone), exact int32 accumulation (`torch._int_mm`; compiled, a fused reduction for calls
-    of at most `GEMV_ROWS` rows); x [..., in] → y [..., out] in x's dtype."""
+    per row, from that row alone), int32 accumulation (`torch._int_mm`); x [..., in] → y [..., out] in x's dtype."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -119,11 +113,7 @@ class Int8RowwiseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         qx, sx = _int8_rows(rows)
-        if torch.compiler.is_compiling() and rows.shape[0] <= GEMV_ROWS:  # exact as _int_mm: the same bits
-            acc = (qx[:, :, None].to(torch.int32) * self.weight_t.to(torch.int32)[None]).sum(1)
-        else:
-            acc = torch._int_mm(qx, self.weight_t)
-        y = acc.float() * sx[:, None] * self.scale[None, :]
+        y = torch._int_mm(qx, self.weight_t).float() * sx[:, None] * self.scale[None, :]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -299,22 +289,30 @@ def search_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, max_mea
 
 
 def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[str] = FORMS,
-              repeats: int = 20) -> tuple[str | None, dict[str, float]]:
+              repeats: int = 20, compiled: bool = False) -> tuple[str | None, dict[str, float]]:
     """Which form runs the float32 CPU layers of `shapes` [(out, in)] fastest at `rows` rows, timed here:
     (the fastest form, or None when none beats float32; {"float32" or form: seconds per call summed over
-    the shapes}). A layer a form cannot hold (`holds`) stays in float32 and counts float32's time; a form that
-    holds none of them, or cannot run here, reads inf."""
+    the shapes}). Each distinct shape is timed once and counted as often as it occurs. A layer a form cannot
+    hold (`holds`) stays in float32 and counts float32's time; a form that holds none of them, or cannot run
+    here, reads inf. `compiled`: each layer (float32's too) timed under torch.compile (fixed shapes), as a
+    compiled decode step runs it; a form torch.compile cannot take reads inf."""
+    counts = Counter(shapes)
+    if compiled:  # a graph per distinct shape and form: Dynamo's limit on graphs per code object raised to that
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   2 * len(counts) * (len(forms) + 1))
     timings: dict[str, float] = {"float32": 0.0, **{f: 0.0 for f in forms}}
     held = dict.fromkeys(forms, 0)
-    for out_f, in_f in shapes:
+    for (out_f, in_f), count in counts.items():
         linear = nn.Linear(in_f, out_f, bias=False)
         x = torch.randn(rows, in_f)
         for label in timings:
             if label != "float32" and not holds(label, linear):
-                timings[label] += fp32_s
+                timings[label] += fp32_s * count
                 continue
             try:
                 layer = linear if label == "float32" else convert_linear(linear, label)
+                if compiled:
+                    layer = torch.compile(layer, dynamic=False, fullgraph=True)
                 with torch.inference_mode():
                     for _ in range(3):
                         layer(x)
@@ -324,7 +322,7 @@ def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[
                 elapsed = (time.perf_counter() - started) / repeats
             except (RuntimeError, ValueError):
                 elapsed = float("inf")
-            timings[label] += elapsed
+            timings[label] += elapsed * count
             if label == "float32":
                 fp32_s = elapsed
             else:

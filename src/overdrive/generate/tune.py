@@ -325,7 +325,8 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
                     "PyTorch's int4 weight-only kernel wired here is the CPU one; torchao's CUDA int4 is not wired yet")))
             shapes = [tuple(m.weight.shape) for n, m in reference.model.named_modules()
                       if n in set(linear_names(reference.model))]
-            best, timings = pick_form(shapes, rows=batch_size, forms=forms)
+            compiled = any(s["name"] == "compile-decode" for s in current)  # timed as the decode step will run
+            best, timings = pick_form(shapes, rows=batch_size, forms=forms, compiled=compiled)
             runnable = [f for f in forms if timings[f] < math.inf]
             if best is None and min_gain <= 0 and runnable:  # every step within budget, whatever its speed
                 best = min(runnable, key=timings.get)
@@ -333,8 +334,11 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
             for form in forms:
                 if form != best:
                     rows.append(GenerationRow(technique=form, status="untried", reason=(
-                        "its kernel takes none of this model's layers here" if timings[form] == math.inf else
-                        f"its layers ran slower at {batch_size} rows than " + (f"{best}'s" if best else "float32's")
+                        "its kernel takes none of this model's layers here"
+                        + (" under torch.compile (the kept compile-decode)" if compiled else "")
+                        if timings[form] == math.inf else
+                        f"its layers ran slower at {batch_size} rows{' compiled' if compiled else ''} than "
+                        + (f"{best}'s" if best else "float32's")
                         + f" ({timed}, summed over the layer shapes; a layer it cannot hold at float32's time)")))
             if best is None:
                 continue
