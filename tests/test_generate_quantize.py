@@ -34,6 +34,32 @@ def test_the_int8_layer_is_the_float_layer_to_int8_rounding(kernel):
         Int8WeightLinear(linear, "int4")
 
 
+def test_int8_rowwise_compiled_one_row_kernel_gives_the_bits_of_int_mm():
+    """Under torch.compile a one-row call is exact float32 spans of int8 products, more rows `_int_mm`: both are the
+    exact integer dot products, so a row's output is the same bits whichever its call's row count picked, and the
+    same as eager's. Rows of the weights and of x near the int8 extremes: sums of 2,048 products near 127² (beyond
+    2²⁴, where float32 stops holding integers exactly) check that the spans are short enough."""
+    from overdrive.generate.quantize import COMPILE_OPTIONS, EXACT_SPAN, Int8RowwiseLinear
+
+    torch.manual_seed(0)
+    for in_f in (2048, 3 * EXACT_SPAN // 2, 64):
+        linear = nn.Linear(in_f, 96, bias=True)
+        with torch.no_grad():  # 32 rows of int8 values 114..127, of mixed parity: sums odd and beyond 2²⁴
+            linear.weight[:32] = torch.empty(32, in_f).uniform_(0.9, 1.0)
+            linear.weight[:32, 0] = 1.0
+        layer = Int8RowwiseLinear(linear)
+        x = torch.randn(5, 1, in_f)
+        x[0] = 1.0
+        with torch.no_grad():
+            eager = layer(x)
+            compiled = torch.compile(layer, dynamic=False, options=COMPILE_OPTIONS)
+            for rows in (1, 5):
+                together = compiled(x[:rows])
+                assert torch.equal(together, eager[:rows]), (in_f, rows)
+            assert all(torch.equal(compiled(x[i:i + 1]), eager[i:i + 1]) for i in range(5))
+        assert (eager - linear(x)).abs().max() < 0.05 * linear(x).abs().max()
+
+
 def test_the_int4_layer_is_the_float_layer_rounded_to_16_levels_per_group_of_64():
     torch.manual_seed(0)
     linear = nn.Linear(128, 32, bias=True)

@@ -230,10 +230,13 @@ class Generator:
         self.compiled = compile
         self._decode = model
         if compile:
-            mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+            from overdrive.generate.quantize import compile_options
+
+            cuda = next(model.parameters()).device.type == "cuda"  # CUDA graphs there; Inductor's options on the CPU
+            how = {"mode": "reduce-overhead"} if cuda else {"options": compile_options(model) or None}
             # One graph per batch size (powers of two) and slot count (multiples of SLOT_ROUNDING) a step may meet
             graphs = (max_batch_size.bit_length() + 1) * -(-model.config.max_positions // self.SLOT_ROUNDING)
-            self._decode = _CompiledStep(torch.compile(model, dynamic=False, fullgraph=True, mode=mode),
+            self._decode = _CompiledStep(torch.compile(model, dynamic=False, fullgraph=True, **how),
                                          max(RECOMPILE_LIMIT, graphs))
         reference = next(model.parameters())
         self.device, self.dtype = reference.device, reference.dtype
