@@ -18,6 +18,13 @@ Entries: hf-eager, hf-static-compiled (Hugging Face's static KV cache with its f
 fullgraph, as its docs set it up), hf-continuous-batching (`generate_batch`), overdrive-eager, overdrive-compiled,
 and every linear layer each low-precision form of `generate/quantize.py` holds: overdrive-int8-weight[-compiled],
 overdrive-fp16-weight, overdrive-int8-rowwise[-compiled], overdrive-int4-weight[-compiled].
+
+Peers in their own virtual environments (they pin other versions of transformers and torch), each a worker
+process speaking JSON lines (`benchmarks/generate_peer_*.py`, whose docstrings give the set-up and the conversion
+of this script's model, saved by `--save-model DIR`): llamacpp-f32 and llamacpp-q8_0 (llama-cpp-python on a GGUF
+file; `--llamacpp-python`, `--gguf-dir`), openvino-fp32 and openvino-int8 (Optimum-Intel's OVModelForCausalLM,
+8-bit weights by NNCF; `--openvino-python`, `--ov-dir`). A peer's load and conversion are outside the timing, as
+the other entries' compilation is. At the end, each precision's best overdrive entry against its best peer.
 """
 
 from __future__ import annotations
@@ -25,8 +32,12 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import json
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -95,6 +106,49 @@ def overdrive_entry(generator, prompts: torch.Tensor, new: int) -> dict:
             "tokens": [c.token_ids for c in completions], "slots": t.slots}
 
 
+PRECISION = {  # the weights' precision of each entry, for the comparison against the best peer at the same one
+    "hf-eager": "fp32", "hf-static-compiled": "fp32", "hf-continuous-batching": "fp32", "overdrive-eager": "fp32",
+    "overdrive-compiled": "fp32", "llamacpp-f32": "fp32", "openvino-fp32": "fp32", "overdrive-fp16-weight": "16-bit",
+    "llamacpp-q8_0": "8-bit", "openvino-int8": "8-bit", "overdrive-int8-weight": "8-bit",
+    "overdrive-int8-weight-compiled": "8-bit", "overdrive-int8-rowwise": "8-bit", "overdrive-int8-rowwise-compiled": "8-bit",
+    "overdrive-int4-weight": "4-bit", "overdrive-int4-weight-compiled": "4-bit",
+}
+PEERS = {  # entry -> (the worker script, how it is given its model)
+    "llamacpp-f32": ("generate_peer_llamacpp.py", lambda a: ["--gguf", str(Path(a.gguf_dir) / f"{a.shape}-f32.gguf")]),
+    "llamacpp-q8_0": ("generate_peer_llamacpp.py", lambda a: ["--gguf", str(Path(a.gguf_dir) / f"{a.shape}-q8_0.gguf")]),
+    "openvino-fp32": ("generate_peer_openvino.py", lambda a: ["--ir", f"{a.ov_dir}-fp32", "--precision", "f32"]),
+    "openvino-int8": ("generate_peer_openvino.py", lambda a: ["--ir", f"{a.ov_dir}-int8", "--precision", "f32"]),
+}
+
+
+class Peer:
+    """A peer runtime in a worker process of its own Python: one JSON line out when loaded ({"ready": true,
+    "weights_bytes", "runtime", ...}), then one JSON line in per call ({"prompts", "new"}) and one out (the
+    entries' dict, or {"error": why})."""
+
+    def __init__(self, python: str, script: str, args: list[str]):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="generate-peer-", suffix=".log", delete=False)
+        self.process = subprocess.Popen([python, str(Path(__file__).parent / script), "--threads",
+                                         str(torch.get_num_threads()), *args],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.ready = self._answer()
+
+    def _answer(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the peer worker {self.process.args[1]} ended (exit {self.process.wait()}); its "
+                               f"log: {self.log.name}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"{Path(self.process.args[1]).name}: {answer['error']}")
+        return answer
+
+    def __call__(self, prompts: torch.Tensor, new: int) -> dict:
+        self.process.stdin.write(json.dumps({"prompts": prompts.tolist(), "new": new}) + "\n")
+        self.process.stdin.flush()
+        return {**self._answer(), "slots": prompts.shape[1] + new}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-125m-random",
@@ -104,7 +158,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--entries", default="hf-eager,overdrive-eager,overdrive-compiled")
+    parser.add_argument("--save-model", metavar="DIR", help="save the model (Hugging Face format) for the peers' "
+                        "conversions, and stop")
+    parser.add_argument("--llamacpp-python", default="/work/peers/llamacpp-venv/bin/python")
+    parser.add_argument("--gguf-dir", default="/work/peers/gguf", help="SHAPE-f32.gguf and SHAPE-q8_0.gguf")
+    parser.add_argument("--openvino-python", default="/work/peers/ov-venv/bin/python")
+    parser.add_argument("--ov-dir", default="/work/peers/ov-llama", help="OpenVINO IR exports in OV_DIR-fp32 and "
+                        "OV_DIR-int8")
     args = parser.parse_args()
+    if args.save_model:
+        build(args.shape).save_pretrained(args.save_model)
+        return
 
     from overdrive.generate import Decoder, Generator
     from overdrive.generate.quantize import FORMS, copy_decoder, quantize_linears
@@ -136,6 +200,15 @@ def main() -> None:
             entries[f"overdrive-{form}-compiled"] = (lambda g: lambda x: overdrive_entry(g, x, args.new_tokens))(
                 Generator(converted, max_batch_size=1024, compile=True))
     chosen = args.entries.split(",")
+    peers = {}
+    for name in chosen:
+        if name in PEERS:
+            script, model_args = PEERS[name]
+            python = args.llamacpp_python if name.startswith("llamacpp") else args.openvino_python
+            peers[name] = Peer(python, script, model_args(args))
+            entries[name] = (lambda peer: lambda x: peer(x, args.new_tokens))(peers[name])
+            print(f"{name}: {peers[name].ready.get('runtime', '?')}, loaded in {peers[name].ready['load_s']:.1f} s",
+                  flush=True)
     print(f"generate_cpu {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · torch {torch.__version__} · "
           f"{torch.get_num_threads()} threads · {args.shape} ({params / 1e6:.0f} M parameters, random weights, fp32) · "
           f"prompts {args.prompt_tokens} tokens · {args.new_tokens} new · greedy")
@@ -153,7 +226,7 @@ def main() -> None:
         reference = runs[chosen[0]][0]["tokens"]
         print(f"\nbatch {b}: entry | TTFT ms | decode tokens/s total | per sequence | vs {chosen[0]} | token agreement | "
               "decode roofline")
-        base = None
+        base, best = None, {}
         for name in chosen:
             rates = [r["decode_tokens"] / r["decode_s"] for r in runs[name]]
             ttft = statistics.median(r["ttft_s"] for r in runs[name]) * 1e3
@@ -161,10 +234,25 @@ def main() -> None:
             base = base or rate
             tokens = runs[name][0]["tokens"]
             agree = sum(a == c for x, y in zip(reference, tokens) for a, c in zip(x, y)) / sum(len(x) for x in reference)
-            point = decode_roofline(models.get(name, decoder), batch_size=b, slots=runs[name][0]["slots"],
-                                    cache_dtype=torch.float32, steps_per_s=rate / b)
+            if name in peers:  # its own weights' bytes; its KV cache's dtype is its own (not counted)
+                roof = f"{peers[name].ready['weights_bytes'] / 1e6:.0f} MB weights"
+            else:
+                roof = decode_roofline(models.get(name, decoder), batch_size=b, slots=runs[name][0]["slots"],
+                                       cache_dtype=torch.float32, steps_per_s=rate / b).describe()
             print(f"  {name:20s} | {ttft:8.1f} | {rate:8.1f} [{min(rates):.1f}, {max(rates):.1f}] | {rate / b:7.1f} | "
-                  f"{rate / base:5.2f}× | {agree:.4f} | {point.describe()}")
+                  f"{rate / base:5.2f}× | {agree:.4f} | {roof}")
+            side = "overdrive" if name.startswith("overdrive") else "peer"
+            key = (PRECISION.get(name, "?"), side)
+            if rate > best.get(key, (0.0, ""))[0]:
+                best[key] = (rate, name)
+        for precision in dict.fromkeys(p for p, _ in best):
+            ours, theirs = best.get((precision, "overdrive")), best.get((precision, "peer"))
+            if ours and theirs:
+                print(f"  {precision}: best overdrive {ours[1]} {ours[0]:.1f} against best peer {theirs[1]} "
+                      f"{theirs[0]:.1f} tokens/s: {ours[0] / theirs[0]:.2f}×")
+    for peer in peers.values():
+        peer.process.stdin.close()
+        peer.process.wait(timeout=60)
 
 
 if __name__ == "__main__":
