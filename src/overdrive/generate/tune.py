@@ -337,7 +337,7 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
                         "its kernel takes none of this model's layers here"
                         + (" under torch.compile (the kept compile-decode)" if compiled else "")
                         if timings[form] == math.inf else
-                        f"its layers ran slower at {batch_size} rows{' compiled' if compiled else ''} than "
+                        f"its layers ran slower at {batch_size} row{'s' * (batch_size != 1)}{' compiled' if compiled else ''} than "
                         + (f"{best}'s" if best else "float32's")
                         + f" ({timed}, summed over the layer shapes; a layer it cannot hold at float32's time)")))
             if best is None:
