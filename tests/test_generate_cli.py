@@ -112,6 +112,17 @@ def test_bench_times_a_plan_against_the_baseline_at_each_batch_size(toy_pydoc_lm
     assert plan["gain"]["rounds"] >= 4 and plan["gain"]["low"] <= plan["gain"]["ratio"] <= plan["gain"]["high"]
 
 
+def test_bench_refuses_prompts_and_new_tokens_beyond_the_context_as_optimize_does(toy_pydoc_lm, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=1, max_new_tokens=4, steps=[]).save(plan_path)
+    context = toy_pydoc_lm.model.config.max_position_embeddings
+    code = cli.main(["bench", "pydoc-lm", "--plan", str(plan_path), "--device", "cpu", "--batch-sizes", "1",
+                     "--new-tokens", str(context), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--new-tokens" in err and f"context of {context} positions" in err, err
+    assert "Traceback" not in err
+
+
 def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_resumes(toy_pydoc_lm, tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
     GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=3, max_new_tokens=5, steps=[{"name": "kv-int8"}]).save(plan_path)

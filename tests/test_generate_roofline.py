@@ -106,3 +106,23 @@ def test_a_pass_whose_allocations_were_not_seen_is_refused():
     decoder = Decoder.from_hf(_hf())
     with pytest.raises(RuntimeError, match="not all seen"):
         measure_pass(decoder, lambda: None, kv_cache_bytes=1 << 20)
+
+
+def test_the_weights_in_the_memory_split_count_fp16_weights_packed_by_fbgemm(capfd):
+    """FBGEMM's packed fp16 weights are no parameter or buffer: counted at 2 bytes each. The profiler's native log lines
+    (its start and stop; on a machine without a GPU an "ERROR" about the GPU count) do not reach the user."""
+    from overdrive.generate.memory import measure_pass, storage_bytes
+
+    decoder = Decoder.from_hf(_hf())
+    linears = [m for m in decoder.modules() if isinstance(m, torch.nn.Linear)]
+    fp16 = copy_decoder(decoder)
+    quantize_linears(fp16, form="fp16-weight")
+    assert storage_bytes(fp16) == storage_bytes(decoder) - 2 * sum(m.weight.numel() for m in linears)
+    generator = Generator(fp16)
+    run = _pass(generator, 2, 8)
+    run()
+    kv = kv_bytes_per_step(fp16, batch_size=2, slots=generator.timings[-1].slots, dtype=torch.float32)
+    capfd.readouterr()
+    assert measure_pass(fp16, run, kv_cache_bytes=kv).weights == storage_bytes(fp16)
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "gpuGetDeviceCount" not in err, err

@@ -165,6 +165,12 @@ def bench_main(args, plan_path: str) -> int:
     prompts = workload.prompts if not args.prompt_tokens else long_prompts(workload, args.prompt_tokens, max(sizes))
     if len(prompts) < max(sizes):
         raise ConfigError(f"{arg('batch_sizes', max(sizes))}: the workload holds {len(prompts)} prompts")
+    context = getattr(workload.model.config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompts[:max(sizes)])
+    if context is not None and longest + new_tokens > context:
+        raise ConfigError(f"{arg('new_tokens', new_tokens)}: the longest prompt ({longest} tokens) and {new_tokens} new "
+                          f"tokens exceed the model's context of {context} positions; give fewer new tokens"
+                          + (" or shorter --prompt-tokens" if args.prompt_tokens else ""))
     table = Table(title=f"overdrive bench {workload.name} — {devices.describe(device)}, {new_tokens} new tokens, "
                         f"prompts of {args.prompt_tokens or 'about 10'} tokens")
     for col in ("configuration", "batch", "tokens/s\ntotal", "tokens/s\nper sequence", "TTFT ms\np50",

@@ -17,6 +17,9 @@ and read); the rest of the peak is activations, logits and workspace (a draft mo
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -46,8 +49,14 @@ class MemorySplit:
 
 
 def storage_bytes(model: torch.nn.Module) -> int:
-    """Bytes of `model`'s parameters' and buffers' storages, each storage once (tied weights once)."""
+    """Bytes of `model`'s parameters' and buffers' storages, each storage once (tied weights once), and FBGEMM's packed
+    fp16 weights (`quantize.Fp16WeightLinear`, no tensor of theirs is a parameter or buffer) at 2 bytes each."""
+    from overdrive.generate.quantize import Fp16WeightLinear
+
     seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, Fp16WeightLinear):
+            total += 2 * module.in_features * module.out_features
     for tensor in [*model.parameters(), *model.buffers()]:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:
@@ -67,14 +76,49 @@ def pass_peak_bytes(run: Callable[[], object], device: torch.device) -> tuple[in
         return max(0, torch.cuda.max_memory_allocated(device) - before), "cuda_max_allocated"
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
+    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with _native_stderr_restored():
+            run()
     events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
     held = peak = 0
     for event in events:
         held += event.self_cpu_memory_usage
         peak = max(peak, held)
     return peak, "cpu_profiler"
+
+
+_SAVED_STDERR: list[int] = []
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """File descriptor 2 pointed at /dev/null: the profiler's native library (Kineto) logs its start and stop, and on
+    a machine without a GPU an "ERROR: gpuGetDeviceCount failed" line, to stderr, though nothing failed."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    _SAVED_STDERR.append(saved)
+    try:
+        yield
+    finally:
+        _SAVED_STDERR.pop()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _native_stderr_restored():
+    """Inside `_quiet_native_stderr`: stderr back while the measured pass runs (its own warnings are the user's)."""
+    quiet = os.dup(2)
+    os.dup2(_SAVED_STDERR[-1], 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(quiet, 2)
+        os.close(quiet)
 
 
 def measure_pass(model: Decoder, run: Callable[[], object], *, kv_cache_bytes: int) -> MemorySplit:

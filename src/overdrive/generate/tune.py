@@ -420,8 +420,8 @@ def pass_memory(runner: DecodeRunner) -> dict | str:
 
     gen = runner.generator
     slots = gen.timings[-1].slots if gen.timings else 0
-    kv = kv_bytes_per_step(gen.model, batch_size=max(len(b) for b in runner.batches), slots=slots,
-                           dtype=gen.cache_dtype)
+    together = 1 if gen.speculative is not None else max(len(b) for b in runner.batches)  # speculation: one at a time
+    kv = kv_bytes_per_step(gen.model, batch_size=together, slots=slots, dtype=gen.cache_dtype)
     kept = runner.ttft_s, runner.step_s, runner.accepted  # the timed pass's figures, not the profiled one's
     try:
         with torch.no_grad():
