@@ -76,8 +76,8 @@ def pass_peak_bytes(run: Callable[[], object], device: torch.device) -> tuple[in
         return max(0, torch.cuda.max_memory_allocated(device) - before), "cuda_max_allocated"
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with _native_stderr_restored():
+    with _quiet_native_stderr() as stderr, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with _native_stderr_restored(stderr):
             run()
     events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
     held = peak = 0
@@ -87,32 +87,28 @@ def pass_peak_bytes(run: Callable[[], object], device: torch.device) -> tuple[in
     return peak, "cpu_profiler"
 
 
-_SAVED_STDERR: list[int] = []
-
-
 @contextlib.contextmanager
 def _quiet_native_stderr():
     """File descriptor 2 pointed at /dev/null: the profiler's native library (Kineto) logs its start and stop, and on
-    a machine without a GPU an "ERROR: gpuGetDeviceCount failed" line, to stderr, though nothing failed."""
+    a machine without a GPU an "ERROR: gpuGetDeviceCount failed" line, to stderr, though nothing failed. Yields a
+    descriptor of the real stderr."""
     sys.stderr.flush()
     saved = os.dup(2)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     os.close(null)
-    _SAVED_STDERR.append(saved)
     try:
-        yield
+        yield saved
     finally:
-        _SAVED_STDERR.pop()
         os.dup2(saved, 2)
         os.close(saved)
 
 
 @contextlib.contextmanager
-def _native_stderr_restored():
-    """Inside `_quiet_native_stderr`: stderr back while the measured pass runs (its own warnings are the user's)."""
+def _native_stderr_restored(stderr: int):
+    """Inside `_quiet_native_stderr`: the real stderr back while the measured pass runs (its warnings are the user's)."""
     quiet = os.dup(2)
-    os.dup2(_SAVED_STDERR[-1], 2)
+    os.dup2(stderr, 2)
     try:
         yield
     finally:
