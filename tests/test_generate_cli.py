@@ -327,7 +327,7 @@ def test_a_generation_plan_given_where_a_one_pass_plan_goes_is_named_for_what_it
 
 def test_run_reads_a_record_holding_a_line_separator_as_one_line(tmp_path):
     """str.splitlines would cut the record at U+2028 and shift every later index."""
-    from overdrive.cli.generate import _read_prompts
+    from overdrive.cli.generate_run import _read_prompts
 
     source = tmp_path / "p.jsonl"
     source.write_text(json.dumps({"prompt": "sep\u2028arator"}, ensure_ascii=False) + "\r\n\n" + '{"prompt": "b"}\n',

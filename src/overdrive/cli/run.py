@@ -61,7 +61,7 @@ def main(args, argv: list[str]) -> int:
     from overdrive.generate.plan import is_generation_plan
 
     if args.plan and is_generation_plan(args.plan):
-        from overdrive.cli.generate import run_main
+        from overdrive.cli.generate_run import run_main
 
         return run_main(args)
     if args.max_new_tokens is not None:

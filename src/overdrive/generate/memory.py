@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from overdrive.generate.decoder import Decoder
+from overdrive.generate.roofline import storage_bytes
 
 
 @dataclass
@@ -46,23 +47,6 @@ class MemorySplit:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def storage_bytes(model: torch.nn.Module) -> int:
-    """Bytes of `model`'s parameters' and buffers' storages, each storage once (tied weights once), and FBGEMM's packed
-    fp16 weights (`quantize.Fp16WeightLinear`, no tensor of theirs is a parameter or buffer) at 2 bytes each."""
-    from overdrive.generate.quantize import Fp16WeightLinear
-
-    seen, total = set(), 0
-    for module in model.modules():
-        if isinstance(module, Fp16WeightLinear):
-            total += 2 * module.in_features * module.out_features
-    for tensor in [*model.parameters(), *model.buffers()]:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def pass_peak_bytes(run: Callable[[], object], device: torch.device) -> tuple[int, str]:

@@ -20,14 +20,21 @@ def weight_bytes_per_step(model: Decoder) -> int:
     head, each storage once; the token embedding only where the LM head reads it (tied weights), since a step
     looks up one row of it per sequence (and of learned position embeddings, never counted); FBGEMM's packed fp16
     weights (`quantize.Fp16WeightLinear`) at 2 bytes."""
-    from overdrive.generate.quantize import Fp16WeightLinear
-
     embedding = model.model.embed_tokens.weight
     head = getattr(model.lm_head, "weight", None)
     skip = set() if head is not None and head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr() \
         else {embedding.untyped_storage().data_ptr()}
     if hasattr(model.model, "embed_positions"):
         skip.add(model.model.embed_positions.weight.untyped_storage().data_ptr())
+    return storage_bytes(model, skip=skip)
+
+
+def storage_bytes(model: torch.nn.Module, *, skip: set[int] = frozenset()) -> int:
+    """Bytes of `model`'s parameters' and buffers' storages, each storage once (tied weights once), but those whose
+    data pointer is in `skip`; FBGEMM's packed fp16 weights (`quantize.Fp16WeightLinear`: no tensor of theirs is a
+    parameter or buffer) at 2 bytes each."""
+    from overdrive.generate.quantize import Fp16WeightLinear
+
     seen, total = set(skip), 0
     for module in model.modules():
         if isinstance(module, Fp16WeightLinear):
