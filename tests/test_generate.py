@@ -179,6 +179,39 @@ def test_the_compiled_decode_step_gives_the_eager_tokens_and_records_its_timings
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_project_is_the_layer_eager_and_its_few_row_reduction_under_compile(bias):
+    """`decoder.project`: eager, bit for bit the layer's own call; compiled, every row count up to ROWS and beyond
+    it within float32 summation error of `F.linear` (the reduction is the compiled path's: a wrong index or a
+    dropped bias would be far off), in the same shape; a layer that is not a plain `nn.Linear` (a quantised form,
+    a subclass) or has a hook is called as it is."""
+    from overdrive.generate.decoder import ROWS, project
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(200, 70, bias=bias)
+    compiled = torch.compile(lambda x: project(layer, x), dynamic=False)
+    with torch.no_grad():
+        for shape in [(1, 1, 200), (1, 200), (3, 1, 200), (ROWS, 1, 200), (ROWS + 4, 1, 200), (2, 5, 200)]:
+            x = torch.randn(shape)
+            expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            assert torch.equal(project(layer, x), expected)
+            out = compiled(x)
+            assert out.shape == expected.shape
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+        class Doubled(torch.nn.Linear):
+            def forward(self, x):
+                return 2 * super().forward(x)
+
+        doubled = Doubled(200, 70, bias=bias)
+        hooked = torch.nn.Linear(200, 70, bias=bias)
+        hooked.register_forward_hook(lambda module, args, out: out + 1)
+        x = torch.randn(1, 1, 200)
+        for other in (doubled, hooked):
+            torch.testing.assert_close(torch.compile(lambda x: project(other, x), dynamic=False)(x), other(x))
+    torch._dynamo.reset()
+
+
 def test_pydoc_lm_holds_out_its_prompts_trains_from_a_seed_and_is_kept_in_the_cache(monkeypatch):
     """The recipe at toy size (the real one trains for minutes, once): the held-out sentences are never trained
     on, two trainings from the seed give the same weights, and a second build reads the cache."""

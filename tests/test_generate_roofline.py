@@ -62,7 +62,7 @@ def test_the_kv_cache_and_the_share():
     assert point.achieved_bytes_per_s == (point.weight_bytes + point.kv_bytes) * 100.0
     assert point.share == pytest.approx(point.achieved_bytes_per_s / 1e10) and "of the bandwidth limit" in point.describe()
     measured = decode_roofline(decoder, batch_size=1, slots=8, cache_dtype=torch.float32, steps_per_s=1.0)
-    assert measured.peak_bytes_per_s > 1e8  # this machine's copy bandwidth, measured
+    assert measured.peak_bytes_per_s > 1e8  # this machine's read bandwidth, measured
 
 
 def _pass(generator: Generator, batch: int, new: int):

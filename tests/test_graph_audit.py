@@ -117,6 +117,7 @@ def test_measured_peaks_are_positive_and_cached():
     assert first is not None and first > 1e8
     assert rl.peak_flops(CPU, "float32") == first  # measured once per process
     assert rl.peak_bandwidth(CPU) > 1e8
+    assert rl.peak_read_bandwidth(CPU) > 1e8 and rl.peak_read_bandwidth(CPU) == rl.peak_read_bandwidth(CPU)
     assert rl.peak_flops(CPU, "float8") is None  # no fp8 GEMM on a CPU
     assert "float32 GEMM" in rl.describe_peaks(CPU) and "copy" in rl.describe_peaks(CPU)
     point = rl.measured_roofline(device=CPU, dtype="float8", flops_per_sample=1e6, bytes_per_batch=1e5, batch_size=4,

@@ -212,7 +212,7 @@ def bench_main(args, plan_path: str) -> int:
     console.print("tokens/s: new tokens over a pass's wall time (prefill included; batch 1 runs two prompts one after "
                   "the other); TTFT: prefill to the first token; ITL: one decode step (one token per sequence); the "
                   "bandwidth limit: decode forwards/s × (weights at their storage dtype + the KV cache each reads) ÷ "
-                  "the measured copy bandwidth (a speculative forward keeps several tokens for one read); peak memory: one "
+                  "the measured read bandwidth (a speculative forward keeps several tokens for one read); peak memory: one "
                   "more pass, the weights' storage + the most the pass held at once (its KV cache, the rest: "
                   "activations, logits, workspace), from the CPU allocator's reports to the profiler or CUDA's "
                   "allocator; speedup: interleaved with the baseline at the same batch, 99% interval", style="dim",

@@ -9,7 +9,9 @@ fraction reported is the achieved FLOP/s over that roof.
 The peaks are *measured* here, once per process and device, never taken from a data sheet:
 - P: a large square GEMM in the plan's compute dtype (fp32, bf16, fp16; int8 through
   `torch._int_mm`; fp8 through `torch._scaled_mm` on CUDA), the best of several timed calls;
-- W: a device-to-device copy of a large buffer, counted as read + write bytes, the best of several.
+- W: a device-to-device copy of a large buffer, counted as read + write bytes, the best of several;
+  for a step that only streams its weights in (a decode step), the read bandwidth: a reduction over a
+  buffer several times the last-level cache (`peak_read_bandwidth`).
 Published peaks are a cross-check only (an H200's dense bf16 is about 989 TFLOP/s and its HBM3e
 about 4.8 TB/s: a measured GEMM reaching 60-80% of the sheet is normal).
 
@@ -40,6 +42,7 @@ from overdrive.core.timer import Timer
 # Square GEMM sizes and copy buffer sizes used for the peaks; large enough to saturate the device.
 _GEMM_N = {"cpu": 1024, "cuda": 8192}
 _COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
+_READ_BYTES = {"cpu": 256 << 20, "cuda": 1 << 30}  # 8× a 32 MiB L3: a pass finds none of it cached
 _REPEATS = 10
 
 _PEAKS: dict[tuple[str, str], float] = {}
@@ -114,6 +117,21 @@ def peak_bandwidth(device: torch.device) -> float:
         dst = torch.empty_like(src)
         _PEAKS[key] = _best_rate(device, lambda: dst.copy_(src), 2.0 * size)
         del src, dst
+    return _PEAKS[key]
+
+
+def peak_read_bandwidth(device: torch.device) -> float:
+    """The measured rate `device` reads its memory, bytes/s: the maximum of a float32 buffer of `_READ_BYTES`
+    (one read of each byte, nothing written), the best of several. A copy moves its bytes both ways and, on a
+    CPU, through fewer streams: here it measured about half this (`benchmarks/RESULTS.md`), so a step that
+    only reads (decode) is held against this one. Measured once per process, device and thread count."""
+    device = torch.device(device)
+    key = (_device_key(device), "read")
+    if key not in _PEAKS:
+        size = _READ_BYTES[device.type]
+        src = torch.ones(size // 4, dtype=torch.float32, device=device)
+        _PEAKS[key] = _best_rate(device, src.amax, float(size))
+        del src
     return _PEAKS[key]
 
 

@@ -186,6 +186,29 @@ def _store(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor
     return read(cache, scales, dtype)
 
 
+ROWS = 4  # `project`'s reduction up to this many rows (decode at batch ≤ 4; at 8, aten.mm was faster)
+
+
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)`, x [..., in] → [..., out]; a plain float `nn.Linear` traced by torch.compile on the CPU with at
+    most `ROWS` rows is written as a reduction per row, y[r, n] = Σ_k x[r, k]·W[n, k] (+ b[n]), for Inductor to
+    generate: at a few rows PyTorch's product (oneDNN/MKL through `aten.mm`) streams the weight at under half the
+    rate Inductor's vectorised reduction does on both cores (`benchmarks/RESULTS.md`, "one-row products"). Eager
+    calls, other modules (quantised forms, a layer with hooks), more rows and other devices call `linear` itself.
+    Float sums in another order than `F.linear`'s (as `F.linear`'s own at one row and at sixteen differ): not
+    bit-equal to eager; the guard's near-tie counts and batch-invariance probe judge the tokens."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not (type(linear) is nn.Linear and torch.compiler.is_compiling() and x.device.type == "cpu"
+            and 0 < rows <= ROWS and not (linear._forward_hooks or linear._forward_pre_hooks)):
+        return linear(x)
+    flat = x.reshape(rows, 1, x.shape[-1])
+    # Each row's sums kept as a column then transposed: Inductor streams the weight faster in that layout
+    y = torch.cat([(flat[r] * linear.weight).sum(-1, keepdim=True).t() for r in range(rows)])  # [rows, out]
+    if linear.bias is not None:
+        y = y + linear.bias
+    return y.reshape(*x.shape[:-1], linear.out_features)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -231,16 +254,16 @@ class Attention(nn.Module):
         `KVCache` or `PagedKVCache`, its `update` writing the new keys and values at `slots` and returning the
         keys and values [B, kv, S, head_dim] attended to; mask [B, 1, T, S] bool (True: attend)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = project(self.q_proj, x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = project(self.k_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = project(self.v_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cos is not None:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = cache.update(self.layer, k, v, slots, q.dtype)
         # Query head h reads key/value head h // (heads / kv_heads), as Hugging Face's repeat_kv pairs them.
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return project(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -255,8 +278,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh" if self.kind == "gelu-tanh" else "none"))
+            return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
+        hidden = F.gelu(project(self.up_proj, x), approximate="tanh" if self.kind == "gelu-tanh" else "none")
+        return project(self.down_proj, hidden)
 
 
 def _norm(config: DecoderConfig) -> nn.Module:
@@ -350,7 +374,7 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, cache, slots, mask)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x)).float()
+        return project(self.lm_head, self.model.norm(x)).float()
 
 
 def _phi3_state(state: dict, config: DecoderConfig) -> dict:

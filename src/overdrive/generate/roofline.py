@@ -1,8 +1,8 @@
 """The decode roofline: how close a decode step comes to the memory bandwidth limit.
 
 At small batch a decode step reads every weight once and the KV cache of every sequence, and does little
-arithmetic with them, so its speed limit is bytes read ÷ the device's memory bandwidth (the copy
-bandwidth `core.roofline.peak_bandwidth` measures). The share of that limit a decoder reaches says how
+arithmetic with them, so its speed limit is bytes read ÷ the rate the device reads its memory (the read
+bandwidth `core.roofline.peak_read_bandwidth` measures). The share of that limit a decoder reaches says how
 much a faster kernel could still buy, and where the bytes are (weights or KV cache) says what to shrink.
 """
 
@@ -63,7 +63,7 @@ class DecodeRoofline:
     Attributes:
         weight_bytes, kv_bytes: read per decode step; steps_per_s: decode steps per second (each one token for
         every sequence); achieved_bytes_per_s = (weight_bytes + kv_bytes) × steps_per_s; peak_bytes_per_s: the
-        measured copy bandwidth; share = achieved ÷ peak (1.0: at the limit; above 1 means the bytes are
+        measured read bandwidth; share = achieved ÷ peak (1.0: at the limit; above 1 means the bytes are
         over-counted, e.g. weights that stay in a cache bigger than them).
     """
 
@@ -84,12 +84,12 @@ class DecodeRoofline:
 
 def decode_roofline(model: Decoder, *, batch_size: int, slots: int, cache_dtype: torch.dtype, steps_per_s: float,
                     peak_bytes_per_s: float | None = None) -> DecodeRoofline:
-    """The roofline point of decoding at `steps_per_s` (`peak_bytes_per_s`: the measured copy bandwidth of the
-    model's device by default, `core.roofline.peak_bandwidth`)."""
+    """The roofline point of decoding at `steps_per_s` (`peak_bytes_per_s`: the measured read bandwidth of the
+    model's device by default, `core.roofline.peak_read_bandwidth`)."""
     if peak_bytes_per_s is None:
-        from overdrive.core.roofline import peak_bandwidth
+        from overdrive.core.roofline import peak_read_bandwidth
 
-        peak_bytes_per_s = peak_bandwidth(next(model.parameters()).device)
+        peak_bytes_per_s = peak_read_bandwidth(next(model.parameters()).device)
     weights = weight_bytes_per_step(model)
     kv = kv_bytes_per_step(model, batch_size=batch_size, slots=slots, dtype=cache_dtype)
     achieved = (weights + kv) * steps_per_s
