@@ -34,13 +34,53 @@ def test_the_int8_layer_is_the_float_layer_to_int8_rounding(kernel):
         Int8WeightLinear(linear, "int4")
 
 
-def test_int8_rowwise_compiled_one_row_kernel_gives_the_bits_of_int_mm():
-    """Under torch.compile a one-row call is exact float32 spans of int8 products, more rows `_int_mm`: both are the
+def _vnni_or_skip():
+    from overdrive.generate import vnni
+
+    ok, why = vnni.available()
+    if not ok:
+        pytest.skip(f"overdrive's VNNI kernel: {why}")
+    return vnni
+
+
+def test_the_vnni_kernel_gives_the_exact_integer_products_at_every_row_count_and_shape():
+    """`vnni.int8_rows_mm` against int64 arithmetic: values at both int8 extremes (-128 included: the u8 offset),
+    inputs not a multiple of 64 (the masked tail), fewer outputs than a block, a sum beyond 2²⁴; bad calls refused."""
+    vnni = _vnni_or_skip()
+    torch.manual_seed(0)
+    for out_f, in_f in [(768, 768), (70, 200), (5, 63), (1, 1), (33, 4100), (3, 65), (2, 128)]:
+        weight = torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8)
+        weight[0] = 127
+        sums = weight.sum(1, dtype=torch.int32)
+        for rows in range(1, vnni.ROWS + 1):
+            x = torch.randint(-128, 128, (rows, in_f), dtype=torch.int8)
+            x[0] = -128
+            assert torch.equal(vnni.OP(x, weight, sums), (x.long() @ weight.long().t()).int()), (out_f, in_f, rows)
+    weight = torch.zeros(3, 8, dtype=torch.int8)
+    sums = weight.sum(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        vnni.OP(torch.zeros(vnni.ROWS + 1, 8, dtype=torch.int8), weight, sums)
+    with pytest.raises(RuntimeError, match="dtypes"):
+        vnni.OP(torch.zeros(1, 8), weight, sums)
+    with pytest.raises(RuntimeError, match="shapes"):
+        vnni.OP(torch.zeros(1, 9, dtype=torch.int8), weight, sums)
+
+
+@pytest.mark.parametrize("kernel", ["vnni", "spans"])
+def test_int8_rowwise_few_row_kernels_give_the_bits_of_int_mm(kernel, monkeypatch):
+    """At ≤ 4 rows on a VNNI CPU the layer's products are `vnni.int8_rows_mm`'s, eager or compiled; without it,
+    under torch.compile a one-row call is exact float32 spans of int8 products; more rows `_int_mm`: all are the
     exact integer dot products, so a row's output is the same bits whichever its call's row count picked, and the
     same as eager's. Rows of the weights and of x near the int8 extremes: sums of 2,048 products near 127² (beyond
     2²⁴, where float32 stops holding integers exactly) check that the spans are short enough."""
+    from overdrive.generate import vnni
     from overdrive.generate.quantize import COMPILE_OPTIONS, EXACT_SPAN, Int8RowwiseLinear
 
+    if kernel == "vnni":
+        _vnni_or_skip()
+    else:
+        monkeypatch.setattr(vnni, "OP", None)
+    torch._dynamo.reset()
     torch.manual_seed(0)
     for in_f in (2048, 3 * EXACT_SPAN // 2, 64):
         linear = nn.Linear(in_f, 96, bias=True)
@@ -53,11 +93,12 @@ def test_int8_rowwise_compiled_one_row_kernel_gives_the_bits_of_int_mm():
         with torch.no_grad():
             eager = layer(x)
             compiled = torch.compile(layer, dynamic=False, options=COMPILE_OPTIONS)
-            for rows in (1, 5):
-                together = compiled(x[:rows])
-                assert torch.equal(together, eager[:rows]), (in_f, rows)
+            for rows in (1, 3, 5):
+                assert torch.equal(compiled(x[:rows]), eager[:rows]), (in_f, rows)
+                assert torch.equal(layer(x[:rows]), eager[:rows]), (in_f, rows)
             assert all(torch.equal(compiled(x[i:i + 1]), eager[i:i + 1]) for i in range(5))
         assert (eager - linear(x)).abs().max() < 0.05 * linear(x).abs().max()
+    torch._dynamo.reset()
 
 
 def test_the_int4_layer_is_the_float_layer_rounded_to_16_levels_per_group_of_64():

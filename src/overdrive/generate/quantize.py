@@ -12,7 +12,9 @@ depend on its batch-mates):
   CPU only; fp32 activations and accumulation). Opaque to torch.compile (a packed weight object).
 - `int8-rowwise`: int8 weights as above and int8 activations with one scale per row, quantized at
   each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`;
-  under torch.compile on the CPU a one-row call (a decode step of one sequence) is a reduction Inductor
+  on a CPU with AVX-512 VNNI a call of at most `vnni.ROWS` rows (decode at small batch) by overdrive's
+  `vnni.int8_rows_mm` instead, eager or compiled (the same exact int32 sums, read at about twice the rate);
+  without it, under torch.compile on the CPU a one-row call (a decode step of one sequence) is a reduction Inductor
   fuses into one loop reading each int8 weight once (`_int_mm` blocks for a matrix product): the products
   of int8 values in float32, summed over spans of at most `EXACT_SPAN` inputs, whose every partial sum is
   an integer below 2²⁴ and so exact in any order, the spans added in int32. Both kernels compute the
@@ -41,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overdrive.generate import vnni
 from overdrive.generate.decoder import Decoder
 
 FORMS = ("int8-weight", "fp16-weight", "int8-rowwise", "int4-weight")
@@ -111,21 +114,27 @@ class Fp16WeightLinear(nn.Module):
 
 class Int8RowwiseLinear(nn.Module):
     """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
-    per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; compiled, one row: exact float32
-    spans); x [..., in] → y [..., out] in x's dtype."""
+    per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; at ≤ `vnni.ROWS` rows on a VNNI
+    CPU, `vnni.int8_rows_mm`'s; else compiled, one row: exact float32 spans); x [..., in] → y [..., out] in x's
+    dtype."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         q, scale = _int8_rows(linear.weight)
         self.register_buffer("weight_int8", q)  # [out, in]
         self.register_buffer("scale", scale)
+        # Σ_k q[n, k], for the VNNI kernel's unsigned activations (derived: not in the state dict)
+        self.register_buffer("weight_sums", q.sum(1, dtype=torch.int32), persistent=False)
+        vnni.available()  # built (or refused) once per process, before any trace reads `vnni.OP`
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         qx, sx = _int8_rows(rows)
-        if torch.compiler.is_compiling() and rows.shape[0] == 1 and x.device.type == "cpu":
+        if vnni.OP is not None and rows.shape[0] <= vnni.ROWS and x.device.type == "cpu":
+            acc = vnni.OP(qx, self.weight_int8, self.weight_sums)
+        elif torch.compiler.is_compiling() and rows.shape[0] == 1 and x.device.type == "cpu":
             qf, k = qx.float(), self.in_features
             spans = [(qf[:, None, a:a + EXACT_SPAN] * self.weight_int8[:, a:a + EXACT_SPAN].float()).sum(-1)
                      for a in range(0, k, EXACT_SPAN)]
