@@ -212,6 +212,28 @@ def test_project_is_the_layer_eager_and_its_few_row_reduction_under_compile(bias
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("heads,kv,scale", [(4, 4, None), (8, 2, 0.3)])
+def test_attend_written_out_for_one_query_token_under_compile_is_sdpa(heads, kv, scale):
+    """`decoder.attend` compiled at one query token (written out) against `F.scaled_dot_product_attention` with
+    grouped key/value heads: rows of 1 to 5 batch-mates, each with its own masked-out slots (padding, unused cache)."""
+    from overdrive.generate.decoder import attend
+
+    torch.manual_seed(0)
+    b, s, d = 5, 40, 16
+    q, keys, values = torch.randn(b, heads, 1, d), torch.randn(b, kv, s, d), torch.randn(b, kv, s, d)
+    mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    for row in range(b):
+        mask[row, ..., : 3 * row] = False  # left padding
+        mask[row, ..., s - row:] = False  # slots not written yet
+    expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                                                enable_gqa=heads != kv)
+    compiled = torch.compile(attend, dynamic=False, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, keys, values, mask, scale), expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(attend(q, keys, values, mask, scale), expected)  # eager: SDPA itself
+    torch._dynamo.reset()
+
+
 def test_pydoc_lm_holds_out_its_prompts_trains_from_a_seed_and_is_kept_in_the_cache(monkeypatch):
     """The recipe at toy size (the real one trains for minutes, once): the held-out sentences are never trained
     on, two trainings from the seed give the same weights, and a second build reads the cache."""

@@ -209,6 +209,24 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], linear.out_features)
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+           scale: float | None) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over keys/values [B, kv, S, D] (query head h reads key/value head
+    h // (H / kv), as Hugging Face's repeat_kv pairs them) under mask [B, 1, T, S] bool (True: attend), softmax
+    scaled by `scale` (None: 1/√D) → [B, H, T, D]. `F.scaled_dot_product_attention`; but one query token traced
+    by torch.compile on the CPU is written out (scores, a float32 softmax, the weighted sum) for Inductor to fuse:
+    the CPU's flash-attention kernel costs ~0.1 ms a call there, most of a small model's decode step."""
+    b, heads, t, d = q.shape
+    kv = keys.shape[1]
+    if not (t == 1 and torch.compiler.is_compiling() and q.device.type == "cpu"):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv)
+    grouped = q.reshape(b, kv, heads // kv, d)  # T = 1: the query heads of each key/value head together
+    scores = (grouped @ keys.transpose(-1, -2)).float() * (scale if scale is not None else d ** -0.5)
+    scores = scores.masked_fill(~mask, float("-inf"))  # [B, 1, 1, S] over [B, kv, group, S]
+    weights = torch.softmax(scores, dim=-1).to(values.dtype)
+    return (weights @ values).reshape(b, heads, 1, d)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -261,8 +279,7 @@ class Attention(nn.Module):
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = cache.update(self.layer, k, v, slots, q.dtype)
         # Query head h reads key/value head h // (heads / kv_heads), as Hugging Face's repeat_kv pairs them.
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = attend(q, keys, values, mask, self.scale)
         return project(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
 
 
