@@ -66,6 +66,28 @@ def test_the_vnni_kernel_gives_the_exact_integer_products_at_every_row_count_and
         vnni.OP(torch.zeros(1, 9, dtype=torch.int8), weight, sums)
 
 
+def test_a_failed_vnni_build_is_said_and_int8_rowwise_keeps_the_exact_products(monkeypatch):
+    import torch.utils.cpp_extension
+
+    from overdrive.generate import vnni
+    from overdrive.generate.quantize import Int8RowwiseLinear
+
+    def broken(**kwargs):
+        raise RuntimeError("Error building extension 'overdrive_int8_vnni'\nninja: build stopped")
+
+    monkeypatch.setattr(vnni, "OP", None)
+    monkeypatch.setattr(vnni, "_STATE", vnni._UNBUILT)
+    monkeypatch.setattr(vnni, "_cpu_has_vnni", lambda: True)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 24)
+    with pytest.warns(RuntimeWarning, match="VNNI int8 kernel is not used: its build failed.*ninja: build stopped"):
+        layer = Int8RowwiseLinear(linear)
+    assert vnni.available() == (False, vnni._STATE) and vnni.OP is None
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x[:1]), layer(torch.cat([x[:1]] * 17))[:1])  # _int_mm at 1 row and at 17
+
+
 @pytest.mark.parametrize("kernel", ["vnni", "spans"])
 def test_int8_rowwise_few_row_kernels_give_the_bits_of_int_mm(kernel, monkeypatch):
     """At ≤ 4 rows on a VNNI CPU the layer's products are `vnni.int8_rows_mm`'s, eager or compiled; without it,
