@@ -215,7 +215,8 @@ def test_project_is_the_layer_eager_and_its_few_row_reduction_under_compile(bias
 @pytest.mark.parametrize("heads,kv,scale", [(4, 4, None), (8, 2, 0.3)])
 def test_attend_written_out_for_one_query_token_under_compile_is_sdpa(heads, kv, scale):
     """`decoder.attend` compiled at one query token (written out) against `F.scaled_dot_product_attention` with
-    grouped key/value heads: rows of 1 to 5 batch-mates, each with its own masked-out slots (padding, unused cache)."""
+    grouped key/value heads: rows of 1 to 5 batch-mates, each with its own masked-out slots (padding, unused cache),
+    one with none to attend to (a batch's padding row: zeros, as SDPA gives, not NaN)."""
     from overdrive.generate.decoder import attend
 
     torch.manual_seed(0)
@@ -225,11 +226,14 @@ def test_attend_written_out_for_one_query_token_under_compile_is_sdpa(heads, kv,
     for row in range(b):
         mask[row, ..., : 3 * row] = False  # left padding
         mask[row, ..., s - row:] = False  # slots not written yet
+    mask[3] = False
     expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                                                 enable_gqa=heads != kv)
     compiled = torch.compile(attend, dynamic=False, fullgraph=True)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(q, keys, values, mask, scale), expected, rtol=1e-5, atol=1e-5)
+        out = compiled(q, keys, values, mask, scale)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[3], torch.zeros_like(out[3]))
         assert torch.equal(attend(q, keys, values, mask, scale), expected)  # eager: SDPA itself
     torch._dynamo.reset()
 

@@ -60,10 +60,28 @@ def test_the_vnni_kernel_gives_the_exact_integer_products_at_every_row_count_and
     sums = weight.sum(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="1 to 4 rows"):
         vnni.OP(torch.zeros(vnni.ROWS + 1, 8, dtype=torch.int8), weight, sums)
-    with pytest.raises(RuntimeError, match="dtypes"):
+    with pytest.raises(RuntimeError, match="takes int8 x and weight and int32 weight_sums, got float"):
         vnni.OP(torch.zeros(1, 8), weight, sums)
-    with pytest.raises(RuntimeError, match="shapes"):
+    with pytest.raises(RuntimeError, match=r"got shapes \[1, 9\], \[3, 8\], \[3\]"):
         vnni.OP(torch.zeros(1, 9, dtype=torch.int8), weight, sums)
+    wide = torch.zeros(1, vnni.MAX_IN + 1, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="could overflow its int32 sums"):
+        vnni.OP(wide, wide, torch.zeros(1, dtype=torch.int32))
+
+
+def test_int8_rowwise_keeps_its_vnni_sums_through_a_loaded_state_dict_and_takes_empty_inputs():
+    """`weight_sums` is derived (not in the state dict): loading another layer's weights must recompute it, or
+    every call of ≤ 4 rows (the VNNI kernel's) would be off while larger calls (`_int_mm`) were right. A call of no
+    rows gives an empty answer, as `_int_mm`'s path does."""
+    from overdrive.generate.quantize import Int8RowwiseLinear
+
+    _vnni_or_skip()
+    torch.manual_seed(0)
+    first, second = Int8RowwiseLinear(nn.Linear(100, 37)), Int8RowwiseLinear(nn.Linear(100, 37))
+    first.load_state_dict(second.state_dict())
+    x = torch.randn(3, 100)
+    assert torch.equal(first(x), second(x)) and torch.equal(first(x), second(torch.cat([x] * 6))[:3])
+    assert first(torch.randn(0, 100)).shape == (0, 37) and first(torch.randn(2, 0, 100)).shape == (2, 0, 37)
 
 
 def test_a_failed_vnni_build_is_said_and_int8_rowwise_keeps_the_exact_products(monkeypatch):

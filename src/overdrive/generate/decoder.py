@@ -193,7 +193,7 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`linear(x)`, x [..., in] → [..., out]; a plain float `nn.Linear` traced by torch.compile on the CPU with at
     most `ROWS` rows is written as a reduction per row, y[r, n] = Σ_k x[r, k]·W[n, k] (+ b[n]), for Inductor to
     generate: at a few rows PyTorch's product (oneDNN/MKL through `aten.mm`) streams the weight at under half the
-    rate Inductor's vectorised reduction does on both cores (`benchmarks/RESULTS.md`, "one-row products"). Eager
+    rate Inductor's vectorised reduction does on both cores (`benchmarks/RESULTS.md`, "Decode at a few rows"). Eager
     calls, other modules (quantised forms, a layer with hooks), more rows and other devices call `linear` itself.
     Float sums in another order than `F.linear`'s (as `F.linear`'s own at one row and at sixteen differ): not
     bit-equal to eager; the guard's near-tie counts and batch-invariance probe judge the tokens."""
@@ -223,7 +223,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     grouped = q.reshape(b, kv, heads // kv, d)  # T = 1: the query heads of each key/value head together
     scores = (grouped @ keys.transpose(-1, -2)).float() * (scale if scale is not None else d ** -0.5)
     scores = scores.masked_fill(~mask, float("-inf"))  # [B, 1, 1, S] over [B, kv, group, S]
-    weights = torch.softmax(scores, dim=-1).to(values.dtype)
+    # a row with no slot to attend to (a padding row of a batch) gets zeros, as SDPA gives it, not NaN
+    weights = torch.softmax(scores, dim=-1).masked_fill(~mask.any(-1, keepdim=True), 0.0).to(values.dtype)
     return (weights @ values).reshape(b, heads, 1, d)
 
 

@@ -123,8 +123,10 @@ class Int8RowwiseLinear(nn.Module):
         q, scale = _int8_rows(linear.weight)
         self.register_buffer("weight_int8", q)  # [out, in]
         self.register_buffer("scale", scale)
-        # Σ_k q[n, k], for the VNNI kernel's unsigned activations (derived: not in the state dict)
+        # Σ_k q[n, k], for the VNNI kernel's unsigned activations: derived, not in the state dict, so recomputed
+        # whenever one is loaded (stale sums would skew every output of ≤ 4 rows and no other)
         self.register_buffer("weight_sums", q.sum(1, dtype=torch.int32), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module._sum_weights())
         vnni.available()  # built (or refused) once per process, before any trace reads `vnni.OP`
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -132,7 +134,8 @@ class Int8RowwiseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         qx, sx = _int8_rows(rows)
-        if vnni.OP is not None and rows.shape[0] <= vnni.ROWS and x.device.type == "cpu":
+        if (vnni.OP is not None and 0 < rows.shape[0] <= vnni.ROWS and x.device.type == "cpu"
+                and self.in_features <= vnni.MAX_IN):
             acc = vnni.OP(qx, self.weight_int8, self.weight_sums)
         elif torch.compiler.is_compiling() and rows.shape[0] == 1 and x.device.type == "cpu":
             qf, k = qx.float(), self.in_features
@@ -144,6 +147,9 @@ class Int8RowwiseLinear(nn.Module):
         y = acc.float() * sx[:, None] * self.scale[None, :]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _sum_weights(self) -> None:
+        self.weight_sums = self.weight_int8.sum(1, dtype=torch.int32)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"

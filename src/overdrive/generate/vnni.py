@@ -2,14 +2,14 @@
 
 `torch._int_mm` (oneDNN) is exact but, at the one to four rows a decode step has, reads the int8 weight far
 below the memory's rate; Inductor's loop over the same products is bound by one float accumulator's latency
-(`benchmarks/RESULTS.md`, "int8 one-row products"). This kernel streams each weight row once for all rows of
+(`benchmarks/RESULTS.md`, "Decode at a few rows"). This kernel streams each weight row once for all rows of
 the call, in order, and accumulates with `vpdpbusd` (u8 × s8, four products per int32
 lane), the instruction llama.cpp's Q8_0 product uses on these CPUs. The activations are signed: each byte is
 read as u8 = q + 128 and the sum corrected by 128 · Σ_k w[n, k], computed once per weight. Every sum is a sum of
-integers in int32 (|Σ| ≤ in × 255 × 127 < 2³¹ for in < 66,000): the result equals `torch._int_mm`'s bit for bit,
+integers in int32 (|Σ| ≤ in × 255 × 128 < 2³¹ for in ≤ `MAX_IN`): the result equals `torch._int_mm`'s bit for bit,
 whatever the row count, so a sequence's products do not depend on its batch-mates.
 
-The extension is compiled on first use (`torch.utils.cpp_extension.load_inline`, about a minute, cached under
+The extension is compiled on first use (`torch.utils.cpp_extension.load_inline`, about half a minute, cached under
 `TORCH_EXTENSIONS_DIR`) and offered only where the CPU reports `avx512_vnni` and the build succeeds;
 `available()` says which, and why not.
 """
@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-MAX_IN = 66_000  # in × 255 × 127 < 2³¹: no int32 sum can overflow
+MAX_IN = 65_536  # 65,536 × 255 × 128 < 2³¹: no int32 sum can overflow (the op refuses more inputs)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -58,10 +58,15 @@ static void rows_kernel(const int8_t* x, const int8_t* w, const int32_t* wsum, i
 
 at::Tensor int8_rows_mm(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& wsum_in) {
   at::Tensor x = x_in, w = w_in, wsum = wsum_in;
-  TORCH_CHECK(x.dtype() == torch::kInt8 && w.dtype() == torch::kInt8 && wsum.dtype() == torch::kInt32, "dtypes");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && wsum.numel() == w.size(0), "shapes");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "1 to 4 rows");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && wsum.device().is_cpu(), "CPU tensors");
+  TORCH_CHECK(x.dtype() == torch::kInt8 && w.dtype() == torch::kInt8 && wsum.dtype() == torch::kInt32,
+              "int8_rows_mm takes int8 x and weight and int32 weight_sums, got ", x.dtype(), ", ", w.dtype(), ", ",
+              wsum.dtype());
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && wsum.numel() == w.size(0),
+              "int8_rows_mm takes x [M, in], weight [out, in], weight_sums [out], got shapes ", x.sizes(), ", ",
+              w.sizes(), ", ", wsum.sizes());
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "int8_rows_mm takes 1 to 4 rows, got ", x.size(0));
+  TORCH_CHECK(w.size(1) <= 65536, "int8_rows_mm: ", w.size(1), " in features could overflow its int32 sums (at most 65536)");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && wsum.device().is_cpu(), "int8_rows_mm takes CPU tensors");
   x = x.contiguous(); w = w.contiguous(); wsum = wsum.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   auto y = torch::empty({M, N}, x.options().dtype(torch::kInt32));
@@ -134,7 +139,7 @@ def available() -> tuple[bool, str | None]:
     """(whether the kernel runs here, why not). Builds it on the first call; then `OP` is
     `int8_rows_mm(x, weight, weight_sums)`: x int8 [M, in] (1 ≤ M ≤ `ROWS`), weight int8 [out, in], weight_sums
     int32 [out] (Σ_k weight[n, k]) → int32 [M, out], equal to `torch._int_mm(x, weight.t())`; it raises
-    RuntimeError on other dtypes, shapes or devices. `OVERDRIVE_NO_VNNI=1` turns it off (before the first call)."""
+    RuntimeError on other dtypes, shapes or devices, or more than `MAX_IN` inputs. `OVERDRIVE_NO_VNNI=1` turns it off (before the first call)."""
     if os.environ.get("OVERDRIVE_NO_VNNI") == "1" and OP is None:
         return False, "turned off by OVERDRIVE_NO_VNNI=1"
     why = _build()
