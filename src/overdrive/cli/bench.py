@@ -13,7 +13,8 @@ from overdrive.core.errors import ConfigError, arg
 def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="measure the baseline and a plan at several batch sizes")
     add_workload_args(bench)
-    bench.add_argument("--plan", help="plan.json written by `overdrive optimize` (default: baseline only)")
+    bench.add_argument("--plan", help="plan.json written by `overdrive optimize` (default: the baseline only; a "
+                       "causal LM needs its plan)")
     bench.add_argument("--batch-sizes", type=int_list, help="comma-separated batch sizes (default: the plan's)")
     bench.add_argument("--audit", action="store_true",
                        help="also count one forward's host↔device copies, syncs and launches (PyTorch profiler on CUDA)")
