@@ -246,20 +246,6 @@ def test_pick_form_times_every_form_on_the_shapes_given(compiled):
         assert timings["fp16-weight"] == float("inf")
 
 
-def test_pick_form_times_float32_compiled_through_project_as_the_decode_step_runs_it(monkeypatch):
-    """A compiled step runs a plain float layer through `decoder.project` (a reduction at ≤ 4 rows): timing
-    `aten.mm` in its place would make every form look faster against float32 than it is."""
-    from overdrive.generate import quantize
-
-    traced = []
-    real = quantize.project
-    monkeypatch.setattr(quantize, "project", lambda linear, x: (traced.append(tuple(x.shape)), real(linear, x))[1])
-    torch._dynamo.reset()
-    quantize.pick_form([(32, 16)], repeats=1, forms=("int8-rowwise",), compiled=True)
-    assert (1, 16) in traced
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("form,compiled", [(f, False) for f in FORMS] + [("int8-weight", True), ("int8-rowwise", True)])
 def test_a_decoder_in_each_form_gives_a_prompt_the_same_tokens_alone_and_in_a_batch(form, compiled):
     from overdrive.generate.fidelity import batch_invariance

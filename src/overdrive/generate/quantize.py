@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from overdrive.generate import vnni
-from overdrive.generate.decoder import Decoder, project
+from overdrive.generate.decoder import Decoder
 
 FORMS = ("int8-weight", "fp16-weight", "int8-rowwise", "int4-weight")
 INT4_GROUP_SIZE = 64
@@ -335,8 +335,8 @@ def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[
     (the fastest form, or None when none beats float32; {"float32" or form: seconds per call summed over
     the shapes}). Each distinct shape is timed once and counted as often as it occurs. A layer a form cannot
     hold (`holds`) stays in float32 and counts float32's time; a form that holds none of them, or cannot run
-    here, reads inf. `compiled`: each layer (float32's too, through `decoder.project`) timed under torch.compile
-    (fixed shapes), as a compiled decode step runs it; a form torch.compile cannot take reads inf."""
+    here, reads inf. `compiled`: each layer (float32's too) timed under torch.compile (fixed shapes), as a
+    compiled decode step runs it; a form torch.compile cannot take reads inf."""
     counts = Counter(shapes)
     if compiled:  # a graph per distinct shape and form: Dynamo's limit on graphs per code object raised to that
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
@@ -352,10 +352,8 @@ def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[
                 continue
             try:
                 layer = linear if label == "float32" else convert_linear(linear, label)
-                if compiled:  # float32 as the compiled step runs a plain layer: through `project`
-                    options = compile_options(layer) or None
-                    call = (lambda x, plain=layer: project(plain, x)) if label == "float32" else layer
-                    layer = torch.compile(call, dynamic=False, fullgraph=True, options=options)
+                if compiled:
+                    layer = torch.compile(layer, dynamic=False, fullgraph=True, options=compile_options(layer) or None)
                 with torch.inference_mode():
                     for _ in range(3):
                         layer(x)
