@@ -13,7 +13,8 @@ depend on its batch-mates):
 - `int8-rowwise`: int8 weights as above and int8 activations with one scale per row, quantized at
   each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`;
   on a CPU with AVX-512 VNNI a call of at most `vnni.ROWS` rows (decode at small batch) by overdrive's
-  `vnni.int8_rows_mm` instead, eager or compiled (the same exact int32 sums, read at about twice the rate);
+  `vnni.int8_rows_mm` instead, eager or compiled (the same exact int32 sums, the weights read
+  faster: `benchmarks/RESULTS.md`, "Decode at a few rows");
   without it, under torch.compile on the CPU a one-row call (a decode step of one sequence) is a reduction Inductor
   fuses into one loop reading each int8 weight once (`_int_mm` blocks for a matrix product): the products
   of int8 values in float32, summed over spans of at most `EXACT_SPAN` inputs, whose every partial sum is
@@ -116,7 +117,8 @@ class Int8RowwiseLinear(nn.Module):
     """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
     per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; at ≤ `vnni.ROWS` rows on a VNNI
     CPU, `vnni.int8_rows_mm`'s; else compiled, one row: exact float32 spans); x [..., in] → y [..., out] in x's
-    dtype."""
+    dtype. The VNNI kernel's `weight_sums` are derived from `weight_int8` when built and when a state dict is
+    loaded; `weight_int8` changed in place any other way needs `_sum_weights()` after it."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
