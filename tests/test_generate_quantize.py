@@ -34,48 +34,49 @@ def test_the_int8_layer_is_the_float_layer_to_int8_rounding(kernel):
         Int8WeightLinear(linear, "int4")
 
 
-def _vnni_or_skip():
-    from overdrive.generate import vnni
+def _int8mm_or_skip():
+    from overdrive.generate import int8mm
 
-    ok, why = vnni.available()
+    ok, why = int8mm.available()
     if not ok:
-        pytest.skip(f"overdrive's VNNI kernel: {why}")
-    return vnni
+        pytest.skip(f"overdrive's int8 kernel: {why}")
+    return int8mm
 
 
-def test_the_vnni_kernel_gives_the_exact_integer_products_at_every_row_count_and_shape():
-    """`vnni.int8_rows_mm` against int64 arithmetic: values at both int8 extremes (-128 included: the u8 offset),
-    inputs not a multiple of 64 (the masked tail), fewer outputs than a block, a sum beyond 2²⁴; bad calls refused."""
-    vnni = _vnni_or_skip()
+def test_the_int8_kernel_gives_the_exact_integer_products_at_every_row_count_and_shape():
+    """`int8mm.int8_rows_mm` (this CPU's `int8mm.ISA`) against int64 arithmetic: values at both int8 extremes
+    (-128 included: VNNI's u8 offset; AVX2's int16 pairs at their largest, 2 · 128²), inputs not a multiple of 64
+    or 32 (the tails), fewer outputs than a block, a sum beyond 2²⁴; bad calls refused."""
+    int8mm = _int8mm_or_skip()
     torch.manual_seed(0)
     for out_f, in_f in [(768, 768), (70, 200), (5, 63), (1, 1), (33, 4100), (3, 65), (2, 128)]:
         weight = torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8)
-        weight[0] = 127
+        weight[0], weight[-1] = 127, -128
         sums = weight.sum(1, dtype=torch.int32)
-        for rows in range(1, vnni.ROWS + 1):
+        for rows in (1, 2, 3, 4, 5, 8, 13):
             x = torch.randint(-128, 128, (rows, in_f), dtype=torch.int8)
             x[0] = -128
-            assert torch.equal(vnni.OP(x, weight, sums), (x.long() @ weight.long().t()).int()), (out_f, in_f, rows)
+            assert torch.equal(int8mm.OP(x, weight, sums), (x.long() @ weight.long().t()).int()), (out_f, in_f, rows)
     weight = torch.zeros(3, 8, dtype=torch.int8)
     sums = weight.sum(1, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        vnni.OP(torch.zeros(vnni.ROWS + 1, 8, dtype=torch.int8), weight, sums)
+    with pytest.raises(RuntimeError, match="at least one row, got 0"):
+        int8mm.OP(torch.zeros(0, 8, dtype=torch.int8), weight, sums)
     with pytest.raises(RuntimeError, match="takes int8 x and weight and int32 weight_sums, got float"):
-        vnni.OP(torch.zeros(1, 8), weight, sums)
+        int8mm.OP(torch.zeros(1, 8), weight, sums)
     with pytest.raises(RuntimeError, match=r"got shapes \[1, 9\], \[3, 8\], \[3\]"):
-        vnni.OP(torch.zeros(1, 9, dtype=torch.int8), weight, sums)
-    wide = torch.zeros(1, vnni.MAX_IN + 1, dtype=torch.int8)
+        int8mm.OP(torch.zeros(1, 9, dtype=torch.int8), weight, sums)
+    wide = torch.zeros(1, int8mm.MAX_IN + 1, dtype=torch.int8)
     with pytest.raises(RuntimeError, match="could overflow its int32 sums"):
-        vnni.OP(wide, wide, torch.zeros(1, dtype=torch.int32))
+        int8mm.OP(wide, wide, torch.zeros(1, dtype=torch.int32))
 
 
-def test_int8_rowwise_keeps_its_vnni_sums_through_a_loaded_state_dict_and_takes_empty_inputs():
+def test_int8_rowwise_keeps_its_kernel_sums_through_a_loaded_state_dict_and_takes_empty_inputs():
     """`weight_sums` is derived (not in the state dict): loading another layer's weights must recompute it, or
     every call of ≤ 4 rows (the VNNI kernel's) would be off while larger calls (`_int_mm`) were right. A call of no
     rows gives an empty answer, as `_int_mm`'s path does."""
     from overdrive.generate.quantize import Int8RowwiseLinear
 
-    _vnni_or_skip()
+    _int8mm_or_skip()
     torch.manual_seed(0)
     first, second = Int8RowwiseLinear(nn.Linear(100, 37)), Int8RowwiseLinear(nn.Linear(100, 37))
     first.load_state_dict(second.state_dict())
@@ -84,42 +85,42 @@ def test_int8_rowwise_keeps_its_vnni_sums_through_a_loaded_state_dict_and_takes_
     assert first(torch.randn(0, 100)).shape == (0, 37) and first(torch.randn(2, 0, 100)).shape == (2, 0, 37)
 
 
-def test_a_failed_vnni_build_is_said_and_int8_rowwise_keeps_the_exact_products(monkeypatch):
+def test_a_failed_int8_kernel_build_is_said_and_int8_rowwise_keeps_the_exact_products(monkeypatch):
     import torch.utils.cpp_extension
 
-    from overdrive.generate import vnni
+    from overdrive.generate import int8mm
     from overdrive.generate.quantize import Int8RowwiseLinear
 
     def broken(**kwargs):
         raise RuntimeError("Error building extension 'overdrive_int8_vnni'\nninja: build stopped")
 
-    monkeypatch.setattr(vnni, "OP", None)
-    monkeypatch.setattr(vnni, "_STATE", vnni._UNBUILT)
-    monkeypatch.setattr(vnni, "_cpu_has_vnni", lambda: True)
+    monkeypatch.setattr(int8mm, "OP", None)
+    monkeypatch.setattr(int8mm, "_STATE", int8mm._UNBUILT)
+    monkeypatch.setattr(int8mm, "_cpu_isa", lambda: "avx2")
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
     torch.manual_seed(0)
     linear = nn.Linear(64, 24)
-    with pytest.warns(RuntimeWarning, match="VNNI int8 kernel is not used: its build failed.*ninja: build stopped"):
+    with pytest.warns(RuntimeWarning, match="avx2 int8 kernel is not used: its build failed.*ninja: build stopped"):
         layer = Int8RowwiseLinear(linear)
-    assert vnni.available() == (False, vnni._STATE) and vnni.OP is None
+    assert int8mm.available() == (False, int8mm._STATE) and int8mm.OP is None
     x = torch.randn(3, 64)
     assert torch.equal(layer(x[:1]), layer(torch.cat([x[:1]] * 17))[:1])  # _int_mm at 1 row and at 17
 
 
-@pytest.mark.parametrize("kernel", ["vnni", "spans"])
+@pytest.mark.parametrize("kernel", ["int8mm", "spans"])
 def test_int8_rowwise_few_row_kernels_give_the_bits_of_int_mm(kernel, monkeypatch):
-    """At ≤ 4 rows on a VNNI CPU the layer's products are `vnni.int8_rows_mm`'s, eager or compiled; without it,
-    under torch.compile a one-row call is exact float32 spans of int8 products; more rows `_int_mm`: all are the
-    exact integer dot products, so a row's output is the same bits whichever its call's row count picked, and the
+    """At ≤ 4 rows on an AVX-512 VNNI or AVX2 CPU the layer's products are `int8mm.int8_rows_mm`'s, eager or
+    compiled; without it, under torch.compile a one-row call is exact float32 spans of int8 products; more rows
+    `_int_mm`: all are the exact integer dot products, so a row's output is the same bits whichever its call's row count picked, and the
     same as eager's. Rows of the weights and of x near the int8 extremes: sums of 2,048 products near 127² (beyond
     2²⁴, where float32 stops holding integers exactly) check that the spans are short enough."""
-    from overdrive.generate import vnni
+    from overdrive.generate import int8mm
     from overdrive.generate.quantize import COMPILE_OPTIONS, EXACT_SPAN, Int8RowwiseLinear
 
-    if kernel == "vnni":
-        _vnni_or_skip()
+    if kernel == "int8mm":
+        _int8mm_or_skip()
     else:
-        monkeypatch.setattr(vnni, "OP", None)
+        monkeypatch.setattr(int8mm, "OP", None)
     torch._dynamo.reset()
     torch.manual_seed(0)
     for in_f in (2048, 3 * EXACT_SPAN // 2, 64):
@@ -215,8 +216,17 @@ def test_a_tied_head_is_quantized_apart_from_the_embedding():
 
 @pytest.mark.parametrize("form", FORMS)
 def test_each_form_is_close_to_the_float_layer_and_its_rows_do_not_depend_on_their_batch_mates(form):
+    """Every form, where offered; fp16-weight where FBGEMM's rows depend on their call's row count (an AVX2 CPU) is
+    refused, and says why, rather than offered."""
+    from overdrive.generate.quantize import fp16_rows_refusal
+
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=True)
+    if form == "fp16-weight" and fp16_rows_refusal() is not None:
+        assert not holds(form, linear) and "different bits at different row counts" in fp16_rows_refusal()
+        with pytest.raises(ValueError, match="not offered here: .*batch-mates"):
+            convert_linear(linear, form)
+        return
     layer = convert_linear(linear, form)
     x = torch.randn(16, 64)
     x[3] *= 50  # one loud row: a shared activation scale would crush the others
@@ -244,6 +254,55 @@ def test_pick_form_times_every_form_on_the_shapes_given(compiled):
         assert timings[choice] == min(timings[f] for f in FORMS) < timings["float32"]
     if compiled:  # FBGEMM's packed fp16 weight is opaque to torch.compile: said, not timed eager in its place
         assert timings["fp16-weight"] == float("inf")
+
+
+def test_pick_form_times_float32_compiled_through_project_as_the_decode_step_runs_it(monkeypatch):
+    """A compiled step runs a plain float layer through `decoder.project` (a reduction at ≤ 4 rows): timing
+    `aten.mm` in its place would make every form look faster against float32 than it is."""
+    from overdrive.generate import quantize
+
+    traced = []
+    real = quantize.project
+    monkeypatch.setattr(quantize, "project", lambda linear, x: (traced.append(tuple(x.shape)), real(linear, x))[1])
+    torch._dynamo.reset()
+    quantize.pick_form([(32, 16)], repeats=1, forms=("int8-rowwise",), compiled=True)
+    assert (1, 16) in traced
+    torch._dynamo.reset()
+
+
+def test_pick_form_times_layers_from_memory_when_the_model_outgrows_the_cache(monkeypatch):
+    """A decode step streams every weight from memory once the model's weights exceed the last-level cache: then
+    each timed call follows a read of twice the cache (a shape timed alone and repeated would stay cached and favour
+    the form with more bytes); a model that fits is timed warm, as it runs."""
+    from overdrive.generate import quantize
+
+    reads = []
+    real_zeros = torch.zeros
+
+    def zeros(*size, **kwargs):
+        buffer = real_zeros(*size, **kwargs)
+        reads.append(buffer.numel() * 4)
+        return buffer
+
+    monkeypatch.setattr(quantize.torch, "zeros", zeros)
+    monkeypatch.setattr(quantize, "last_level_cache_bytes", lambda: 64 << 10)  # 64 KiB
+    quantize.pick_form([(64, 64)] * 3, repeats=2, forms=("int8-rowwise",))  # 48 KiB of float32: fits
+    assert reads == []
+    quantize.pick_form([(64, 64)] * 5, repeats=2, forms=("int8-rowwise",))  # 80 KiB: does not
+    assert reads == [128 << 10]
+
+
+def test_the_last_level_cache_is_read_from_sysfs_or_a_fallback(monkeypatch, tmp_path):
+    from overdrive.generate import quantize
+
+    assert quantize.last_level_cache_bytes() >= 1 << 20
+    for index, size in enumerate(("32K", "1024K", "16384K")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    monkeypatch.setattr(quantize, "_CACHE_DIR", tmp_path)
+    assert quantize.last_level_cache_bytes() == 16 << 20
+    monkeypatch.setattr(quantize, "_CACHE_DIR", tmp_path / "absent")
+    assert quantize.last_level_cache_bytes() == quantize._CACHE_FALLBACK
 
 
 @pytest.mark.parametrize("form,compiled", [(f, False) for f in FORMS] + [("int8-weight", True), ("int8-rowwise", True)])

@@ -12,9 +12,9 @@ depend on its batch-mates):
   CPU only; fp32 activations and accumulation). Opaque to torch.compile (a packed weight object).
 - `int8-rowwise`: int8 weights as above and int8 activations with one scale per row, quantized at
   each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`;
-  on a CPU with AVX-512 VNNI a call of at most `vnni.ROWS` rows (decode at small batch) by overdrive's
-  `vnni.int8_rows_mm` instead, eager or compiled (the same exact int32 sums, the weights read
-  faster: `benchmarks/RESULTS.md`, "Decode at a few rows");
+  on a CPU with AVX-512 VNNI or AVX2, by overdrive's `int8mm.int8_rows_mm` instead at up to `int8mm.ROWS` rows a
+  call (1–4 with VNNI: decode at small batch; every call on AVX2, where `_int_mm` is slow), eager or compiled (the
+  same exact int32 sums, faster: `benchmarks/RESULTS.md`, "Decode at a few rows", "int8 on an AVX2 CPU");
   without it, under torch.compile on the CPU a one-row call (a decode step of one sequence) is a reduction Inductor
   fuses into one loop reading each int8 weight once (`_int_mm` blocks for a matrix product): the products
   of int8 values in float32, summed over spans of at most `EXACT_SPAN` inputs, whose every partial sum is
@@ -36,16 +36,18 @@ stays within the budget. Which form is fastest depends on the CPU and the batch 
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overdrive.generate import vnni
-from overdrive.generate.decoder import Decoder
+from overdrive.generate import int8mm
+from overdrive.generate.decoder import Decoder, project
 
 FORMS = ("int8-weight", "fp16-weight", "int8-rowwise", "int4-weight")
 INT4_GROUP_SIZE = 64
@@ -89,11 +91,34 @@ class Int8WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
+_FP16_ROWS: list[str | None] = []  # memo of `fp16_rows_refusal`
+
+
+def fp16_rows_refusal() -> str | None:
+    """Why FBGEMM's fp16 GEMM cannot be offered on this CPU, or None: on some (an AVX2 EPYC, not an AVX-512 one) a
+    row's result depends on how many rows share its call (its kernel blocks rows by the call's count), which would
+    make a sequence's tokens depend on its batch-mates. Probed once per process: a random [48, 64] layer called
+    with 1 to 40 rows against the same rows in one 40-row call, bit for bit."""
+    if not _FP16_ROWS:
+        generator = torch.Generator().manual_seed(0)
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(48, 64, generator=generator), None)
+        x = torch.randn(40, 64, generator=generator)
+        whole = torch.ops.quantized.linear_dynamic_fp16(x, packed)
+        differ = [m for m in range(1, 40) if not torch.equal(torch.ops.quantized.linear_dynamic_fp16(x[:m], packed),
+                                                             whole[:m])]
+        _FP16_ROWS.append(None if not differ else (
+            "FBGEMM's fp16 GEMM on this CPU gives a row different bits at different row counts (calls of "
+            f"{', '.join(map(str, differ[:6]))}{' …' if len(differ) > 6 else ''} rows against one of 40): a sequence's "
+            "tokens would depend on its batch-mates"))
+    return _FP16_ROWS[0]
+
+
 class Fp16WeightLinear(nn.Module):
     """y = x · fp16(W)ᵀ + b through FBGEMM's packed fp16 GEMM; x float32 [..., in] on the CPU → y [..., out].
 
     Raises:
-        ValueError: a layer not on the CPU or not in float32.
+        ValueError: a layer not on the CPU or not in float32, or a CPU where the kernel's rows depend on their
+            call's row count (`fp16_rows_refusal`).
     """
 
     def __init__(self, linear: nn.Linear):
@@ -101,6 +126,8 @@ class Fp16WeightLinear(nn.Module):
         if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
             raise ValueError("fp16-weight is FBGEMM's CPU kernel for float32 layers; this layer is "
                              f"{linear.weight.dtype} on {linear.weight.device.type}")
+        if (why := fp16_rows_refusal()) is not None:
+            raise ValueError(f"fp16-weight is not offered here: {why}")
         self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach(), None)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -115,30 +142,30 @@ class Fp16WeightLinear(nn.Module):
 
 class Int8RowwiseLinear(nn.Module):
     """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
-    per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; at ≤ `vnni.ROWS` rows on a VNNI
-    CPU, `vnni.int8_rows_mm`'s; else compiled, one row: exact float32 spans); x [..., in] → y [..., out] in x's
-    dtype. The VNNI kernel's `weight_sums` are derived from `weight_int8` when built and when a state dict is
-    loaded; `weight_int8` changed in place any other way needs `_sum_weights()` after it."""
+    per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; at ≤ `int8mm.ROWS` rows on an
+    AVX-512 VNNI or AVX2 CPU, `int8mm.int8_rows_mm`'s; else compiled, one row: exact float32 spans); x [..., in] →
+    y [..., out] in x's dtype. `weight_sums` (for the VNNI form of that kernel) are derived from `weight_int8` when
+    built and when a state dict is loaded; `weight_int8` changed in place any other way needs `_sum_weights()`."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         q, scale = _int8_rows(linear.weight)
         self.register_buffer("weight_int8", q)  # [out, in]
         self.register_buffer("scale", scale)
-        # Σ_k q[n, k], for the VNNI kernel's unsigned activations: derived, not in the state dict, so recomputed
-        # whenever one is loaded (stale sums would skew every output of ≤ 4 rows and no other)
+        # Σ_k q[n, k], for the VNNI form of `int8mm`'s unsigned activations: derived, not in the state dict, so
+        # recomputed whenever one is loaded (stale sums would skew every output of ≤ 4 rows and no other)
         self.register_buffer("weight_sums", q.sum(1, dtype=torch.int32), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module._sum_weights())
-        vnni.available()  # built (or refused) once per process, before any trace reads `vnni.OP`
+        int8mm.available()  # built (or refused) once per process, before any trace reads `int8mm.OP`
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         qx, sx = _int8_rows(rows)
-        if (vnni.OP is not None and 0 < rows.shape[0] <= vnni.ROWS and x.device.type == "cpu"
-                and self.in_features <= vnni.MAX_IN):
-            acc = vnni.OP(qx, self.weight_int8, self.weight_sums)
+        if (int8mm.OP is not None and 0 < rows.shape[0] <= int8mm.ROWS and x.device.type == "cpu"
+                and self.in_features <= int8mm.MAX_IN):
+            acc = int8mm.OP(qx, self.weight_int8, self.weight_sums)
         elif torch.compiler.is_compiling() and rows.shape[0] == 1 and x.device.type == "cpu":
             qf, k = qx.float(), self.in_features
             spans = [(qf[:, None, a:a + EXACT_SPAN] * self.weight_int8[:, a:a + EXACT_SPAN].float()).sum(-1)
@@ -213,11 +240,13 @@ def compile_options(model: nn.Module) -> dict:
 
 
 def holds(form: str, linear: nn.Linear) -> bool:
-    """Whether `form` can hold `linear` (int4-weight's kernel takes some shapes only; fp16-weight float32 CPU ones)."""
+    """Whether `form` can hold `linear` (int4-weight's kernel takes some shapes only; fp16-weight float32 CPU ones,
+    on a CPU where its rows do not depend on their batch-mates)."""
     if form == "int4-weight":
         return _int4_refusal(linear, INT4_GROUP_SIZE) is None
     if form == "fp16-weight":
-        return linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
+        return (linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
+                and fp16_rows_refusal() is None)
     return True
 
 
@@ -331,15 +360,39 @@ def search_layers(reference: Decoder, texts: Sequence[Sequence[int]], *, max_mea
     return names, sensitivity, kl
 
 
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache, bytes (Linux's sysfs; `_CACHE_FALLBACK` where it cannot be read)."""
+    sizes = []
+    for path in _CACHE_DIR.glob("index*/size"):
+        text = path.read_text().strip().upper()
+        try:
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (ValueError, OSError):
+            continue
+    return max(sizes, default=_CACHE_FALLBACK)
+
+
+_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+_CACHE_FALLBACK = 32 << 20
+
+
 def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[str] = FORMS,
               repeats: int = 20, compiled: bool = False) -> tuple[str | None, dict[str, float]]:
     """Which form runs the float32 CPU layers of `shapes` [(out, in)] fastest at `rows` rows, timed here:
     (the fastest form, or None when none beats float32; {"float32" or form: seconds per call summed over
-    the shapes}). Each distinct shape is timed once and counted as often as it occurs. A layer a form cannot
-    hold (`holds`) stays in float32 and counts float32's time; a form that holds none of them, or cannot run
-    here, reads inf. `compiled`: each layer (float32's too) timed under torch.compile (fixed shapes), as a
-    compiled decode step runs it; a form torch.compile cannot take reads inf."""
+    the shapes}). Each distinct shape is timed once (the median of `repeats` calls) and counted as often as it
+    occurs. A layer a form cannot hold (`holds`) stays in float32 and counts float32's time; a form that holds
+    none of them, or cannot run here, reads inf. `compiled`: each layer timed under torch.compile (fixed
+    shapes), as a compiled decode step runs it (float32 through `decoder.project`); a form torch.compile cannot
+    take reads inf.
+
+    Where the layers' float32 weights together exceed the CPU's last-level cache, a decode step reads every
+    weight from memory, so each timed call here follows a read of twice that cache (its weights evicted):
+    a layer timed alone and repeated would stay in the cache and favour the form with more bytes."""
+    shapes = list(shapes)
     counts = Counter(shapes)
+    cache = last_level_cache_bytes()
+    evict = torch.zeros(2 * cache // 4) if sum(o * i * 4 for o, i in shapes) > cache else None
     if compiled:  # a graph per distinct shape and form: Dynamo's limit on graphs per code object raised to that
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    2 * len(counts) * (len(forms) + 1))
@@ -354,15 +407,20 @@ def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[
                 continue
             try:
                 layer = linear if label == "float32" else convert_linear(linear, label)
-                if compiled:
-                    layer = torch.compile(layer, dynamic=False, fullgraph=True, options=compile_options(layer) or None)
+                if compiled:  # float32 as the compiled step runs a plain layer: through `project`
+                    call = (lambda x, plain=layer: project(plain, x)) if label == "float32" else layer
+                    layer = torch.compile(call, dynamic=False, fullgraph=True, options=compile_options(layer) or None)
+                calls = []
                 with torch.inference_mode():
                     for _ in range(3):
                         layer(x)
-                    started = time.perf_counter()
                     for _ in range(repeats):
+                        if evict is not None:
+                            evict.amax()  # read, not written: no dirty lines to write back in the timed call
+                        started = time.perf_counter()
                         layer(x)
-                elapsed = (time.perf_counter() - started) / repeats
+                        calls.append(time.perf_counter() - started)
+                elapsed = statistics.median(calls)
             except (RuntimeError, ValueError):
                 elapsed = float("inf")
             timings[label] += elapsed * count

@@ -1,0 +1,213 @@
+"""An exact int8 × int8 → int32 matrix product for decode's few rows: AVX-512 VNNI (`vpdpbusd`), or AVX2 without VNNI.
+
+`torch._int_mm` (oneDNN) is exact but, at the one to four rows a decode step has, reads the int8 weight far
+below the memory's rate (on an AVX2 CPU it is slow at any row count); Inductor's loop over the same products is bound by one float accumulator's latency, and
+on an AVX2 CPU it converts each int8 weight to float (`benchmarks/RESULTS.md`, "Decode at a few rows"). This kernel
+streams each weight row once for all rows of the call, in order, and accumulates in int32:
+
+- AVX-512 VNNI: `vpdpbusd` (u8 × s8, four products per int32 lane), the instruction llama.cpp's Q8_0 product uses
+  on these CPUs. The activations are signed: each byte is read as u8 = q + 128 and the sum corrected by
+  128 · Σ_k w[n, k], computed once per weight (`weight_sums`). |Σ| ≤ in × 255 × 128 < 2³¹ for in ≤ `MAX_IN`.
+- AVX2: the weights sign-extended to int16 (`vpmovsxbw`) and multiplied with the activations, widened once per
+  call, by `vpmaddwd` (pairs of int16 products summed into int32: |pair| ≤ 2 · 128² = 2¹⁵); `weight_sums` unused.
+  |Σ| ≤ in × 128² < 2³¹ for in ≤ `MAX_IN`.
+
+Every sum is a sum of integers in int32: the result equals `torch._int_mm`'s bit for bit, whatever the row count
+and the instruction set, so a sequence's products do not depend on its batch-mates.
+
+The extension is compiled on first use (`torch.utils.cpp_extension.load_inline`, about half a minute, cached under
+`TORCH_EXTENSIONS_DIR`) for the best of the two the CPU reports (`ISA`), and offered only where the build succeeds;
+`available()` says which, and why not.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+MAX_IN = 65_536  # 65,536 × 255 × 128 < 2³¹: no int32 sum can overflow (the op refuses more inputs)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+// y[m, n] = sum_k x[m, k] * w[n, k], int8 x [M, K], int8 w [N, K], int32 out [M, N]. Each thread takes a span of
+// weight rows, one at a time, in order (one sequential stream: interleaving four rows read ~45% slower on an
+// AVX-512 CPU), and computes every row of x against it, four at a time (the accumulators held in registers; the
+// weight row, at most 64 KiB, read again from the cache for the next four).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The activations as u8 (q + 128), each row padded with zeros to a multiple of 64 bytes; 128 * wsum[n] taken off.
+typedef uint8_t act_t;
+static constexpr int64_t STEP = 64;
+static inline act_t widen(int8_t v) { return (uint8_t)(v ^ (int8_t)0x80); }
+
+template <int R>
+static inline void dot_rows(const act_t* xa, int64_t Kp, const int8_t* r, int64_t K, int32_t wsum, int32_t* out,
+                            int64_t stride) {
+  const int64_t full = K / 64 * 64;
+  __m512i acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < full; k += 64) {
+    const __m512i b = _mm512_loadu_si512(r + k);
+    for (int m = 0; m < R; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(xa + m * Kp + k), b);
+  }
+  if (K > full) {
+    const __m512i b = _mm512_maskz_loadu_epi8(~0ULL >> (64 - (K - full)), r + full);
+    for (int m = 0; m < R; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(xa + m * Kp + full), b);
+  }
+  for (int m = 0; m < R; ++m) out[m * stride] = _mm512_reduce_add_epi32(acc[m]) - 128 * wsum;
+}
+#elif defined(__AVX2__)
+// The activations widened to int16, each row padded with zeros to a multiple of 32; 32 weights a step
+// sign-extended, vpmaddwd into int32; the weights' tail in scalar code.
+typedef int16_t act_t;
+static constexpr int64_t STEP = 32;
+static inline act_t widen(int8_t v) { return v; }
+
+static inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <int R>
+static inline void dot_rows(const act_t* xa, int64_t Kp, const int8_t* r, int64_t K, int32_t, int32_t* out,
+                            int64_t stride) {
+  const int64_t full = K / 32 * 32;
+  __m256i acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < full; k += 32) {
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(r + k)));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(r + k + 16)));
+    for (int m = 0; m < R; ++m) {
+      const act_t* a = xa + m * Kp + k;
+      acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)a)));
+      acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(a + 16))));
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    int32_t s = sum8(acc[m]);
+    for (int64_t k = full; k < K; ++k) s += (int32_t)xa[m * Kp + k] * (int32_t)r[k];
+    out[m * stride] = s;
+  }
+}
+#else
+#error "overdrive's int8 kernel needs AVX-512 VNNI or AVX2"
+#endif
+
+at::Tensor int8_rows_mm(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& wsum_in) {
+  at::Tensor x = x_in, w = w_in, wsum = wsum_in;
+  TORCH_CHECK(x.dtype() == torch::kInt8 && w.dtype() == torch::kInt8 && wsum.dtype() == torch::kInt32,
+              "int8_rows_mm takes int8 x and weight and int32 weight_sums, got ", x.dtype(), ", ", w.dtype(), ", ",
+              wsum.dtype());
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && wsum.numel() == w.size(0),
+              "int8_rows_mm takes x [M, in], weight [out, in], weight_sums [out], got shapes ", x.sizes(), ", ",
+              w.sizes(), ", ", wsum.sizes());
+  TORCH_CHECK(x.size(0) >= 1, "int8_rows_mm takes at least one row, got ", x.size(0));
+  TORCH_CHECK(w.size(1) <= 65536, "int8_rows_mm: ", w.size(1), " in features could overflow its int32 sums (at most 65536)");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && wsum.device().is_cpu(), "int8_rows_mm takes CPU tensors");
+  x = x.contiguous(); w = w.contiguous(); wsum = wsum.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1), Kp = (K + STEP - 1) / STEP * STEP;
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kInt32));
+  const int8_t* xp = x.data_ptr<int8_t>(); const int8_t* wp = w.data_ptr<int8_t>();
+  const int32_t* sp = wsum.data_ptr<int32_t>(); int32_t* yp = y.data_ptr<int32_t>();
+  std::vector<act_t> xa(M * Kp, widen(0));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xa[m * Kp + k] = widen(xp[m * K + k]);
+  const act_t* xs = xa.data();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* r = wp + n * K;
+      for (int64_t m = 0; m < M; m += 4) {
+        const act_t* a = xs + m * Kp;
+        int32_t* out = yp + m * N + n;
+        switch (std::min<int64_t>(M - m, 4)) {
+          case 1: dot_rows<1>(a, Kp, r, K, sp[n], out, N); break;
+          case 2: dot_rows<2>(a, Kp, r, K, sp[n], out, N); break;
+          case 3: dot_rows<3>(a, Kp, r, K, sp[n], out, N); break;
+          default: dot_rows<4>(a, Kp, r, K, sp[n], out, N); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY(overdrive_int8, m) { m.def("int8_rows_mm(Tensor x, Tensor weight, Tensor weight_sums) -> Tensor"); }
+TORCH_LIBRARY_IMPL(overdrive_int8, CPU, m) { m.impl("int8_rows_mm", &int8_rows_mm); }
+"""
+
+OP = None  # torch.ops.overdrive_int8.int8_rows_mm once `available()` has built it (a module global Dynamo reads)
+# instruction set → (the /proc/cpuinfo flags it needs, compiler flags, the rows up to which int8-rowwise calls
+# the op rather than `torch._int_mm`), the best first. With VNNI the op was measured against `_int_mm` at 1–4 rows;
+# on an AVX2 CPU `_int_mm` was 60× slower than the op at 16 rows and 30× at 32 (`benchmarks/RESULTS.md`, "int8 on
+# an AVX2 CPU"), and the op beat float32's GEMM up to ~512 rows
+ISAS = {
+    "avx512-vnni": (("avx512_vnni", "avx512bw", "avx512f"), ["-mavx512f", "-mavx512bw", "-mavx512vnni"], 4),
+    "avx2": (("avx2",), ["-mavx2"], 1 << 62),
+}
+ROWS = 0  # int8-rowwise calls the op at 1 to this many rows: `ISAS`' figure for `ISA` once built
+ISA: str | None = None  # the one built, once `available()` has said so
+
+
+def _cpu_isa() -> str | None:
+    """The best of `ISAS` the CPU reports (Linux's /proc/cpuinfo), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line.split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return None
+    return next((isa for isa, (needs, *_) in ISAS.items() if flags.issuperset(needs)), None)
+
+
+_UNBUILT = object()
+_STATE: object = _UNBUILT  # None once built, else why not
+
+
+def _build() -> str | None:
+    """None once the op is registered (`OP`), else why it is not offered; tried once per process."""
+    global _STATE
+    if _STATE is _UNBUILT:
+        _STATE = _try_build()
+    return _STATE
+
+
+def _try_build() -> str | None:
+    global OP, ISA, ROWS
+    isa = _cpu_isa()
+    if isa is None:
+        return "the CPU reports neither avx512_vnni nor avx2 (or this is not Linux)"
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        load_inline(name=f"overdrive_int8_{isa.replace('-', '_')}", cpp_sources=_SOURCE,
+                    extra_cflags=["-O3", *ISAS[isa][1], "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    is_python_module=False, verbose=False)
+    except Exception as error:  # no compiler, no ninja, a toolchain without these intrinsics
+        why = f"its build failed ({type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1][:200]})"
+        warnings.warn(f"overdrive's {isa} int8 kernel is not used: {why}; int8-rowwise runs at about half its speed "
+                      "at small batch", RuntimeWarning, stacklevel=2)
+        return why
+
+    @torch.library.register_fake("overdrive_int8::int8_rows_mm")
+    def _(x: torch.Tensor, weight: torch.Tensor, weight_sums: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.int32)
+
+    OP, ISA, ROWS = torch.ops.overdrive_int8.int8_rows_mm, isa, ISAS[isa][2]
+    return None
+
+
+def available() -> tuple[bool, str | None]:
+    """(whether the kernel runs here, why not). Builds it on the first call (for `ISA`); then `OP` is
+    `int8_rows_mm(x, weight, weight_sums)`: x int8 [M, in] (M ≥ 1), weight int8 [out, in], weight_sums
+    int32 [out] (Σ_k weight[n, k]) → int32 [M, out], equal to `torch._int_mm(x, weight.t())`; it raises
+    RuntimeError on other dtypes, shapes or devices, or more than `MAX_IN` inputs. `OVERDRIVE_NO_INT8_KERNEL=1`
+    turns it off (before the first call)."""
+    if os.environ.get("OVERDRIVE_NO_INT8_KERNEL") == "1" and OP is None:
+        return False, "turned off by OVERDRIVE_NO_INT8_KERNEL=1"
+    why = _build()
+    return why is None, why
