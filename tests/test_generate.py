@@ -180,13 +180,20 @@ def test_the_compiled_decode_step_gives_the_eager_tokens_and_records_its_timings
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_project_is_the_layer_eager_and_its_few_row_reduction_under_compile(bias):
+@pytest.mark.parametrize("kernel", ["rows_mm", "reduction"])
+def test_project_is_the_layer_eager_and_its_few_row_kernels_under_compile(bias, kernel, monkeypatch):
     """`decoder.project`: eager, bit for bit the layer's own call; compiled, every row count up to ROWS and beyond
-    it within float32 summation error of `F.linear` (the reduction is the compiled path's: a wrong index or a
-    dropped bias would be far off), in the same shape; a layer that is not a plain `nn.Linear` (a quantised form,
-    a subclass) or has a hook is called as it is."""
+    it within float32 summation error of `F.linear` (`rows_mm.float_rows_mm`, or the reduction where it is not
+    built: a wrong index or a dropped bias would be far off), in the same shape; a layer that is not a plain
+    `nn.Linear` (a quantised form, a subclass) or has a hook is called as it is."""
+    from overdrive.generate import rows_mm
     from overdrive.generate.decoder import ROWS, project
 
+    if kernel == "rows_mm" and not rows_mm.available()[0]:
+        pytest.skip(f"overdrive's row kernels: {rows_mm.available()[1]}")
+    if kernel == "reduction":
+        monkeypatch.setattr(rows_mm, "FLOAT_OP", None)
+    torch._dynamo.reset()
     torch.manual_seed(0)
     layer = torch.nn.Linear(200, 70, bias=bias)
     compiled = torch.compile(lambda x: project(layer, x), dynamic=False)
@@ -209,6 +216,39 @@ def test_project_is_the_layer_eager_and_its_few_row_reduction_under_compile(bias
         x = torch.randn(1, 1, 200)
         for other in (doubled, hooked):
             torch.testing.assert_close(torch.compile(lambda x: project(other, x), dynamic=False)(x), other(x))
+    torch._dynamo.reset()
+
+
+def test_the_float_row_kernel_is_float32_products_whose_rows_do_not_depend_on_their_batch_mates():
+    """`rows_mm.float_rows_mm` against float64 products within float32 summation error, over shapes that leave
+    every tail (in features not a multiple of 8, out features not of 3, rows not of 4); each row's bits the same
+    alone as among 1 to 70 rows; bad calls refused. Under torch.compile through `project`, a row's output alone and
+    in a batch of 70 are the same bits."""
+    from overdrive.generate import rows_mm
+    from overdrive.generate.decoder import project
+
+    ok, why = rows_mm.available()
+    if not ok:
+        pytest.skip(f"overdrive's row kernels: {why}")
+    torch.manual_seed(0)
+    for out_f, in_f in [(70, 200), (1, 7), (2, 13), (5, 768), (3, 8), (4, 1)]:
+        weight, x = torch.randn(out_f, in_f), torch.randn(70, in_f)
+        whole = rows_mm.FLOAT_OP(x, weight)
+        torch.testing.assert_close(whole, (x.double() @ weight.double().t()).float(), rtol=1e-5, atol=1e-5)
+        for rows in (1, 2, 3, 4, 5, 9, 33):
+            assert torch.equal(rows_mm.FLOAT_OP(x[:rows], weight), whole[:rows]), (out_f, in_f, rows)
+        assert torch.equal(rows_mm.FLOAT_OP(x[7:8], weight), whole[7:8])
+    with pytest.raises(RuntimeError, match="takes float32 x and weight, got double"):
+        rows_mm.FLOAT_OP(torch.zeros(1, 8, dtype=torch.float64), torch.zeros(3, 8))
+    with pytest.raises(RuntimeError, match=r"got shapes \[1, 9\], \[3, 8\]"):
+        rows_mm.FLOAT_OP(torch.zeros(1, 9), torch.zeros(3, 8))
+    layer = torch.nn.Linear(96, 40)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: project(layer, x), dynamic=False)
+    with torch.no_grad():
+        x = torch.randn(rows_mm.FLOAT_ROWS, 96)
+        together = compiled(x)
+        assert all(torch.equal(compiled(x[i:i + 1]), together[i:i + 1]) for i in (0, 5, rows_mm.FLOAT_ROWS - 1))
     torch._dynamo.reset()
 
 

@@ -34,20 +34,20 @@ def test_the_int8_layer_is_the_float_layer_to_int8_rounding(kernel):
         Int8WeightLinear(linear, "int4")
 
 
-def _int8mm_or_skip():
-    from overdrive.generate import int8mm
+def _rows_mm_or_skip():
+    from overdrive.generate import rows_mm
 
-    ok, why = int8mm.available()
+    ok, why = rows_mm.available()
     if not ok:
         pytest.skip(f"overdrive's int8 kernel: {why}")
-    return int8mm
+    return rows_mm
 
 
 def test_the_int8_kernel_gives_the_exact_integer_products_at_every_row_count_and_shape():
-    """`int8mm.int8_rows_mm` (this CPU's `int8mm.ISA`) against int64 arithmetic: values at both int8 extremes
+    """`rows_mm.int8_rows_mm` (this CPU's `rows_mm.ISA`) against int64 arithmetic: values at both int8 extremes
     (-128 included: VNNI's u8 offset; AVX2's int16 pairs at their largest, 2 · 128²), inputs not a multiple of 64
     or 32 (the tails), fewer outputs than a block, a sum beyond 2²⁴; bad calls refused."""
-    int8mm = _int8mm_or_skip()
+    rows_mm = _rows_mm_or_skip()
     torch.manual_seed(0)
     for out_f, in_f in [(768, 768), (70, 200), (5, 63), (1, 1), (33, 4100), (3, 65), (2, 128)]:
         weight = torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8)
@@ -56,18 +56,18 @@ def test_the_int8_kernel_gives_the_exact_integer_products_at_every_row_count_and
         for rows in (1, 2, 3, 4, 5, 8, 13):
             x = torch.randint(-128, 128, (rows, in_f), dtype=torch.int8)
             x[0] = -128
-            assert torch.equal(int8mm.OP(x, weight, sums), (x.long() @ weight.long().t()).int()), (out_f, in_f, rows)
+            assert torch.equal(rows_mm.OP(x, weight, sums), (x.long() @ weight.long().t()).int()), (out_f, in_f, rows)
     weight = torch.zeros(3, 8, dtype=torch.int8)
     sums = weight.sum(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="at least one row, got 0"):
-        int8mm.OP(torch.zeros(0, 8, dtype=torch.int8), weight, sums)
+        rows_mm.OP(torch.zeros(0, 8, dtype=torch.int8), weight, sums)
     with pytest.raises(RuntimeError, match="takes int8 x and weight and int32 weight_sums, got float"):
-        int8mm.OP(torch.zeros(1, 8), weight, sums)
+        rows_mm.OP(torch.zeros(1, 8), weight, sums)
     with pytest.raises(RuntimeError, match=r"got shapes \[1, 9\], \[3, 8\], \[3\]"):
-        int8mm.OP(torch.zeros(1, 9, dtype=torch.int8), weight, sums)
-    wide = torch.zeros(1, int8mm.MAX_IN + 1, dtype=torch.int8)
+        rows_mm.OP(torch.zeros(1, 9, dtype=torch.int8), weight, sums)
+    wide = torch.zeros(1, rows_mm.MAX_IN + 1, dtype=torch.int8)
     with pytest.raises(RuntimeError, match="could overflow its int32 sums"):
-        int8mm.OP(wide, wide, torch.zeros(1, dtype=torch.int32))
+        rows_mm.OP(wide, wide, torch.zeros(1, dtype=torch.int32))
 
 
 def test_int8_rowwise_keeps_its_kernel_sums_through_a_loaded_state_dict_and_takes_empty_inputs():
@@ -76,7 +76,7 @@ def test_int8_rowwise_keeps_its_kernel_sums_through_a_loaded_state_dict_and_take
     rows gives an empty answer, as `_int_mm`'s path does."""
     from overdrive.generate.quantize import Int8RowwiseLinear
 
-    _int8mm_or_skip()
+    _rows_mm_or_skip()
     torch.manual_seed(0)
     first, second = Int8RowwiseLinear(nn.Linear(100, 37)), Int8RowwiseLinear(nn.Linear(100, 37))
     first.load_state_dict(second.state_dict())
@@ -88,39 +88,39 @@ def test_int8_rowwise_keeps_its_kernel_sums_through_a_loaded_state_dict_and_take
 def test_a_failed_int8_kernel_build_is_said_and_int8_rowwise_keeps_the_exact_products(monkeypatch):
     import torch.utils.cpp_extension
 
-    from overdrive.generate import int8mm
+    from overdrive.generate import rows_mm
     from overdrive.generate.quantize import Int8RowwiseLinear
 
     def broken(**kwargs):
         raise RuntimeError("Error building extension 'overdrive_int8_vnni'\nninja: build stopped")
 
-    monkeypatch.setattr(int8mm, "OP", None)
-    monkeypatch.setattr(int8mm, "_STATE", int8mm._UNBUILT)
-    monkeypatch.setattr(int8mm, "_cpu_isa", lambda: "avx2")
+    monkeypatch.setattr(rows_mm, "OP", None)
+    monkeypatch.setattr(rows_mm, "_STATE", rows_mm._UNBUILT)
+    monkeypatch.setattr(rows_mm, "_cpu_isa", lambda: "avx2")
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
     torch.manual_seed(0)
     linear = nn.Linear(64, 24)
-    with pytest.warns(RuntimeWarning, match="avx2 int8 kernel is not used: its build failed.*ninja: build stopped"):
+    with pytest.warns(RuntimeWarning, match="avx2 row kernels are not used: its build failed.*ninja: build stopped"):
         layer = Int8RowwiseLinear(linear)
-    assert int8mm.available() == (False, int8mm._STATE) and int8mm.OP is None
+    assert rows_mm.available() == (False, rows_mm._STATE) and rows_mm.OP is None
     x = torch.randn(3, 64)
     assert torch.equal(layer(x[:1]), layer(torch.cat([x[:1]] * 17))[:1])  # _int_mm at 1 row and at 17
 
 
-@pytest.mark.parametrize("kernel", ["int8mm", "spans"])
+@pytest.mark.parametrize("kernel", ["rows_mm", "spans"])
 def test_int8_rowwise_few_row_kernels_give_the_bits_of_int_mm(kernel, monkeypatch):
-    """At ≤ 4 rows on an AVX-512 VNNI or AVX2 CPU the layer's products are `int8mm.int8_rows_mm`'s, eager or
-    compiled; without it, under torch.compile a one-row call is exact float32 spans of int8 products; more rows
-    `_int_mm`: all are the exact integer dot products, so a row's output is the same bits whichever its call's row count picked, and the
-    same as eager's. Rows of the weights and of x near the int8 extremes: sums of 2,048 products near 127² (beyond
+    """At up to `rows_mm.ROWS` rows (4 with VNNI, all on AVX2) the layer's products are `rows_mm.int8_rows_mm`'s,
+    eager or compiled; without it, under torch.compile a one-row call is exact float32 spans of int8 products; more
+    rows `_int_mm`: all are the exact integer dot products, so a row's output is the same bits whichever its call's
+    row count picked, and the same as eager's. Rows of the weights and of x near the int8 extremes: sums of 2,048 products near 127² (beyond
     2²⁴, where float32 stops holding integers exactly) check that the spans are short enough."""
-    from overdrive.generate import int8mm
+    from overdrive.generate import rows_mm
     from overdrive.generate.quantize import COMPILE_OPTIONS, EXACT_SPAN, Int8RowwiseLinear
 
-    if kernel == "int8mm":
-        _int8mm_or_skip()
+    if kernel == "rows_mm":
+        _rows_mm_or_skip()
     else:
-        monkeypatch.setattr(int8mm, "OP", None)
+        monkeypatch.setattr(rows_mm, "OP", None)
     torch._dynamo.reset()
     torch.manual_seed(0)
     for in_f in (2048, 3 * EXACT_SPAN // 2, 64):

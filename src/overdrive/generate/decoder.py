@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overdrive.generate import rows_mm
+
 if TYPE_CHECKING:
     from overdrive.generate.paged import PagedKVCache
 
@@ -186,24 +188,35 @@ def _store(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor
     return read(cache, scales, dtype)
 
 
-ROWS = 4  # `project`'s reduction up to this many rows (decode at batch ≤ 4; at 8, aten.mm was faster)
+ROWS = 4  # `project`'s reduction up to this many rows, where `rows_mm.float_rows_mm` is not built (at 8, aten.mm won)
 
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`linear(x)`, x [..., in] → [..., out]; a plain float `nn.Linear` traced by torch.compile on the CPU with at
-    most `ROWS` rows is written as a reduction per row, y[r, n] = Σ_k x[r, k]·W[n, k] (+ b[n]), for Inductor to
-    generate: at a few rows PyTorch's product (oneDNN/MKL through `aten.mm`) streams the weight at under half the
-    rate Inductor's vectorised reduction does on both cores (`benchmarks/RESULTS.md`, "Decode at a few rows"). Eager
-    calls, other modules (quantised forms, a layer with hooks), more rows and other devices call `linear` itself.
-    Float sums in another order than `F.linear`'s (as `F.linear`'s own at one row and at sixteen differ): not
-    bit-equal to eager; the guard's near-tie counts and batch-invariance probe judge the tokens."""
+    """`linear(x)`, x [..., in] → [..., out]; a plain float `nn.Linear` traced by torch.compile on the CPU:
+
+    - float32, at most `rows_mm.FLOAT_ROWS` rows: `rows_mm.float_rows_mm` (AVX2 FMA, each weight row read once for
+      all rows, each output summed in one order whatever the row count: a row's bits do not depend on its
+      batch-mates), where `rows_mm.available()` has built it (the engine builds it before compiling);
+    - else, at most `ROWS` rows: a reduction per row, y[r, n] = Σ_k x[r, k]·W[n, k] (+ b[n]), for Inductor to
+      generate.
+
+    At decode's rows PyTorch's product (oneDNN/MKL through `aten.mm`) streams the weight at under half their rate
+    (`benchmarks/RESULTS.md`, "Decode at a few rows", "float32 rows on an AVX2 CPU"). Eager calls, other modules
+    (quantised forms, a layer with hooks), more rows and other devices call `linear` itself. Float sums in another
+    order than `F.linear`'s (as `F.linear`'s own at one row and at sixteen differ): not bit-equal to eager; the
+    guard's near-tie counts and batch-invariance probe judge the tokens."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if not (type(linear) is nn.Linear and torch.compiler.is_compiling() and x.device.type == "cpu"
-            and 0 < rows <= ROWS and not (linear._forward_hooks or linear._forward_pre_hooks)):
+    if not (type(linear) is nn.Linear and torch.compiler.is_compiling() and x.device.type == "cpu" and rows > 0
+            and not (linear._forward_hooks or linear._forward_pre_hooks)):
         return linear(x)
-    flat = x.reshape(rows, 1, x.shape[-1])
-    # Each row's sums kept as a column then transposed: Inductor streams the weight faster in that layout
-    y = torch.cat([(flat[r] * linear.weight).sum(-1, keepdim=True).t() for r in range(rows)])  # [rows, out]
+    if rows_mm.FLOAT_OP is not None and rows <= rows_mm.FLOAT_ROWS and x.dtype == linear.weight.dtype == torch.float32:
+        y = rows_mm.FLOAT_OP(x.reshape(rows, x.shape[-1]), linear.weight)
+    elif rows <= ROWS:
+        flat = x.reshape(rows, 1, x.shape[-1])
+        # Each row's sums kept as a column then transposed: Inductor streams the weight faster in that layout
+        y = torch.cat([(flat[r] * linear.weight).sum(-1, keepdim=True).t() for r in range(rows)])  # [rows, out]
+    else:
+        return linear(x)
     if linear.bias is not None:
         y = y + linear.bias
     return y.reshape(*x.shape[:-1], linear.out_features)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from overdrive.core.devices import synchronize
+from overdrive.generate import rows_mm
 from overdrive.generate.decoder import Decoder, KVCache
 from overdrive.generate.speculative import DraftModel, PromptLookup, accepted, verify
 
@@ -233,6 +234,8 @@ class Generator:
             from overdrive.generate.quantize import compile_options
 
             cuda = next(model.parameters()).device.type == "cuda"  # CUDA graphs there; Inductor's options on the CPU
+            if not cuda:  # overdrive's row kernels (`decoder.project`, int8-rowwise) built before any trace reads them
+                rows_mm.available()
             how = {"mode": "reduce-overhead"} if cuda else {"options": compile_options(model) or None}
             # One graph per batch size (powers of two) and slot count (multiples of SLOT_ROUNDING) a step may meet
             graphs = (max_batch_size.bit_length() + 1) * -(-model.config.max_positions // self.SLOT_ROUNDING)

@@ -12,7 +12,7 @@ depend on its batch-mates):
   CPU only; fp32 activations and accumulation). Opaque to torch.compile (a packed weight object).
 - `int8-rowwise`: int8 weights as above and int8 activations with one scale per row, quantized at
   each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`;
-  on a CPU with AVX-512 VNNI or AVX2, by overdrive's `int8mm.int8_rows_mm` instead at up to `int8mm.ROWS` rows a
+  on a CPU with AVX-512 VNNI or AVX2, by overdrive's `rows_mm.int8_rows_mm` instead at up to `rows_mm.ROWS` rows a
   call (1–4 with VNNI: decode at small batch; every call on AVX2, where `_int_mm` is slow), eager or compiled (the
   same exact int32 sums, faster: `benchmarks/RESULTS.md`, "Decode at a few rows", "int8 on an AVX2 CPU");
   without it, under torch.compile on the CPU a one-row call (a decode step of one sequence) is a reduction Inductor
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overdrive.generate import int8mm
+from overdrive.generate import rows_mm
 from overdrive.generate.decoder import Decoder, project
 
 FORMS = ("int8-weight", "fp16-weight", "int8-rowwise", "int4-weight")
@@ -108,7 +108,8 @@ def fp16_rows_refusal() -> str | None:
                                                              whole[:m])]
         _FP16_ROWS.append(None if not differ else (
             "FBGEMM's fp16 GEMM on this CPU gives a row different bits at different row counts (calls of "
-            f"{', '.join(map(str, differ[:6]))}{' …' if len(differ) > 6 else ''} rows against one of 40): a sequence's "
+            f"{', '.join(map(str, differ[:6]))}{' …' if len(differ) > 6 else ''} rows against one of 40): a "
+            "sequence's "
             "tokens would depend on its batch-mates"))
     return _FP16_ROWS[0]
 
@@ -142,8 +143,8 @@ class Fp16WeightLinear(nn.Module):
 
 class Int8RowwiseLinear(nn.Module):
     """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
-    per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; at ≤ `int8mm.ROWS` rows on an
-    AVX-512 VNNI or AVX2 CPU, `int8mm.int8_rows_mm`'s; else compiled, one row: exact float32 spans); x [..., in] →
+    per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; at ≤ `rows_mm.ROWS` rows on an
+    AVX-512 VNNI or AVX2 CPU, `rows_mm.int8_rows_mm`'s; else compiled, one row: exact float32 spans); x [..., in] →
     y [..., out] in x's dtype. `weight_sums` (for the VNNI form of that kernel) are derived from `weight_int8` when
     built and when a state dict is loaded; `weight_int8` changed in place any other way needs `_sum_weights()`."""
 
@@ -152,20 +153,20 @@ class Int8RowwiseLinear(nn.Module):
         q, scale = _int8_rows(linear.weight)
         self.register_buffer("weight_int8", q)  # [out, in]
         self.register_buffer("scale", scale)
-        # Σ_k q[n, k], for the VNNI form of `int8mm`'s unsigned activations: derived, not in the state dict, so
+        # Σ_k q[n, k], for the VNNI form of `rows_mm`'s unsigned activations: derived, not in the state dict, so
         # recomputed whenever one is loaded (stale sums would skew every output of ≤ 4 rows and no other)
         self.register_buffer("weight_sums", q.sum(1, dtype=torch.int32), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module._sum_weights())
-        int8mm.available()  # built (or refused) once per process, before any trace reads `int8mm.OP`
+        rows_mm.available()  # built (or refused) once per process, before any trace reads `rows_mm.OP`
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         qx, sx = _int8_rows(rows)
-        if (int8mm.OP is not None and 0 < rows.shape[0] <= int8mm.ROWS and x.device.type == "cpu"
-                and self.in_features <= int8mm.MAX_IN):
-            acc = int8mm.OP(qx, self.weight_int8, self.weight_sums)
+        if (rows_mm.OP is not None and 0 < rows.shape[0] <= rows_mm.ROWS and x.device.type == "cpu"
+                and self.in_features <= rows_mm.MAX_IN):
+            acc = rows_mm.OP(qx, self.weight_int8, self.weight_sums)
         elif torch.compiler.is_compiling() and rows.shape[0] == 1 and x.device.type == "cpu":
             qf, k = qx.float(), self.in_features
             spans = [(qf[:, None, a:a + EXACT_SPAN] * self.weight_int8[:, a:a + EXACT_SPAN].float()).sum(-1)

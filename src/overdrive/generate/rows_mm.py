@@ -1,9 +1,12 @@
-"""An exact int8 × int8 → int32 matrix product for decode's few rows: AVX-512 VNNI (`vpdpbusd`), or AVX2 without VNNI.
+"""Matrix products for decode's few rows on the CPU, overdrive's own (C++ built on first use, torch ops).
+
+`int8_rows_mm`: an exact int8 × int8 → int32 product with AVX-512 VNNI (`vpdpbusd`), or AVX2 without VNNI.
 
 `torch._int_mm` (oneDNN) is exact but, at the one to four rows a decode step has, reads the int8 weight far
-below the memory's rate (on an AVX2 CPU it is slow at any row count); Inductor's loop over the same products is bound by one float accumulator's latency, and
-on an AVX2 CPU it converts each int8 weight to float (`benchmarks/RESULTS.md`, "Decode at a few rows"). This kernel
-streams each weight row once for all rows of the call, in order, and accumulates in int32:
+below the memory's rate (on an AVX2 CPU it is slow at any row count); Inductor's loop over the same products is
+bound by one float accumulator's latency, and on an AVX2 CPU it converts each int8 weight to float
+(`benchmarks/RESULTS.md`, "Decode at a few rows", "int8 on an AVX2 CPU"). This kernel streams each weight row once
+for all rows of the call, in order, and accumulates in int32:
 
 - AVX-512 VNNI: `vpdpbusd` (u8 × s8, four products per int32 lane), the instruction llama.cpp's Q8_0 product uses
   on these CPUs. The activations are signed: each byte is read as u8 = q + 128 and the sum corrected by
@@ -14,6 +17,12 @@ streams each weight row once for all rows of the call, in order, and accumulates
 
 Every sum is a sum of integers in int32: the result equals `torch._int_mm`'s bit for bit, whatever the row count
 and the instruction set, so a sequence's products do not depend on its batch-mates.
+
+`float_rows_mm`: x float32 [M, in] · W float32 [out, in]ᵀ with AVX2 FMA, each weight row streamed once for the
+M rows (blocks of 4 rows × 3 weight rows held in registers): at the rows of decode (1 to 64) PyTorch's `aten.mm`
+(MKL/oneDNN) reaches a fraction of the CPU's arithmetic rate. Each output is eight lane sums over k ≡ lane (mod 8)
+in order, then summed across the lanes, the tail in order: the same for a row whatever the row count, so a row's
+bits do not depend on its batch-mates (`aten.mm`'s do, across row counts).
 
 The extension is compiled on first use (`torch.utils.cpp_extension.load_inline`, about half a minute, cached under
 `TORCH_EXTENSIONS_DIR`) for the best of the two the CPU reports (`ISA`), and offered only where the build succeeds;
@@ -108,7 +117,8 @@ at::Tensor int8_rows_mm(const at::Tensor& x_in, const at::Tensor& w_in, const at
               "int8_rows_mm takes x [M, in], weight [out, in], weight_sums [out], got shapes ", x.sizes(), ", ",
               w.sizes(), ", ", wsum.sizes());
   TORCH_CHECK(x.size(0) >= 1, "int8_rows_mm takes at least one row, got ", x.size(0));
-  TORCH_CHECK(w.size(1) <= 65536, "int8_rows_mm: ", w.size(1), " in features could overflow its int32 sums (at most 65536)");
+  TORCH_CHECK(w.size(1) <= 65536, "int8_rows_mm: ", w.size(1),
+              " in features could overflow its int32 sums (at most 65536)");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && wsum.device().is_cpu(), "int8_rows_mm takes CPU tensors");
   x = x.contiguous(); w = w.contiguous(); wsum = wsum.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1), Kp = (K + STEP - 1) / STEP * STEP;
@@ -137,18 +147,93 @@ at::Tensor int8_rows_mm(const at::Tensor& x_in, const at::Tensor& w_in, const at
   return y;
 }
 
-TORCH_LIBRARY(overdrive_int8, m) { m.def("int8_rows_mm(Tensor x, Tensor weight, Tensor weight_sums) -> Tensor"); }
-TORCH_LIBRARY_IMPL(overdrive_int8, CPU, m) { m.impl("int8_rows_mm", &int8_rows_mm); }
+// y[m, n] = sum_k x[m, k] * w[n, k] in float32 with AVX2 FMA; each output summed in one fixed order (in eight
+// lanes, k = lane mod 8 in order, then across the lanes, then the tail in order), whatever the block it falls in.
+static inline float lanes_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// A block of R rows of x against C weight rows: R x C accumulators of eight lanes (4 x 3: 12 of the 16 registers)
+template <int R, int C>
+static inline void float_block(const float* xa, int64_t K, const float* r, float* out, int64_t stride) {
+  const int64_t full = K / 8 * 8;
+  __m256 acc[R][C];
+  for (int m = 0; m < R; ++m) for (int c = 0; c < C; ++c) acc[m][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < full; k += 8) {
+    __m256 b[C];
+    for (int c = 0; c < C; ++c) b[c] = _mm256_loadu_ps(r + c * K + k);
+    for (int m = 0; m < R; ++m) {
+      const __m256 a = _mm256_loadu_ps(xa + m * K + k);
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm256_fmadd_ps(a, b[c], acc[m][c]);
+    }
+  }
+  for (int m = 0; m < R; ++m) for (int c = 0; c < C; ++c) {
+    float s = lanes_sum(acc[m][c]);
+    for (int64_t k = full; k < K; ++k) s += xa[m * K + k] * r[c * K + k];
+    out[m * stride + c] = s;
+  }
+}
+
+template <int C>
+static inline void float_rows(const float* xp, int64_t M, int64_t K, const float* r, float* yp, int64_t N) {
+  for (int64_t m = 0; m < M; m += 4) {
+    switch (std::min<int64_t>(M - m, 4)) {
+      case 1: float_block<1, C>(xp + m * K, K, r, yp + m * N, N); break;
+      case 2: float_block<2, C>(xp + m * K, K, r, yp + m * N, N); break;
+      case 3: float_block<3, C>(xp + m * K, K, r, yp + m * N, N); break;
+      default: float_block<4, C>(xp + m * K, K, r, yp + m * N, N); break;
+    }
+  }
+}
+
+at::Tensor float_rows_mm(const at::Tensor& x_in, const at::Tensor& w_in) {
+  TORCH_CHECK(x_in.dtype() == torch::kFloat32 && w_in.dtype() == torch::kFloat32,
+              "float_rows_mm takes float32 x and weight, got ", x_in.dtype(), ", ", w_in.dtype());
+  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1),
+              "float_rows_mm takes x [M, in], weight [out, in], got shapes ", x_in.sizes(), ", ", w_in.sizes());
+  TORCH_CHECK(x_in.device().is_cpu() && w_in.device().is_cpu(), "float_rows_mm takes CPU tensors");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + 2) / 3, 8, [&](int64_t p0, int64_t p1) {  // three weight rows at a time
+    for (int64_t n = 3 * p0; n < std::min(3 * p1, N); n += 3) {
+      switch (std::min<int64_t>(N - n, 3)) {
+        case 1: float_rows<1>(xp, M, K, wp + n * K, yp + n, N); break;
+        case 2: float_rows<2>(xp, M, K, wp + n * K, yp + n, N); break;
+        default: float_rows<3>(xp, M, K, wp + n * K, yp + n, N); break;
+      }
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY(overdrive_rows, m) {
+  m.def("int8_rows_mm(Tensor x, Tensor weight, Tensor weight_sums) -> Tensor");
+  m.def("float_rows_mm(Tensor x, Tensor weight) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(overdrive_rows, CPU, m) {
+  m.impl("int8_rows_mm", &int8_rows_mm);
+  m.impl("float_rows_mm", &float_rows_mm);
+}
 """
 
-OP = None  # torch.ops.overdrive_int8.int8_rows_mm once `available()` has built it (a module global Dynamo reads)
+OP = None  # torch.ops.overdrive_rows.int8_rows_mm once `available()` has built it (a module global Dynamo reads)
+FLOAT_OP = None  # torch.ops.overdrive_rows.float_rows_mm, likewise
+# `decoder.project` calls FLOAT_OP under torch.compile up to this many rows; beyond, `aten.mm` (the op against
+# aten.mm over a 125 M model's layers on an AVX2 EPYC: 2.2x at 1 row, 2.4x at 16, 1.6x at 64: RESULTS.md)
+FLOAT_ROWS = 64
 # instruction set → (the /proc/cpuinfo flags it needs, compiler flags, the rows up to which int8-rowwise calls
 # the op rather than `torch._int_mm`), the best first. With VNNI the op was measured against `_int_mm` at 1–4 rows;
 # on an AVX2 CPU `_int_mm` was 60× slower than the op at 16 rows and 30× at 32 (`benchmarks/RESULTS.md`, "int8 on
 # an AVX2 CPU"), and the op beat float32's GEMM up to ~512 rows
 ISAS = {
-    "avx512-vnni": (("avx512_vnni", "avx512bw", "avx512f"), ["-mavx512f", "-mavx512bw", "-mavx512vnni"], 4),
-    "avx2": (("avx2",), ["-mavx2"], 1 << 62),
+    "avx512-vnni": (("avx512_vnni", "avx512bw", "avx512f", "avx2", "fma"),
+                    ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma"], 4),
+    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"], 1 << 62),
 }
 ROWS = 0  # int8-rowwise calls the op at 1 to this many rows: `ISAS`' figure for `ISA` once built
 ISA: str | None = None  # the one built, once `available()` has said so
@@ -177,37 +262,45 @@ def _build() -> str | None:
 
 
 def _try_build() -> str | None:
-    global OP, ISA, ROWS
+    global OP, FLOAT_OP, ISA, ROWS
     isa = _cpu_isa()
     if isa is None:
-        return "the CPU reports neither avx512_vnni nor avx2 (or this is not Linux)"
+        return "the CPU reports neither avx512_vnni nor avx2 with fma (or this is not Linux)"
     try:
         from torch.utils.cpp_extension import load_inline
 
-        load_inline(name=f"overdrive_int8_{isa.replace('-', '_')}", cpp_sources=_SOURCE,
+        load_inline(name=f"overdrive_rows_{isa.replace('-', '_')}", cpp_sources=_SOURCE,
                     extra_cflags=["-O3", *ISAS[isa][1], "-fopenmp"], extra_ldflags=["-fopenmp"],
                     is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, no ninja, a toolchain without these intrinsics
         why = f"its build failed ({type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1][:200]})"
-        warnings.warn(f"overdrive's {isa} int8 kernel is not used: {why}; int8-rowwise runs at about half its speed "
-                      "at small batch", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"overdrive's {isa} row kernels are not used: {why}; int8-rowwise and float32 decode run "
+                      "slower at small batch", RuntimeWarning, stacklevel=2)
         return why
 
-    @torch.library.register_fake("overdrive_int8::int8_rows_mm")
+    @torch.library.register_fake("overdrive_rows::int8_rows_mm")
     def _(x: torch.Tensor, weight: torch.Tensor, weight_sums: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.int32)
 
-    OP, ISA, ROWS = torch.ops.overdrive_int8.int8_rows_mm, isa, ISAS[isa][2]
+    @torch.library.register_fake("overdrive_rows::float_rows_mm")
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    OP, FLOAT_OP = torch.ops.overdrive_rows.int8_rows_mm, torch.ops.overdrive_rows.float_rows_mm
+    ISA, ROWS = isa, ISAS[isa][2]
     return None
 
 
 def available() -> tuple[bool, str | None]:
-    """(whether the kernel runs here, why not). Builds it on the first call (for `ISA`); then `OP` is
-    `int8_rows_mm(x, weight, weight_sums)`: x int8 [M, in] (M ≥ 1), weight int8 [out, in], weight_sums
-    int32 [out] (Σ_k weight[n, k]) → int32 [M, out], equal to `torch._int_mm(x, weight.t())`; it raises
-    RuntimeError on other dtypes, shapes or devices, or more than `MAX_IN` inputs. `OVERDRIVE_NO_INT8_KERNEL=1`
-    turns it off (before the first call)."""
-    if os.environ.get("OVERDRIVE_NO_INT8_KERNEL") == "1" and OP is None:
-        return False, "turned off by OVERDRIVE_NO_INT8_KERNEL=1"
+    """(whether the kernels run here, why not). Builds them on the first call (for `ISA`); then
+
+    - `OP` is `int8_rows_mm(x, weight, weight_sums)`: x int8 [M, in] (M ≥ 1), weight int8 [out, in], weight_sums
+      int32 [out] (Σ_k weight[n, k]) → int32 [M, out], equal to `torch._int_mm(x, weight.t())`;
+    - `FLOAT_OP` is `float_rows_mm(x, weight)`: x float32 [M, in], weight float32 [out, in] → float32 [M, out].
+
+    Each raises RuntimeError on other dtypes, shapes or devices (`int8_rows_mm` also beyond `MAX_IN` inputs).
+    `OVERDRIVE_NO_ROW_KERNELS=1` turns them off (before the first call)."""
+    if os.environ.get("OVERDRIVE_NO_ROW_KERNELS") == "1" and OP is None:
+        return False, "turned off by OVERDRIVE_NO_ROW_KERNELS=1"
     why = _build()
     return why is None, why
