@@ -48,7 +48,8 @@ _SOURCE = r"""
 // AVX-512 CPU), and computes every row of x against it, four at a time (the accumulators held in registers; the
 // weight row, at most 64 KiB, read again from the cache for the next four).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// The activations as u8 (q + 128), each row padded with zeros to a multiple of 64 bytes; 128 * wsum[n] taken off.
+// The activations as u8 (q + 128), each row padded to a multiple of 64 bytes (against weights masked to zero);
+// 128 * wsum[n] taken off.
 typedef uint8_t act_t;
 static constexpr int64_t STEP = 64;
 static inline act_t widen(int8_t v) { return (uint8_t)(v ^ (int8_t)0x80); }
