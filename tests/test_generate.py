@@ -249,6 +249,9 @@ def test_the_float_row_kernel_is_float32_products_whose_rows_do_not_depend_on_th
         x = torch.randn(rows_mm.FLOAT_ROWS, 96)
         together = compiled(x)
         assert all(torch.equal(compiled(x[i:i + 1]), together[i:i + 1]) for i in (0, 5, rows_mm.FLOAT_ROWS - 1))
+    x = torch.randn(6, 96)  # with gradients asked for: a differentiable path (the op has no backward)
+    compiled(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, x.sum(0)[None].expand(40, 96), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
 
 

@@ -112,8 +112,9 @@ def test_int8_rowwise_few_row_kernels_give_the_bits_of_int_mm(kernel, monkeypatc
     """At up to `rows_mm.ROWS` rows (4 with VNNI, all on AVX2) the layer's products are `rows_mm.int8_rows_mm`'s,
     eager or compiled; without it, under torch.compile a one-row call is exact float32 spans of int8 products; more
     rows `_int_mm`: all are the exact integer dot products, so a row's output is the same bits whichever its call's
-    row count picked, and the same as eager's. Rows of the weights and of x near the int8 extremes: sums of 2,048 products near 127² (beyond
-    2²⁴, where float32 stops holding integers exactly) check that the spans are short enough."""
+    row count picked, and the same as eager's. Rows of the weights and of x near the int8 extremes: sums of 2,048
+    products near 127² (beyond 2²⁴, where float32 stops holding integers exactly) check that the spans are short
+    enough."""
     from overdrive.generate import rows_mm
     from overdrive.generate.quantize import COMPILE_OPTIONS, EXACT_SPAN, Int8RowwiseLinear
 
@@ -140,6 +141,28 @@ def test_int8_rowwise_few_row_kernels_give_the_bits_of_int_mm(kernel, monkeypatc
             assert all(torch.equal(compiled(x[i:i + 1]), eager[i:i + 1]) for i in range(5))
         assert (eager - linear(x)).abs().max() < 0.05 * linear(x).abs().max()
     torch._dynamo.reset()
+
+
+def test_int8_rowwise_beyond_the_kernels_rows_through_exact_float_spans_gives_the_bits_of_int_mm(monkeypatch):
+    """On an AVX2 CPU a call of more than `rows_mm.ROWS` rows (a prefill) is float32 GEMMs over spans of
+    `EXACT_SPAN` inputs, each span's sums integers of at most 2²⁴ (exact in any order), added in int32: the same bits
+    as `_int_mm`'s, at the int8 extremes (-128 too: 1,024 · 128² = 2²⁴ exactly) and with spans of two lengths."""
+    from overdrive.generate import rows_mm
+    from overdrive.generate.quantize import EXACT_SPAN, Int8RowwiseLinear
+
+    torch.manual_seed(0)
+    for in_f in (2 * EXACT_SPAN, 3 * EXACT_SPAN // 2 + 7, 64):
+        layer = Int8RowwiseLinear(nn.Linear(in_f, 40))
+        layer.weight_int8[:8] = -128
+        layer.weight_int8[8:16] = 127
+        x = torch.randn(9, in_f)
+        x[:3] = -1.0  # rows of -127 after rounding
+        monkeypatch.setattr(rows_mm, "OP", None)
+        monkeypatch.setattr(rows_mm, "LARGE", "_int_mm")
+        expected = layer(x)
+        monkeypatch.setattr(rows_mm, "LARGE", "float-spans")
+        assert torch.equal(layer(x), expected), in_f
+        assert torch.equal(layer(x[4:5]), expected[4:5]), in_f
 
 
 def test_the_int4_layer_is_the_float_layer_rounded_to_16_levels_per_group_of_64():

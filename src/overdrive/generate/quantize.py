@@ -109,8 +109,7 @@ def fp16_rows_refusal() -> str | None:
         _FP16_ROWS.append(None if not differ else (
             "FBGEMM's fp16 GEMM on this CPU gives a row different bits at different row counts (calls of "
             f"{', '.join(map(str, differ[:6]))}{' …' if len(differ) > 6 else ''} rows against one of 40): a "
-            "sequence's "
-            "tokens would depend on its batch-mates"))
+            "sequence's tokens would depend on its batch-mates"))
     return _FP16_ROWS[0]
 
 
@@ -144,7 +143,8 @@ class Fp16WeightLinear(nn.Module):
 class Int8RowwiseLinear(nn.Module):
     """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
     per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; at ≤ `rows_mm.ROWS` rows on an
-    AVX-512 VNNI or AVX2 CPU, `rows_mm.int8_rows_mm`'s; else compiled, one row: exact float32 spans); x [..., in] →
+    AVX-512 VNNI or AVX2 CPU, `rows_mm.int8_rows_mm`'s; else compiled, one row: exact float32 spans; beyond
+    `rows_mm.ROWS` on AVX2, float32 GEMMs over spans of `EXACT_SPAN` inputs, as exact); x [..., in] →
     y [..., out] in x's dtype. `weight_sums` (for the VNNI form of that kernel) are derived from `weight_int8` when
     built and when a state dict is loaded; `weight_int8` changed in place any other way needs `_sum_weights()`."""
 
@@ -170,6 +170,12 @@ class Int8RowwiseLinear(nn.Module):
         elif torch.compiler.is_compiling() and rows.shape[0] == 1 and x.device.type == "cpu":
             qf, k = qx.float(), self.in_features
             spans = [(qf[:, None, a:a + EXACT_SPAN] * self.weight_int8[:, a:a + EXACT_SPAN].float()).sum(-1)
+                     for a in range(0, k, EXACT_SPAN)]
+            acc = spans[0] if len(spans) == 1 else sum(span.to(torch.int32) for span in spans)
+        elif rows_mm.LARGE == "float-spans" and x.device.type == "cpu" and rows.shape[0] > 0:
+            # float32 GEMMs over spans of EXACT_SPAN inputs: every partial sum an integer of at most 2²⁴, exact
+            qf, k = qx.float(), self.in_features
+            spans = [F.linear(qf[:, a:a + EXACT_SPAN], self.weight_int8[:, a:a + EXACT_SPAN].float())
                      for a in range(0, k, EXACT_SPAN)]
             acc = spans[0] if len(spans) == 1 else sum(span.to(torch.int32) for span in spans)
         else:

@@ -228,15 +228,17 @@ FLOAT_OP = None  # torch.ops.overdrive_rows.float_rows_mm, likewise
 # aten.mm over a 125 M model's layers on an AVX2 EPYC: 2.2x at 1 row, 2.4x at 16, 1.6x at 64: RESULTS.md)
 FLOAT_ROWS = 64
 # instruction set → (the /proc/cpuinfo flags it needs, compiler flags, the rows up to which int8-rowwise calls
-# the op rather than `torch._int_mm`), the best first. With VNNI the op was measured against `_int_mm` at 1–4 rows;
-# on an AVX2 CPU `_int_mm` was 60× slower than the op at 16 rows and 30× at 32 (`benchmarks/RESULTS.md`, "int8 on
-# an AVX2 CPU"), and the op beat float32's GEMM up to ~512 rows
+# the op, how it multiplies more rows: oneDNN's `torch._int_mm` or "float-spans", float32 GEMMs over spans short
+# enough to be exact), the best first. With VNNI the op was measured against `_int_mm` at 1–4 rows; on an AVX2 CPU
+# `_int_mm` was far slower than the op at every row count, and the op slower than float32's GEMM from ~512 rows
+# (`benchmarks/RESULTS.md`, "Decode on an AVX2 CPU")
 ISAS = {
     "avx512-vnni": (("avx512_vnni", "avx512bw", "avx512f", "avx2", "fma"),
-                    ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma"], 4),
-    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"], 1 << 62),
+                    ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma"], 4, "_int_mm"),
+    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"], 256, "float-spans"),
 }
 ROWS = 0  # int8-rowwise calls the op at 1 to this many rows: `ISAS`' figure for `ISA` once built
+LARGE = "_int_mm"  # and beyond them, `ISAS`' choice for `ISA` once built
 ISA: str | None = None  # the one built, once `available()` has said so
 
 
@@ -263,7 +265,7 @@ def _build() -> str | None:
 
 
 def _try_build() -> str | None:
-    global OP, FLOAT_OP, ISA, ROWS
+    global OP, FLOAT_OP, ISA, ROWS, LARGE
     isa = _cpu_isa()
     if isa is None:
         return "the CPU reports neither avx512_vnni nor avx2 with fma (or this is not Linux)"
@@ -288,7 +290,7 @@ def _try_build() -> str | None:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     OP, FLOAT_OP = torch.ops.overdrive_rows.int8_rows_mm, torch.ops.overdrive_rows.float_rows_mm
-    ISA, ROWS = isa, ISAS[isa][2]
+    ISA, (ROWS, LARGE) = isa, ISAS[isa][2:]
     return None
 
 

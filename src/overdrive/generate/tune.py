@@ -36,7 +36,7 @@ from overdrive.core.measure import Runner
 from overdrive.generate.engine import Generator, SamplingParams
 from overdrive.generate.draft import DEFAULT_STEPS, distillation_texts, draft_layers, seconds_per_step
 from overdrive.generate.plan import SPECULATIVE, GenerationPlan, build_generator
-from overdrive.generate.quantize import FORMS, linear_names, pick_form, search_layers
+from overdrive.generate.quantize import FORMS, fp16_rows_refusal, linear_names, pick_form, search_layers
 from overdrive.generate.workload import GenerationWorkload
 
 TECHNIQUES = ("compile-decode", "weight-only", "kv-int8", "bf16", "prompt-lookup", "draft-model")
@@ -333,7 +333,9 @@ def optimize_generation(workload: GenerationWorkload, *, device: str = "cpu", ba
                 best = min(runnable, key=timings.get)
             timed = ", ".join(f"{f} {t * 1e3:.2f} ms" for f, t in timings.items())
             for form in forms:
-                if form != best:
+                if form == "fp16-weight" and (refusal := fp16_rows_refusal()) is not None:
+                    rows.append(GenerationRow(technique=form, status="untried", reason=f"not offered here: {refusal}"))
+                elif form != best:
                     rows.append(GenerationRow(technique=form, status="untried", reason=(
                         "its kernel takes none of this model's layers here"
                         + (" under torch.compile (the kept compile-decode)" if compiled else "")
