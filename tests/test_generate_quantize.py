@@ -295,24 +295,20 @@ def test_pick_form_times_float32_compiled_through_project_as_the_decode_step_run
 
 def test_pick_form_times_layers_from_memory_when_the_model_outgrows_the_cache(monkeypatch):
     """A decode step streams every weight from memory once the model's weights exceed the last-level cache: then
-    each timed call follows a read of twice the cache (a shape timed alone and repeated would stay cached and favour
-    the form with more bytes); a model that fits is timed warm, as it runs."""
+    each shape is timed over a sweep of distinct copies filling twice the cache (a shape timed alone and repeated
+    would stay cached and favour the form with more bytes); a model that fits is timed on one layer, as it runs."""
     from overdrive.generate import quantize
 
-    reads = []
-    real_zeros = torch.zeros
-
-    def zeros(*size, **kwargs):
-        buffer = real_zeros(*size, **kwargs)
-        reads.append(buffer.numel() * 4)
-        return buffer
-
-    monkeypatch.setattr(quantize.torch, "zeros", zeros)
+    seen: dict[type, set[int]] = {}
+    real = quantize._call
+    monkeypatch.setattr(quantize, "_call", lambda layer, x: (seen.setdefault(type(layer), set()).add(id(layer)),
+                                                             real(layer, x))[1])
     monkeypatch.setattr(quantize, "last_level_cache_bytes", lambda: 64 << 10)  # 64 KiB
     quantize.pick_form([(64, 64)] * 3, repeats=2, forms=("int8-rowwise",))  # 48 KiB of float32: fits
-    assert reads == []
+    assert {t: len(ids) for t, ids in seen.items()} == {nn.Linear: 1, quantize.Int8RowwiseLinear: 1}
+    seen.clear()
     quantize.pick_form([(64, 64)] * 5, repeats=2, forms=("int8-rowwise",))  # 80 KiB: does not
-    assert reads == [128 << 10]
+    assert {t: len(ids) for t, ids in seen.items()} == {nn.Linear: 8, quantize.Int8RowwiseLinear: 8}  # 128 KiB / 16
 
 
 def test_the_last_level_cache_is_read_from_sysfs_or_a_fallback(monkeypatch, tmp_path):

@@ -383,51 +383,66 @@ _CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 _CACHE_FALLBACK = 32 << 20
 
 
+def _call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+def _project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return project(layer, x)
+
+
+MAX_COPIES = 256  # of one shape, in `pick_form`'s sweeps
+
+
 def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[str] = FORMS,
               repeats: int = 20, compiled: bool = False) -> tuple[str | None, dict[str, float]]:
     """Which form runs the float32 CPU layers of `shapes` [(out, in)] fastest at `rows` rows, timed here:
     (the fastest form, or None when none beats float32; {"float32" or form: seconds per call summed over
-    the shapes}). Each distinct shape is timed once (the median of `repeats` calls) and counted as often as it
-    occurs. A layer a form cannot hold (`holds`) stays in float32 and counts float32's time; a form that holds
-    none of them, or cannot run here, reads inf. `compiled`: each layer timed under torch.compile (fixed
-    shapes), as a compiled decode step runs it (float32 through `decoder.project`); a form torch.compile cannot
-    take reads inf.
+    the shapes}). Each distinct shape is timed once (the median over sweeps, at least `repeats` calls in all) and
+    counted as often as it occurs. A layer a form cannot hold (`holds`) stays in float32 and counts float32's time;
+    a form that holds none of them, or cannot run here, reads inf. `compiled`: each layer timed under
+    torch.compile (fixed shapes), as a compiled decode step runs it (float32 through `decoder.project`); a form
+    torch.compile cannot take reads inf.
 
-    Where the layers' float32 weights together exceed the CPU's last-level cache, a decode step reads every
-    weight from memory, so each timed call here follows a read of twice that cache (its weights evicted):
-    a layer timed alone and repeated would stay in the cache and favour the form with more bytes."""
+    Where the layers' float32 weights together exceed the CPU's last-level cache, a decode step streams every
+    weight from memory, layer after layer: each shape is then timed as a sweep, back to back, over distinct copies
+    of it whose float32 weights fill twice that cache (at most `MAX_COPIES`), so that no call finds its weights
+    cached. A shape timed alone and repeated would stay in the cache and favour the form with more bytes; a call
+    timed after evicting the cache pays a fixed cost (a cold thread pool, ~0.2 ms a call here) that the step's
+    back-to-back calls do not (`benchmarks/RESULTS.md`, "Decode on an AVX2 CPU")."""
     shapes = list(shapes)
     counts = Counter(shapes)
     cache = last_level_cache_bytes()
-    evict = torch.zeros(2 * cache // 4) if sum(o * i * 4 for o, i in shapes) > cache else None
+    streamed = sum(o * i * 4 for o, i in shapes) > cache
     if compiled:  # a graph per distinct shape and form: Dynamo's limit on graphs per code object raised to that
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    2 * len(counts) * (len(forms) + 1))
     timings: dict[str, float] = {"float32": 0.0, **{f: 0.0 for f in forms}}
     held = dict.fromkeys(forms, 0)
     for (out_f, in_f), count in counts.items():
-        linear = nn.Linear(in_f, out_f, bias=False)
+        copies = min(MAX_COPIES, -(-2 * cache // max(out_f * in_f * 4, 1))) if streamed else 1
+        linears = [nn.Linear(in_f, out_f, bias=False) for _ in range(copies)]
         x = torch.randn(rows, in_f)
         for label in timings:
-            if label != "float32" and not holds(label, linear):
+            if label != "float32" and not holds(label, linears[0]):
                 timings[label] += fp32_s * count
                 continue
             try:
-                layer = linear if label == "float32" else convert_linear(linear, label)
+                layers = linears if label == "float32" else [convert_linear(linear, label) for linear in linears]
+                run = _call
                 if compiled:  # float32 as the compiled step runs a plain layer: through `project`
-                    call = (lambda x, plain=layer: project(plain, x)) if label == "float32" else layer
-                    layer = torch.compile(call, dynamic=False, fullgraph=True, options=compile_options(layer) or None)
-                calls = []
+                    run = torch.compile(_project if label == "float32" else _call, dynamic=False, fullgraph=True,
+                                        options=compile_options(layers[0]) or None)
+                sweeps = []
                 with torch.inference_mode():
-                    for _ in range(3):
-                        layer(x)
-                    for _ in range(repeats):
-                        if evict is not None:
-                            evict.amax()  # read, not written: no dirty lines to write back in the timed call
+                    for layer in layers:  # warm-up: compiled, each layer once
+                        run(layer, x)
+                    for _ in range(max(3, -(-repeats // copies))):
                         started = time.perf_counter()
-                        layer(x)
-                        calls.append(time.perf_counter() - started)
-                elapsed = statistics.median(calls)
+                        for layer in layers:
+                            run(layer, x)
+                        sweeps.append((time.perf_counter() - started) / copies)
+                elapsed = statistics.median(sweeps)
             except (RuntimeError, ValueError):
                 elapsed = float("inf")
             timings[label] += elapsed * count

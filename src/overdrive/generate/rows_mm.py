@@ -235,7 +235,7 @@ FLOAT_ROWS = 64
 ISAS = {
     "avx512-vnni": (("avx512_vnni", "avx512bw", "avx512f", "avx2", "fma"),
                     ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma"], 4, "_int_mm"),
-    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"], 256, "float-spans"),
+    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"], 512, "float-spans"),
 }
 ROWS = 0  # int8-rowwise calls the op at 1 to this many rows: `ISAS`' figure for `ISA` once built
 LARGE = "_int_mm"  # and beyond them, `ISAS`' choice for `ISA` once built
