@@ -408,7 +408,7 @@ def pick_form(shapes: Iterable[tuple[int, int]], rows: int = 1, forms: Sequence[
     weight from memory, layer after layer: each shape is then timed as a sweep, back to back, over distinct copies
     of it whose float32 weights fill twice that cache (at most `MAX_COPIES`), so that no call finds its weights
     cached. A shape timed alone and repeated would stay in the cache and favour the form with more bytes; a call
-    timed after evicting the cache pays a fixed cost (a cold thread pool, ~0.2 ms a call here) that the step's
+    timed after evicting the cache pays a fixed cost (a cold thread pool) that the step's
     back-to-back calls do not (`benchmarks/RESULTS.md`, "Decode on an AVX2 CPU")."""
     shapes = list(shapes)
     counts = Counter(shapes)

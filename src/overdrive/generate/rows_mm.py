@@ -225,7 +225,7 @@ TORCH_LIBRARY_IMPL(overdrive_rows, CPU, m) {
 OP = None  # torch.ops.overdrive_rows.int8_rows_mm once `available()` has built it (a module global Dynamo reads)
 FLOAT_OP = None  # torch.ops.overdrive_rows.float_rows_mm, likewise
 # `decoder.project` calls FLOAT_OP under torch.compile up to this many rows; beyond, `aten.mm` (the op against
-# aten.mm over a 125 M model's layers on an AVX2 EPYC: 2.2x at 1 row, 2.4x at 16, 1.6x at 64: RESULTS.md)
+# aten.mm over a 125 M model's layers on an AVX2 EPYC: 2.0x at 1 row, 2.3x at 16, 1.7x at 64: RESULTS.md)
 FLOAT_ROWS = 64
 # instruction set → (the /proc/cpuinfo flags it needs, compiler flags, the rows up to which int8-rowwise calls
 # the op, how it multiplies more rows: oneDNN's `torch._int_mm` or "float-spans", float32 GEMMs over spans short
