@@ -202,7 +202,7 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
       generate.
 
     At decode's rows PyTorch's product (oneDNN/MKL through `aten.mm`) streams the weight at under half their rate
-    (`benchmarks/RESULTS.md`, "Decode at a few rows", "float32 rows on an AVX2 CPU"). Eager calls, other modules
+    (`benchmarks/RESULTS.md`, "Decode at a few rows", "Decode on an AVX2 CPU"). Eager calls, other modules
     (quantised forms, a layer with hooks), more rows and other devices call `linear` itself. Float sums in another
     order than `F.linear`'s (as `F.linear`'s own at one row and at sixteen differ): not bit-equal to eager; the
     guard's near-tie counts and batch-invariance probe judge the tokens."""

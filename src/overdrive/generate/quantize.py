@@ -13,8 +13,9 @@ depend on its batch-mates):
 - `int8-rowwise`: int8 weights as above and int8 activations with one scale per row, quantized at
   each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`;
   on a CPU with AVX-512 VNNI or AVX2, by overdrive's `rows_mm.int8_rows_mm` instead at up to `rows_mm.ROWS` rows a
-  call (1–4 with VNNI: decode at small batch; every call on AVX2, where `_int_mm` is slow), eager or compiled (the
-  same exact int32 sums, faster: `benchmarks/RESULTS.md`, "Decode at a few rows", "int8 on an AVX2 CPU");
+  call (1–4 with VNNI: decode at small batch; up to 512 on AVX2, where `_int_mm` is slow at every row count, and
+  beyond them float32 GEMMs over exact spans), eager or compiled (the same exact int32 sums, faster:
+  `benchmarks/RESULTS.md`, "Decode at a few rows", "Decode on an AVX2 CPU");
   without it, under torch.compile on the CPU a one-row call (a decode step of one sequence) is a reduction Inductor
   fuses into one loop reading each int8 weight once (`_int_mm` blocks for a matrix product): the products
   of int8 values in float32, summed over spans of at most `EXACT_SPAN` inputs, whose every partial sum is

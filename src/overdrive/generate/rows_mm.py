@@ -5,7 +5,7 @@
 `torch._int_mm` (oneDNN) is exact but, at the one to four rows a decode step has, reads the int8 weight far
 below the memory's rate (on an AVX2 CPU it is slow at any row count); Inductor's loop over the same products is
 bound by one float accumulator's latency, and on an AVX2 CPU it converts each int8 weight to float
-(`benchmarks/RESULTS.md`, "Decode at a few rows", "int8 on an AVX2 CPU"). This kernel streams each weight row once
+(`benchmarks/RESULTS.md`, "Decode at a few rows", "Decode on an AVX2 CPU"). This kernel streams each weight row once
 for all rows of the call, in order, and accumulates in int32:
 
 - AVX-512 VNNI: `vpdpbusd` (u8 × s8, four products per int32 lane), the instruction llama.cpp's Q8_0 product uses

@@ -45,7 +45,7 @@ DESCRIPTIONS = {
     "weight-only": "one weight-only form, the fastest at the plan's batch, on the layers a per-layer KL search keeps",
     "int8-weight": "weight-only int8, a scale per output channel (aten._weight_int8pack_mm)",
     "int8-rowwise": "int8 weights and int8 activations with a scale per row, quantized per call (torch._int_mm; "
-                    "at ≤ 4 rows on an AVX-512 VNNI CPU overdrive's vpdpbusd kernel, the same exact sums)",
+                    "overdrive's row kernel at ≤ 4 rows with AVX-512 VNNI, ≤ 512 with AVX2: the same exact sums)",
     "fp16-weight": "fp16 weights packed for FBGEMM, fp32 arithmetic",
     "int4-weight": "weight-only int4, a scale and zero point per 64 input channels (aten._weight_int4pack_mm_for_cpu)",
     "kv-int8": "the KV cache in int8, a float32 scale per token and head",
