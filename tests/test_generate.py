@@ -222,7 +222,7 @@ def test_project_is_the_layer_eager_and_its_few_row_kernels_under_compile(bias, 
 def test_the_float_row_kernel_is_float32_products_whose_rows_do_not_depend_on_their_batch_mates():
     """`rows_mm.float_rows_mm` against float64 products within float32 summation error, over shapes that leave
     every tail (in features not a multiple of 8, out features not of 3, rows not of 4); each row's bits the same
-    alone as among 1 to 70 rows; bad calls refused. Under torch.compile through `project`, a row's output alone and
+    alone as among 1 to 70 rows; empty inputs, gradients; bad calls refused. Under torch.compile through `project`, a row's output alone and
     in a batch of 70 are the same bits."""
     from overdrive.generate import rows_mm
     from overdrive.generate.decoder import project
@@ -238,6 +238,13 @@ def test_the_float_row_kernel_is_float32_products_whose_rows_do_not_depend_on_th
         for rows in (1, 2, 3, 4, 5, 9, 33):
             assert torch.equal(rows_mm.FLOAT_OP(x[:rows], weight), whole[:rows]), (out_f, in_f, rows)
         assert torch.equal(rows_mm.FLOAT_OP(x[7:8], weight), whole[7:8])
+    assert rows_mm.FLOAT_OP(torch.zeros(0, 8), torch.zeros(3, 8)).shape == (0, 3)
+    assert torch.equal(rows_mm.FLOAT_OP(torch.ones(2, 0), torch.ones(3, 0)), torch.zeros(2, 3))
+    x, weight = torch.randn(5, 13, requires_grad=True), torch.randn(7, 13, requires_grad=True)
+    grad = torch.randn(5, 7)
+    rows_mm.FLOAT_OP(x, weight).backward(grad)  # its backward: the products of F.linear's
+    torch.testing.assert_close(x.grad, grad @ weight.detach())
+    torch.testing.assert_close(weight.grad, grad.t() @ x.detach())
     with pytest.raises(RuntimeError, match="takes float32 x and weight, got double"):
         rows_mm.FLOAT_OP(torch.zeros(1, 8, dtype=torch.float64), torch.zeros(3, 8))
     with pytest.raises(RuntimeError, match=r"got shapes \[1, 9\], \[3, 8\]"):

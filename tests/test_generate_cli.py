@@ -45,6 +45,10 @@ def test_optimize_writes_a_generation_plan_with_every_row_judged_or_said_why_not
     baseline = next(r for r in rows.values() if r["status"] == "baseline")
     assert baseline["tokens_per_s"] > 0  # the baseline's row has its own figure, as every other row
     assert "greedy changed" in printed and "overdrive bench pydoc-lm --plan" in printed
+    report = (tmp_path / "pydoc-lm" / "report.md").read_text()  # the table with every reason in full, the plan
+    assert "| technique | status |" in report and "overdrive optimize pydoc-lm" in report
+    assert rows["int4-weight"]["reason"] in report.replace("\\|", "|") and "**plan: " in report
+    assert "- batch 1: " in report
     assert cli.main(["optimize", "pydoc-lm", "--device", "cpu", "--out", str(tmp_path)]) == 2  # no silent overwrite
     assert "exists" in capsys.readouterr().err
 

@@ -59,8 +59,12 @@ def test_the_int8_kernel_gives_the_exact_integer_products_at_every_row_count_and
             assert torch.equal(rows_mm.OP(x, weight, sums), (x.long() @ weight.long().t()).int()), (out_f, in_f, rows)
     weight = torch.zeros(3, 8, dtype=torch.int8)
     sums = weight.sum(1, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="at least one row, got 0"):
-        rows_mm.OP(torch.zeros(0, 8, dtype=torch.int8), weight, sums)
+    assert rows_mm.OP(torch.zeros(0, 8, dtype=torch.int8), weight, sums).shape == (0, 3)
+    empty = torch.zeros(3, 0, dtype=torch.int8)
+    assert torch.equal(rows_mm.OP(torch.zeros(2, 0, dtype=torch.int8), empty, torch.zeros(3, dtype=torch.int32)),
+                       torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"got shapes \[1, 8\], \[3, 8\], \[3, 1\]"):
+        rows_mm.OP(torch.zeros(1, 8, dtype=torch.int8), weight, sums[:, None])
     with pytest.raises(RuntimeError, match="takes int8 x and weight and int32 weight_sums, got float"):
         rows_mm.OP(torch.zeros(1, 8), weight, sums)
     with pytest.raises(RuntimeError, match=r"got shapes \[1, 9\], \[3, 8\], \[3\]"):

@@ -32,7 +32,7 @@ def refuse_one_pass_flags(args) -> None:
 def optimize_main(args, argv: list[str]) -> int:
     from overdrive.core import devices
     from overdrive.core.report import make_console, print_table
-    from overdrive.tuning.generation import optimize_named_lm, output_folder
+    from overdrive.tuning.generation import describe_figures, optimize_named_lm, output_folder
 
     refuse_one_pass_flags(args)
     if args.min_fidelity != 0.99:
@@ -71,27 +71,12 @@ def optimize_main(args, argv: list[str]) -> int:
     for size, figures in plan.measured["batch_sizes"].items():
         console.print(f"batch {size}: " + describe_figures(figures), highlight=False, soft_wrap=True)
     console.print(f"plan: [bold]{' + '.join(plan.names) or 'baseline'}[/]", highlight=False)
-    console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}")
+    console.print(f"wrote {out / 'plan.json'}, {out / 'results.json'}, {out / 'report.md'}")
     sizes = ",".join(str(b) for b in dict.fromkeys((1, batch, 8)))
     console.print(f"next: overdrive bench {workload.name} --plan {out / 'plan.json'} --batch-sizes {sizes}  ·  "
                   f"overdrive run {out / 'plan.json'} --input PROMPTS.jsonl --output OUT.jsonl", highlight=False,
                   soft_wrap=True)
     return 0
-
-
-def describe_figures(figures: dict) -> str:
-    """One batch size's line of the plan's figures (`GenerationPlan.measured["batch_sizes"][b]`)."""
-    text = f"{figures['tokens_per_s']:,.1f} tokens/s"
-    if "describe" in figures:
-        text += (f" against the baseline's {figures['baseline_tokens_per_s']:,.1f}: {figures['describe']}; time to "
-                 f"first token {figures['ttft_ms_p50']:.1f} ms, inter-token {figures['itl_ms_p50']:.1f} ms (p50)")
-    memory = figures.get("memory")
-    if isinstance(memory, dict):
-        text += (f"; peak memory {memory['peak'] / 1e6:,.1f} MB = {memory['weights'] / 1e6:,.1f} weights + "
-                 f"{memory['kv_cache'] / 1e6:,.1f} KV cache + {memory['other'] / 1e6:,.1f} other")
-    elif memory:
-        text += f"; peak memory not measured: {memory}"
-    return text
 
 
 def rows_table(result, *, title: str):

@@ -114,16 +114,18 @@ at::Tensor int8_rows_mm(const at::Tensor& x_in, const at::Tensor& w_in, const at
   TORCH_CHECK(x.dtype() == torch::kInt8 && w.dtype() == torch::kInt8 && wsum.dtype() == torch::kInt32,
               "int8_rows_mm takes int8 x and weight and int32 weight_sums, got ", x.dtype(), ", ", w.dtype(), ", ",
               wsum.dtype());
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && wsum.numel() == w.size(0),
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && wsum.dim() == 1 &&
+              wsum.size(0) == w.size(0),
               "int8_rows_mm takes x [M, in], weight [out, in], weight_sums [out], got shapes ", x.sizes(), ", ",
               w.sizes(), ", ", wsum.sizes());
-  TORCH_CHECK(x.size(0) >= 1, "int8_rows_mm takes at least one row, got ", x.size(0));
   TORCH_CHECK(w.size(1) <= 65536, "int8_rows_mm: ", w.size(1),
               " in features could overflow its int32 sums (at most 65536)");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && wsum.device().is_cpu(), "int8_rows_mm takes CPU tensors");
   x = x.contiguous(); w = w.contiguous(); wsum = wsum.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1), Kp = (K + STEP - 1) / STEP * STEP;
   auto y = torch::empty({M, N}, x.options().dtype(torch::kInt32));
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
   const int8_t* xp = x.data_ptr<int8_t>(); const int8_t* wp = w.data_ptr<int8_t>();
   const int32_t* sp = wsum.data_ptr<int32_t>(); int32_t* yp = y.data_ptr<int32_t>();
   std::vector<act_t> xa(M * Kp, widen(0));
@@ -199,6 +201,8 @@ at::Tensor float_rows_mm(const at::Tensor& x_in, const at::Tensor& w_in) {
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + 2) / 3, 8, [&](int64_t p0, int64_t p1) {  // three weight rows at a time
     for (int64_t n = 3 * p0; n < std::min(3 * p1, N); n += 3) {
@@ -289,6 +293,16 @@ def _try_build() -> str | None:
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    def backward(ctx, grad: torch.Tensor):  # y = x wᵀ: dx = grad · w, dw = gradᵀ · x
+        x, weight = ctx.saved_tensors
+        return (grad @ weight if ctx.needs_input_grad[0] else None,
+                grad.t() @ x if ctx.needs_input_grad[1] else None)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    torch.library.register_autograd("overdrive_rows::float_rows_mm", backward, setup_context=setup_context)
+
     OP, FLOAT_OP = torch.ops.overdrive_rows.int8_rows_mm, torch.ops.overdrive_rows.float_rows_mm
     ISA, (ROWS, LARGE) = isa, ISAS[isa][2:]
     return None
@@ -297,9 +311,10 @@ def _try_build() -> str | None:
 def available() -> tuple[bool, str | None]:
     """(whether the kernels run here, why not). Builds them on the first call (for `ISA`); then
 
-    - `OP` is `int8_rows_mm(x, weight, weight_sums)`: x int8 [M, in] (M ≥ 1), weight int8 [out, in], weight_sums
+    - `OP` is `int8_rows_mm(x, weight, weight_sums)`: x int8 [M, in], weight int8 [out, in], weight_sums
       int32 [out] (Σ_k weight[n, k]) → int32 [M, out], equal to `torch._int_mm(x, weight.t())`;
-    - `FLOAT_OP` is `float_rows_mm(x, weight)`: x float32 [M, in], weight float32 [out, in] → float32 [M, out].
+    - `FLOAT_OP` is `float_rows_mm(x, weight)`: x float32 [M, in], weight float32 [out, in] → float32 [M, out]
+      (differentiable: its backward is two products through PyTorch).
 
     Each raises RuntimeError on other dtypes, shapes or devices (`int8_rows_mm` also beyond `MAX_IN` inputs).
     `OVERDRIVE_NO_ROW_KERNELS=1` turns them off (before the first call)."""

@@ -1,6 +1,6 @@
 """`optimize` for a causal LM, shared by `overdrive.optimize(...)` and `overdrive optimize ...`: the workload built
 (the built-in pydoc-lm, a `package.module:factory` returning (model, tokenizer), or a model and tokenizer passed in
-Python), `generate.tune.optimize_generation` run, the plan and results written."""
+Python), `generate.tune.optimize_generation` run, the plan, results and report written."""
 
 from __future__ import annotations
 
@@ -61,7 +61,55 @@ def optimize_lm(workload: GenerationWorkload, *, folder: Path | None = None, dev
         result.plan.save(folder / "plan.json")
         write_results(folder / "results.json", {**result.to_dict(), "environment": environment(),
                                                 **({"command": command} if command else {})})
+        write_generation_report(folder / "report.md", result, device=devices.describe(result.generator.device),
+                                command=command)
     return result
+
+
+def describe_figures(figures: dict) -> str:
+    """One batch size's line of the plan's figures (`GenerationPlan.measured["batch_sizes"][b]`)."""
+    text = f"{figures['tokens_per_s']:,.1f} tokens/s"
+    if "describe" in figures:
+        text += (f" against the baseline's {figures['baseline_tokens_per_s']:,.1f}: {figures['describe']}; time to "
+                 f"first token {figures['ttft_ms_p50']:.1f} ms, inter-token {figures['itl_ms_p50']:.1f} ms (p50)")
+    memory = figures.get("memory")
+    if isinstance(memory, dict):
+        text += (f"; peak memory {memory['peak'] / 1e6:,.1f} MB = {memory['weights'] / 1e6:,.1f} weights + "
+                 f"{memory['kv_cache'] / 1e6:,.1f} KV cache + {memory['other'] / 1e6:,.1f} other")
+    elif memory:
+        text += f"; peak memory not measured: {memory}"
+    return text
+
+
+def write_generation_report(path: Path, result, *, device: str, command: str | None = None) -> None:
+    """report.md for a causal LM's `optimize`: the table (every reason in full), the plan and its figures per
+    batch size, and the command."""
+    def cell(text) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = [f"# overdrive optimize {result.workload.name} — {device}", ""]
+    if command:
+        lines += [f"`{command}`", ""]
+    lines += ["| technique | status | tokens/s | gain [99%] | greedy changed beyond ties / all | mean KL | perplexity "
+              "| probe | why / detail |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in result.rows:
+        fid, change = row.fidelity or {}, (row.fidelity or {}).get("perplexity_change")
+        lines.append("| " + " | ".join(cell(x) for x in (
+            row.technique, row.status, f"{row.tokens_per_s:,.1f}" if row.tokens_per_s else "",
+            row.gain.describe() if row.gain else "",
+            f"{fid['diverged_beyond_ties']} / {fid['diverged']} of {fid['prompts']}" if fid else "",
+            f"{fid['mean_kl']:.1e}" if fid else "", f"{change:+.2%}" if change is not None else "",
+            f"{len(row.probe['differ_beyond_ties'])} / {len(row.probe['differ'])} of {row.probe['prompts']}"
+            if row.probe else "", "; ".join(x for x in (row.reason, row.detail) if x))) + " |")
+    lines += ["", "gain: tokens/s against what the step was added to, interleaved, 99% interval; greedy changed: "
+              "prompts whose greedy tokens differ from fp32 eager's where fp32's top-2 margin was above the near-tie "
+              "threshold / anywhere; KL: mean KL(fp32 ‖ candidate) along fp32's own path, nats per token; probe: "
+              "prompts whose tokens differ alone and in a batch", "",
+              f"**plan: {' + '.join(result.plan.names) or 'baseline'}**", ""]
+    lines += [f"- batch {size}: {describe_figures(figures)}" for size, figures in
+              result.plan.measured["batch_sizes"].items()]
+    lines += [f"- warning: {warning}" for warning in result.warnings]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def optimize_lm_from_python(model, *, one_pass: dict, tokenizer=None, prompts: list[str] | None = None, progress=None,
