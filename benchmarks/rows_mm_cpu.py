@@ -4,8 +4,8 @@ Every linear layer of a random-weight built-in (default llama-125m-random: 85 la
 called once per sweep, as a decode step calls them (the weights streamed from memory, not cached), at each row
 count: float32 `F.linear` (`aten.mm`: MKL/oneDNN) against `float_rows_mm`, and int8 `torch._int_mm` (oneDNN)
 against `int8_rows_mm` and against float32 GEMMs over exact spans (int8-rowwise's path beyond the kernel's rows on
-AVX2; the int8 weights converted at each call, as there): the same exact int32 products. Entries interleaved in each repeat; the median sweep time
-with its range, and each kernel's ratio to PyTorch's.
+AVX2, `quantize.exact_float_spans`): the same exact integer products. Entries interleaved in each repeat; the
+median sweep time with its range, and each kernel's ratio to PyTorch's.
 
     .venv/bin/python benchmarks/rows_mm_cpu.py [--shape llama-125m-random] [--rows 1,4,16,64,256,512] [--repeats 5]
 """
@@ -33,17 +33,9 @@ def layer_shapes(shape: str) -> list[tuple[int, int]]:
     return [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def float_spans(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """int8-rowwise's product beyond the AVX2 kernel's rows: float32 GEMMs over exact spans, added in int32."""
-    from overdrive.generate.quantize import EXACT_SPAN
-
-    qf = q.float()
-    spans = [F.linear(qf[:, a:a + EXACT_SPAN], w[:, a:a + EXACT_SPAN].float()) for a in range(0, q.shape[1], EXACT_SPAN)]
-    return spans[0].to(torch.int32) if len(spans) == 1 else sum(span.to(torch.int32) for span in spans)
-
-
 def main() -> None:
     from overdrive.generate import rows_mm
+    from overdrive.generate.quantize import exact_float_spans
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-125m-random")
@@ -70,7 +62,7 @@ def main() -> None:
             "float32 float_rows_mm": lambda: [rows_mm.FLOAT_OP(xf[w.shape[1]], w) for w in floats],
             "int8 _int_mm": lambda: [torch._int_mm(xi[w.shape[1]], w.t()) for w in ints],
             "int8 int8_rows_mm": lambda: [rows_mm.OP(xi[w.shape[1]], w, s) for w, s in zip(ints, sums)],
-            "int8 float spans": lambda: [float_spans(xi[w.shape[1]], w) for w in ints],
+            "int8 float spans": lambda: [exact_float_spans(xi[w.shape[1]], w) for w in ints],
         }
         times: dict[str, list[float]] = {name: [] for name in entries}
         for name, run in entries.items():  # warm-up

@@ -32,7 +32,7 @@ def refuse_one_pass_flags(args) -> None:
 def optimize_main(args, argv: list[str]) -> int:
     from overdrive.core import devices
     from overdrive.core.report import make_console, print_table
-    from overdrive.tuning.generation import describe_figures, optimize_named_lm, output_folder
+    from overdrive.tuning.generation import LEGEND, describe_figures, optimize_named_lm, output_folder
 
     refuse_one_pass_flags(args)
     if args.min_fidelity != 0.99:
@@ -56,10 +56,7 @@ def optimize_main(args, argv: list[str]) -> int:
     workload = result.workload
     print_table(console, rows_table(result, title=f"overdrive optimize {workload.name} — {devices.describe(device)}, "
                                                    f"batch {batch}"))
-    console.print("gain: tokens/s against what the step was added to, interleaved, 99% interval; greedy changed: "
-                  "prompts whose greedy tokens differ from fp32 eager's where fp32's top-2 margin was above the "
-                  "near-tie threshold / anywhere; KL: mean KL(fp32 ‖ candidate) along fp32's own path, nats per token; "
-                  "probe: prompts whose tokens differ alone and in a batch", style="dim", highlight=False, soft_wrap=True)
+    console.print(LEGEND, style="dim", highlight=False, soft_wrap=True)
     for line in reasons_in_full(result):
         console.print(f"  {line}", highlight=False, soft_wrap=True)
     if "prompts" in workload.facts:  # a user's LM: what it was judged on
@@ -82,21 +79,15 @@ def optimize_main(args, argv: list[str]) -> int:
 def rows_table(result, *, title: str):
     from rich.table import Table
 
+    from overdrive.tuning.generation import COLUMNS, row_cells
+
     table = Table(title=title)
-    for col in ("technique", "status", "tokens/s", "gain [99%]", "greedy changed\nbeyond ties / all", "mean KL",
-                "perplexity", "probe", "why / detail"):
-        table.add_column(col, justify="left" if col in ("technique", "status", "why / detail") else "right")
+    for col in COLUMNS:
+        table.add_column(col.replace(" beyond", "\nbeyond"),
+                         justify="left" if col in ("technique", "status", "why / detail") else "right")
     for row in result.rows:
-        fid = row.fidelity or {}
-        change = fid.get("perplexity_change")
-        table.add_row(
-            row.technique, row.status, f"{row.tokens_per_s:,.1f}" if row.tokens_per_s else "",
-            row.gain.describe() if row.gain else "",
-            f"{fid['diverged_beyond_ties']} / {fid['diverged']} of {fid['prompts']}" if fid else "",
-            f"{fid['mean_kl']:.1e}" if fid else "", f"{change:+.2%}" if change is not None else "",
-            f"{len(row.probe['differ_beyond_ties'])} / {len(row.probe['differ'])} of {row.probe['prompts']}"
-            if row.probe else "",
-            _short("; ".join(x for x in (row.reason, row.detail) if x)))
+        cells = row_cells(row)
+        table.add_row(*cells[:-1], _short(cells[-1]))
     return table
 
 

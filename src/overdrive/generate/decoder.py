@@ -196,8 +196,7 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     - float32, at most `rows_mm.FLOAT_ROWS` rows: `rows_mm.float_rows_mm` (AVX2 FMA, each weight row read once for
       all rows, each output summed in one order whatever the row count: a row's bits do not depend on its
-      batch-mates), where `rows_mm.available()` has built it (the engine builds it before compiling) and no
-      gradient is asked for (the op has no backward);
+      batch-mates), where `rows_mm.available()` has built it (the engine builds it before compiling);
     - else, at most `ROWS` rows: a reduction per row, y[r, n] = Σ_k x[r, k]·W[n, k] (+ b[n]), for Inductor to
       generate.
 
@@ -210,8 +209,7 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not (type(linear) is nn.Linear and torch.compiler.is_compiling() and x.device.type == "cpu" and rows > 0
             and not (linear._forward_hooks or linear._forward_pre_hooks)):
         return linear(x)
-    if (rows_mm.FLOAT_OP is not None and rows <= rows_mm.FLOAT_ROWS and x.dtype == linear.weight.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad))):  # no backward
+    if rows_mm.FLOAT_OP is not None and rows <= rows_mm.FLOAT_ROWS and x.dtype == linear.weight.dtype == torch.float32:
         y = rows_mm.FLOAT_OP(x.reshape(rows, x.shape[-1]), linear.weight)
     elif rows <= ROWS:
         flat = x.reshape(rows, 1, x.shape[-1])

@@ -141,6 +141,16 @@ class Fp16WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def exact_float_spans(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """q int8 [M, in] · weight int8 [out, in]ᵀ → [M, out], the exact integer products (float32 holding integers, or
+    int32), as float32 GEMMs over spans of `EXACT_SPAN` inputs: every partial sum an integer of at most 2²⁴ in
+    magnitude, exact in any order, the spans added in int32. The weight converted to float32 at each call."""
+    qf = q.float()
+    spans = [F.linear(qf[:, a:a + EXACT_SPAN], weight[:, a:a + EXACT_SPAN].float())
+             for a in range(0, q.shape[1], EXACT_SPAN)]
+    return spans[0] if len(spans) == 1 else sum(span.to(torch.int32) for span in spans)
+
+
 class Int8RowwiseLinear(nn.Module):
     """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
     per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; at ≤ `rows_mm.ROWS` rows on an
@@ -174,11 +184,7 @@ class Int8RowwiseLinear(nn.Module):
                      for a in range(0, k, EXACT_SPAN)]
             acc = spans[0] if len(spans) == 1 else sum(span.to(torch.int32) for span in spans)
         elif rows_mm.LARGE == "float-spans" and x.device.type == "cpu" and rows.shape[0] > 0:
-            # float32 GEMMs over spans of EXACT_SPAN inputs: every partial sum an integer of at most 2²⁴, exact
-            qf, k = qx.float(), self.in_features
-            spans = [F.linear(qf[:, a:a + EXACT_SPAN], self.weight_int8[:, a:a + EXACT_SPAN].float())
-                     for a in range(0, k, EXACT_SPAN)]
-            acc = spans[0] if len(spans) == 1 else sum(span.to(torch.int32) for span in spans)
+            acc = exact_float_spans(qx, self.weight_int8)
         else:
             acc = torch._int_mm(qx, self.weight_int8.t())
         y = acc.float() * sx[:, None] * self.scale[None, :]

@@ -81,31 +81,35 @@ def describe_figures(figures: dict) -> str:
     return text
 
 
-def write_generation_report(path: Path, result, *, device: str, command: str | None = None) -> None:
-    """report.md for a causal LM's `optimize`: the table (every reason in full), the plan and its figures per
-    batch size, and the command."""
-    def cell(text) -> str:
-        return str(text).replace("|", "\\|").replace("\n", " ")
+COLUMNS = ("technique", "status", "tokens/s", "gain [99%]", "greedy changed beyond ties / all", "mean KL", "perplexity",
+           "probe", "why / detail")
+LEGEND = ("gain: tokens/s against what the step was added to, interleaved, 99% interval; greedy changed: prompts whose "
+          "greedy tokens differ from fp32 eager's where fp32's top-2 margin was above the near-tie threshold / "
+          "anywhere; KL: mean KL(fp32 ‖ candidate) along fp32's own path, nats per token; probe: prompts whose tokens differ "
+          "alone and in a batch")
 
-    lines = [f"# overdrive optimize {result.workload.name} — {device}", ""]
-    if command:
-        lines += [f"`{command}`", ""]
-    lines += ["| technique | status | tokens/s | gain [99%] | greedy changed beyond ties / all | mean KL | perplexity "
-              "| probe | why / detail |", "|---|---|---|---|---|---|---|---|---|"]
-    for row in result.rows:
-        fid, change = row.fidelity or {}, (row.fidelity or {}).get("perplexity_change")
-        lines.append("| " + " | ".join(cell(x) for x in (
-            row.technique, row.status, f"{row.tokens_per_s:,.1f}" if row.tokens_per_s else "",
+
+def row_cells(row) -> list[str]:
+    """A `GenerationRow`'s cells under `COLUMNS` (its reason and detail in full)."""
+    fid, change = row.fidelity or {}, (row.fidelity or {}).get("perplexity_change")
+    return [row.technique, row.status, f"{row.tokens_per_s:,.1f}" if row.tokens_per_s else "",
             row.gain.describe() if row.gain else "",
             f"{fid['diverged_beyond_ties']} / {fid['diverged']} of {fid['prompts']}" if fid else "",
             f"{fid['mean_kl']:.1e}" if fid else "", f"{change:+.2%}" if change is not None else "",
             f"{len(row.probe['differ_beyond_ties'])} / {len(row.probe['differ'])} of {row.probe['prompts']}"
-            if row.probe else "", "; ".join(x for x in (row.reason, row.detail) if x))) + " |")
-    lines += ["", "gain: tokens/s against what the step was added to, interleaved, 99% interval; greedy changed: "
-              "prompts whose greedy tokens differ from fp32 eager's where fp32's top-2 margin was above the near-tie "
-              "threshold / anywhere; KL: mean KL(fp32 ‖ candidate) along fp32's own path, nats per token; probe: "
-              "prompts whose tokens differ alone and in a batch", "",
-              f"**plan: {' + '.join(result.plan.names) or 'baseline'}**", ""]
+            if row.probe else "", "; ".join(x for x in (row.reason, row.detail) if x)]
+
+
+def write_generation_report(path: Path, result, *, device: str, command: str | None = None) -> None:
+    """report.md for a causal LM's `optimize`: the table (every reason in full), the plan and its figures per
+    batch size, and the command."""
+    lines = [f"# overdrive optimize {result.workload.name} — {device}", ""]
+    if command:
+        lines += [f"`{command}`", ""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in row_cells(row)) + " |"
+              for row in result.rows]
+    lines += ["", LEGEND, "", f"**plan: {' + '.join(result.plan.names) or 'baseline'}**", ""]
     lines += [f"- batch {size}: {describe_figures(figures)}" for size, figures in
               result.plan.measured["batch_sizes"].items()]
     lines += [f"- warning: {warning}" for warning in result.warnings]
