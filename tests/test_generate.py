@@ -245,8 +245,10 @@ def test_the_float_row_kernel_is_float32_products_whose_rows_do_not_depend_on_th
     rows_mm.FLOAT_OP(x, weight).backward(grad)  # its backward: the products of F.linear's
     torch.testing.assert_close(x.grad, grad @ weight.detach())
     torch.testing.assert_close(weight.grad, grad.t() @ x.detach())
-    with pytest.raises(RuntimeError, match="takes float32 x and weight, got double"):
+    with pytest.raises(RuntimeError, match=r"takes float32 x \[M, in\] on the CPU, got double"):
         rows_mm.FLOAT_OP(torch.zeros(1, 8, dtype=torch.float64), torch.zeros(3, 8))
+    with pytest.raises(RuntimeError, match="takes float32 x and weight, got float, double"):
+        rows_mm.FLOAT_OP(torch.zeros(1, 8), torch.zeros(3, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match=r"got shapes \[1, 9\], \[3, 8\]"):
         rows_mm.FLOAT_OP(torch.zeros(1, 9), torch.zeros(3, 8))
     layer = torch.nn.Linear(96, 40)
@@ -262,13 +264,21 @@ def test_the_float_row_kernel_is_float32_products_whose_rows_do_not_depend_on_th
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("form", ["decode_attention", "written-out"])
 @pytest.mark.parametrize("heads,kv,scale", [(4, 4, None), (8, 2, 0.3)])
-def test_attend_written_out_for_one_query_token_under_compile_is_sdpa(heads, kv, scale):
-    """`decoder.attend` compiled at one query token (written out) against `F.scaled_dot_product_attention` with
-    grouped key/value heads: rows of 1 to 5 batch-mates, each with its own masked-out slots (padding, unused cache),
-    one with none to attend to (a batch's padding row: zeros, as SDPA gives, not NaN)."""
+def test_attend_for_one_query_token_under_compile_is_sdpa(heads, kv, scale, form, monkeypatch):
+    """`decoder.attend` compiled at one query token (`rows_mm.decode_attention` where built, else written out)
+    against `F.scaled_dot_product_attention` with grouped key/value heads: rows of 1 to 5 batch-mates, each with its
+    own masked-out slots (padding, unused cache), one with none to attend to (a batch's padding row: zeros, as SDPA
+    gives, not NaN)."""
+    from overdrive.generate import rows_mm
     from overdrive.generate.decoder import attend
 
+    if form == "decode_attention" and not rows_mm.available()[0]:
+        pytest.skip(f"overdrive's row kernels: {rows_mm.available()[1]}")
+    if form == "written-out":
+        monkeypatch.setattr(rows_mm, "ATTENTION_OP", None)
+    torch._dynamo.reset()
     torch.manual_seed(0)
     b, s, d = 5, 40, 16
     q, keys, values = torch.randn(b, heads, 1, d), torch.randn(b, kv, s, d), torch.randn(b, kv, s, d)
@@ -286,6 +296,39 @@ def test_attend_written_out_for_one_query_token_under_compile_is_sdpa(heads, kv,
         assert torch.equal(out[3], torch.zeros_like(out[3]))
         assert torch.equal(attend(q, keys, values, mask, scale), expected)  # eager: SDPA itself
     torch._dynamo.reset()
+
+
+def test_the_decode_attention_kernel_gives_a_row_the_same_bits_whatever_its_padding_and_batch_mates():
+    """`rows_mm.decode_attention`: a row's keys and values moved to other slots of a longer cache (as left padding
+    moves them when a longer prompt joins the batch), among other rows, give the same bits; head sizes not a
+    multiple of 8 and beyond 64 (the tails), one key/value head for all; bad calls refused."""
+    from overdrive.generate import rows_mm
+
+    ok, why = rows_mm.available()
+    if not ok:
+        pytest.skip(f"overdrive's row kernels: {why}")
+    torch.manual_seed(0)
+    for heads, kv, slots, d in [(12, 4, 70, 64), (4, 1, 9, 20), (6, 3, 33, 136)]:
+        q, keys, values = torch.randn(3, heads, d), torch.randn(3, kv, slots, d), torch.randn(3, kv, slots, d)
+        mask = torch.rand(3, slots) < 0.7
+        alone = rows_mm.ATTENTION_OP(q[1:2], keys[1:2], values[1:2], mask[1:2], 0.2)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[1:2, :, None], keys[1:2], values[1:2], attn_mask=mask[1:2, None, None], scale=0.2,
+            enable_gqa=heads != kv)[:, :, 0]
+        torch.testing.assert_close(alone, expected, rtol=1e-5, atol=1e-5)
+        shift, longer = 11, slots + 17
+        moved_k, moved_v = torch.randn(4, kv, longer, d), torch.randn(4, kv, longer, d)
+        moved_mask = torch.rand(4, longer) < 0.5
+        moved_mask[2] = False
+        moved_mask[2, shift:shift + slots] = mask[1]
+        moved_k[2, :, shift:shift + slots], moved_v[2, :, shift:shift + slots] = keys[1], values[1]
+        batch_q = torch.randn(4, heads, d)
+        batch_q[2] = q[1]
+        assert torch.equal(rows_mm.ATTENTION_OP(batch_q, moved_k, moved_v, moved_mask, 0.2)[2:3], alone)
+    with pytest.raises(RuntimeError, match="takes float32 q, keys, values and a bool mask"):
+        rows_mm.ATTENTION_OP(q.double(), keys, values, mask, 0.2)
+    with pytest.raises(RuntimeError, match=r"H a multiple of kv"):
+        rows_mm.ATTENTION_OP(torch.randn(3, 5, d), keys, values, mask, 0.2)
 
 
 def test_pydoc_lm_holds_out_its_prompts_trains_from_a_seed_and_is_kept_in_the_cache(monkeypatch):

@@ -45,7 +45,8 @@ def _rows_mm_or_skip():
 
 def test_the_int8_kernel_gives_the_exact_integer_products_at_every_row_count_and_shape():
     """`rows_mm.int8_rows_mm` (this CPU's `rows_mm.ISA`) against int64 arithmetic: values at both int8 extremes
-    (-128 included: VNNI's u8 offset; AVX2's int16 pairs at their largest, 2 · 128²), inputs not a multiple of 64
+    (-128 included: VNNI's u8 offset; AVX2's int16 pairs at their largest, 2 · 128²; and activations without -128,
+    AVX2's vpmaddubsw form, its pairs at their largest, 2 · 128 · 127), inputs not a multiple of 64
     or 32 (the tails), fewer outputs than a block, a sum beyond 2²⁴; bad calls refused."""
     rows_mm = _rows_mm_or_skip()
     torch.manual_seed(0)
@@ -57,21 +58,95 @@ def test_the_int8_kernel_gives_the_exact_integer_products_at_every_row_count_and
             x = torch.randint(-128, 128, (rows, in_f), dtype=torch.int8)
             x[0] = -128
             assert torch.equal(rows_mm.OP(x, weight, sums), (x.long() @ weight.long().t()).int()), (out_f, in_f, rows)
+            x[x == -128] = -127  # no -128 in the activations: AVX2's vpmaddubsw form, against weights of -128 too
+            assert torch.equal(rows_mm.OP(x, weight, sums), (x.long() @ weight.long().t()).int()), (out_f, in_f, rows)
     weight = torch.zeros(3, 8, dtype=torch.int8)
     sums = weight.sum(1, dtype=torch.int32)
     assert rows_mm.OP(torch.zeros(0, 8, dtype=torch.int8), weight, sums).shape == (0, 3)
     empty = torch.zeros(3, 0, dtype=torch.int8)
     assert torch.equal(rows_mm.OP(torch.zeros(2, 0, dtype=torch.int8), empty, torch.zeros(3, dtype=torch.int32)),
                        torch.zeros(2, 3, dtype=torch.int32))
-    with pytest.raises(RuntimeError, match=r"got shapes \[1, 8\], \[3, 8\], \[3, 1\]"):
+    with pytest.raises(RuntimeError, match=r"weight_sums \[out\], got shapes \[3, 8\], \[3, 1\]"):
         rows_mm.OP(torch.zeros(1, 8, dtype=torch.int8), weight, sums[:, None])
-    with pytest.raises(RuntimeError, match="takes int8 x and weight and int32 weight_sums, got float"):
+    with pytest.raises(RuntimeError, match="takes int8 x, got float"):
         rows_mm.OP(torch.zeros(1, 8), weight, sums)
-    with pytest.raises(RuntimeError, match=r"got shapes \[1, 9\], \[3, 8\], \[3\]"):
+    with pytest.raises(RuntimeError, match=r"got shapes \[1, 9\], \[3, 8\]"):
         rows_mm.OP(torch.zeros(1, 9, dtype=torch.int8), weight, sums)
     wide = torch.zeros(1, rows_mm.MAX_IN + 1, dtype=torch.int8)
     with pytest.raises(RuntimeError, match="could overflow its int32 sums"):
         rows_mm.OP(wide, wide, torch.zeros(1, dtype=torch.int32))
+
+
+def test_the_fused_int8_linear_gives_the_bits_of_the_layers_own_arithmetic():
+    """`rows_mm.int8_rows_linear` (the activations' rounding, the exact product, both scales and the bias in one
+    call) against `Int8RowwiseLinear`'s operations in PyTorch: the same bits at every row count and shape, with
+    rows at the rounding's ties and at zero, weights at -128; a row holding NaN or inf gives NaN, not numbers."""
+    from overdrive.generate.quantize import _int8_rows
+
+    rows_mm = _rows_mm_or_skip()
+    torch.manual_seed(0)
+    for out_f, in_f in [(768, 768), (70, 200), (5, 63), (1, 1), (33, 4100)]:
+        weight = torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8)
+        weight[-1] = -128
+        sums, scale, bias = weight.sum(1, dtype=torch.int32), torch.rand(out_f) / 100, torch.randn(out_f)
+        for rows in (1, 2, 5, 13):
+            x = torch.randn(rows, in_f) * 4
+            x[0] = 0.0
+            if rows > 1:  # halves of the row's step: round half to even, as torch.round
+                x[1] = torch.arange(in_f) % 7 - 3.5
+                x[1, 0] = 127.0
+            qx, sx = _int8_rows(x)
+            plain = (qx.long() @ weight.long().t()).int().float() * sx[:, None] * scale[None, :]
+            assert torch.equal(rows_mm.LINEAR_OP(x, weight, sums, scale, None), plain), (out_f, in_f, rows)
+            assert torch.equal(rows_mm.LINEAR_OP(x, weight, sums, scale, bias), plain + bias), (out_f, in_f, rows)
+    x = torch.randn(4, 200)
+    x[1, 5], x[2, 7] = float("nan"), float("-inf")
+    y = rows_mm.LINEAR_OP(x, weight[:, :200].contiguous(), sums, scale, bias)
+    assert y[[1, 2]].isnan().all() and y[[0, 3]].isfinite().all()
+    assert rows_mm.LINEAR_OP(torch.zeros(0, 200), weight[:, :200], sums, scale, None).shape == (0, out_f)
+    with pytest.raises(RuntimeError, match=r"takes float32 x \[M, in\] on the CPU, got double"):
+        rows_mm.LINEAR_OP(x.double(), weight[:, :200], sums, scale, None)
+    with pytest.raises(RuntimeError, match="takes float32 x, scale and bias, got float, double"):
+        rows_mm.LINEAR_OP(x, weight[:, :200], sums, scale.double(), None)
+    with pytest.raises(RuntimeError, match="as many weights, weight_sums and scales, got 1, 2, 1"):
+        rows_mm.LINEARS_OP(x, [weight[:, :200]], [sums, sums], [scale])
+    with pytest.raises(RuntimeError, match=r"scale \[out\], bias \[out\], got shapes"):
+        rows_mm.LINEAR_OP(x, weight[:, :200], sums, scale[:3], None)
+
+
+def test_projections_of_one_x_in_one_kernel_call_give_each_layers_own_bits():
+    """`decoder.project_many` (a layer's q, k, v; gate and up) in one call of `rows_mm.int8_rows_linears` or
+    `rows_mm.float_rows_mms`: each output the same bits as its layer called alone, with biases, at 1 and 5 rows,
+    eager and compiled; mixed forms and a layer with a hook go layer by layer (the hook runs)."""
+    from overdrive.generate.decoder import project, project_many
+    from overdrive.generate.quantize import Int8RowwiseLinear
+
+    rows_mm = _rows_mm_or_skip()
+    torch.manual_seed(0)
+    plain = (nn.Linear(96, 40), nn.Linear(96, 7, bias=False), nn.Linear(96, 100))
+    rowwise = tuple(Int8RowwiseLinear(layer) for layer in plain)
+    x = torch.randn(5, 1, 96)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for layers in (plain, rowwise):
+            compiled_many = torch.compile(lambda x: project_many(layers, x), dynamic=False, fullgraph=True)
+            compiled_one = torch.compile(lambda x: [project(layer, x) for layer in layers], dynamic=False,
+                                         fullgraph=True)
+            for rows in (1, 5):
+                for got, expected in zip(compiled_many(x[:rows]), compiled_one(x[:rows])):
+                    assert torch.equal(got, expected), (type(layers[0]).__name__, rows)
+        for got, layer in zip(project_many(rowwise, x), rowwise):  # eager: the kernel too
+            assert torch.equal(got, layer(x))
+        with torch.no_grad():
+            ys = rows_mm.FLOATS_OP(x[:, 0], [layer.weight for layer in plain])
+        assert all(torch.equal(y, rows_mm.FLOAT_OP(x[:, 0], layer.weight)) for y, layer in zip(ys, plain))
+        mixed = (rowwise[0], plain[1])
+        assert all(torch.equal(got, layer(x)) for got, layer in zip(project_many(mixed, x), mixed))
+        calls = []
+        rowwise[1].register_forward_hook(lambda module, args, out: calls.append(1))
+        assert all(torch.equal(got, layer(x)) for got, layer in zip(project_many(rowwise, x), rowwise))
+        assert len(calls) == 2  # once in project_many, once in the comparison
+    torch._dynamo.reset()
 
 
 def test_int8_rowwise_keeps_its_kernel_sums_through_a_loaded_state_dict_and_takes_empty_inputs():

@@ -222,17 +222,49 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], linear.out_features)
 
 
+def project_many(linears: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """`[project(linear, x) for linear in linears]` (x [..., in] → each [..., out]) in one call of a row kernel where
+    every layer takes the same one (a layer's q, k and v projections; gate and up): plain float32 `nn.Linear`s
+    under torch.compile on the CPU at up to `rows_mm.FLOAT_ROWS` rows through `rows_mm.float_rows_mms`, int8-rowwise
+    layers through `rows_mm.int8_rows_linears` (x rounded once). One parallel region and one call instead of
+    several: each output the same bits as its own layer's call. Anything else (mixed forms, hooks): layer by layer."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    hooked = any(linear._forward_hooks or linear._forward_pre_hooks for linear in linears)
+    flat = x.reshape(rows, x.shape[-1])
+    if (not hooked and rows_mm.FLOATS_OP is not None and torch.compiler.is_compiling() and x.device.type == "cpu"
+            and 0 < rows <= rows_mm.FLOAT_ROWS and x.dtype == torch.float32
+            and all(type(linear) is nn.Linear and linear.weight.dtype == torch.float32 for linear in linears)
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(l.weight.requires_grad for l in linears)))):
+        ys = rows_mm.FLOATS_OP(flat, [linear.weight for linear in linears])
+    elif (not hooked and rows_mm.LINEARS_OP is not None
+          and all(getattr(type(linear), "rows_kernel", None) == "int8_rows_linear" and linear.takes_rows_kernel(x)
+                  for linear in linears)):
+        ys = rows_mm.LINEARS_OP(flat, [linear.weight_int8 for linear in linears],
+                                [linear.weight_sums for linear in linears], [linear.scale for linear in linears])
+    else:
+        return [project(linear, x) for linear in linears]
+    return [(y if linear.bias is None else y + linear.bias).reshape(*x.shape[:-1], linear.out_features)
+            for y, linear in zip(ys, linears)]
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
            scale: float | None) -> torch.Tensor:
     """Attention of q [B, H, T, D] over keys/values [B, kv, S, D] (query head h reads key/value head
     h // (H / kv), as Hugging Face's repeat_kv pairs them) under mask [B, 1, T, S] bool (True: attend), softmax
     scaled by `scale` (None: 1/√D) → [B, H, T, D]. `F.scaled_dot_product_attention`; but one query token traced
-    by torch.compile on the CPU is written out (scores, a float32 softmax, the weighted sum) for Inductor to fuse:
-    the CPU's flash-attention kernel costs ~0.1 ms a call there, most of a small model's decode step."""
+    by torch.compile on the CPU (the CPU's flash-attention kernel costs ~0.1 ms a call there, most of a small
+    model's decode step) is `rows_mm.decode_attention` for float32 without gradients where it is built (each key
+    and value read once for a key/value head's query heads; a row's bits independent of its padding and its
+    batch-mates), else written out (scores, a float32 softmax, the weighted sum) for Inductor to fuse."""
     b, heads, t, d = q.shape
-    kv = keys.shape[1]
+    kv, slots = keys.shape[1], keys.shape[2]
     if not (t == 1 and torch.compiler.is_compiling() and q.device.type == "cpu"):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv)
+    if (rows_mm.ATTENTION_OP is not None and q.dtype == keys.dtype == values.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))):
+        out = rows_mm.ATTENTION_OP(q.reshape(b, heads, d), keys, values, mask.expand(b, 1, 1, slots).reshape(b, slots),
+                                   scale if scale is not None else d ** -0.5)
+        return out.reshape(b, heads, 1, d)
     grouped = q.reshape(b, kv, heads // kv, d)  # T = 1: the query heads of each key/value head together
     scores = (grouped @ keys.transpose(-1, -2)).float() * (scale if scale is not None else d ** -0.5)
     scores = scores.masked_fill(~mask, float("-inf"))  # [B, 1, 1, S] over [B, kv, group, S]
@@ -286,9 +318,10 @@ class Attention(nn.Module):
         `KVCache` or `PagedKVCache`, its `update` writing the new keys and values at `slots` and returning the
         keys and values [B, kv, S, head_dim] attended to; mask [B, 1, T, S] bool (True: attend)."""
         b, t, _ = x.shape
-        q = project(self.q_proj, x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = project(self.k_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = project(self.v_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = project_many((self.q_proj, self.k_proj, self.v_proj), x)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cos is not None:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = cache.update(self.layer, k, v, slots, q.dtype)
@@ -309,7 +342,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
+            gate, up = project_many((self.gate_proj, self.up_proj), x)
+            return project(self.down_proj, F.silu(gate) * up)
         hidden = F.gelu(project(self.up_proj, x), approximate="tanh" if self.kind == "gelu-tanh" else "none")
         return project(self.down_proj, hidden)
 

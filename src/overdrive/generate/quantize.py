@@ -12,9 +12,10 @@ depend on its batch-mates):
   CPU only; fp32 activations and accumulation). Opaque to torch.compile (a packed weight object).
 - `int8-rowwise`: int8 weights as above and int8 activations with one scale per row, quantized at
   each call (dynamic W8A8, as torchao's int8 dynamic-activation form), multiplied by `torch._int_mm`;
-  on a CPU with AVX-512 VNNI or AVX2, by overdrive's `rows_mm.int8_rows_mm` instead at up to `rows_mm.ROWS` rows a
-  call (1–4 with VNNI: decode at small batch; up to 512 on AVX2, where `_int_mm` is slow at every row count, and
-  beyond them float32 GEMMs over exact spans), eager or compiled (the same exact int32 sums, faster:
+  on a CPU with AVX-512 VNNI or AVX2, by overdrive's row kernel instead at up to `rows_mm.ROWS` rows a call
+  (`rows_mm.int8_rows_linear` for float32 x: the rounding, product and scales in one call; 1–4 rows with VNNI:
+  decode at small batch; up to 512 on AVX2, where `_int_mm` is slow at every row count, and beyond them float32
+  GEMMs over exact spans), eager or compiled (the same exact int32 sums, faster:
   `benchmarks/RESULTS.md`, "Decode at a few rows", "Decode on an AVX2 CPU");
   without it, under torch.compile on the CPU a one-row call (a decode step of one sequence) is a reduction Inductor
   fuses into one loop reading each int8 weight once (`_int_mm` blocks for a matrix product): the products
@@ -154,7 +155,8 @@ def exact_float_spans(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class Int8RowwiseLinear(nn.Module):
     """y = (qx · qwᵀ) · sx · sw + b: int8 weights (a scale per output channel) and int8 activations (a scale
     per row, from that row alone), the dot products exact (`torch._int_mm`'s int32; at ≤ `rows_mm.ROWS` rows on an
-    AVX-512 VNNI or AVX2 CPU, `rows_mm.int8_rows_mm`'s; else compiled, one row: exact float32 spans; beyond
+    AVX-512 VNNI or AVX2 CPU, `rows_mm.int8_rows_linear`'s for float32 x, the whole forward in one call, the same
+    bits, or `rows_mm.int8_rows_mm`'s; else compiled, one row: exact float32 spans; beyond
     `rows_mm.ROWS` on AVX2, float32 GEMMs over spans of `EXACT_SPAN` inputs, as exact); x [..., in] →
     y [..., out] in x's dtype. `weight_sums` (for the VNNI form of that kernel) are derived from `weight_int8` when
     built and when a state dict is loaded; `weight_int8` changed in place any other way needs `_sum_weights()`."""
@@ -172,8 +174,21 @@ class Int8RowwiseLinear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    rows_kernel = "int8_rows_linear"  # `decoder.project_many` calls several such layers of one x in one kernel call
+
+    def takes_rows_kernel(self, x: torch.Tensor) -> bool:
+        """Whether this call is `rows_mm.int8_rows_linear`'s (the rounding, product, scales and bias in one call):
+        float32 x on the CPU, 1 to `rows_mm.ROWS` rows, where the kernels are built."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        return (rows_mm.LINEAR_OP is not None and x.device.type == "cpu" and x.dtype == torch.float32
+                and 0 < rows <= rows_mm.ROWS and self.in_features <= rows_mm.MAX_IN
+                and (self.bias is None or self.bias.dtype == torch.float32))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.takes_rows_kernel(x):
+            y = rows_mm.LINEAR_OP(rows, self.weight_int8, self.weight_sums, self.scale, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         qx, sx = _int8_rows(rows)
         if (rows_mm.OP is not None and 0 < rows.shape[0] <= rows_mm.ROWS and x.device.type == "cpu"
                 and self.in_features <= rows_mm.MAX_IN):
@@ -248,9 +263,11 @@ def _int4_refusal(linear: nn.Linear, group_size: int) -> str | None:
 
 def compile_options(model: nn.Module) -> dict:
     """Inductor options a compiled decode step over `model` needs (`COMPILE_OPTIONS` where it holds int8-rowwise
-    layers on the CPU; otherwise none)."""
+    layers on the CPU without `rows_mm`'s kernels, whose one-row calls are then Inductor's reduction; otherwise
+    none: the kernels are opaque calls, and the option, which keeps each of the step's intermediates apart, made
+    its other small ops ~1 ms a step slower at batch 1)."""
     held = any(isinstance(m, Int8RowwiseLinear) and m.weight_int8.device.type == "cpu" for m in model.modules())
-    return dict(COMPILE_OPTIONS) if held else {}
+    return dict(COMPILE_OPTIONS) if held and rows_mm.OP is None else {}
 
 
 def holds(form: str, linear: nn.Linear) -> bool:
