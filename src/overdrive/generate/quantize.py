@@ -264,8 +264,8 @@ def _int4_refusal(linear: nn.Linear, group_size: int) -> str | None:
 def compile_options(model: nn.Module) -> dict:
     """Inductor options a compiled decode step over `model` needs (`COMPILE_OPTIONS` where it holds int8-rowwise
     layers on the CPU without `rows_mm`'s kernels, whose one-row calls are then Inductor's reduction; otherwise
-    none: the kernels are opaque calls, and the option, which keeps each of the step's intermediates apart, made
-    its other small ops ~1 ms a step slower at batch 1)."""
+    none: the kernels are opaque calls, and the option, which keeps each of the step's intermediates apart, slows
+    the step's other small ops: `benchmarks/RESULTS.md`, "Decode's step overhead on the AVX2 CPU")."""
     held = any(isinstance(m, Int8RowwiseLinear) and m.weight_int8.device.type == "cpu" for m in model.modules())
     return dict(COMPILE_OPTIONS) if held and rows_mm.OP is None else {}
 

@@ -242,21 +242,23 @@ static std::vector<at::Tensor> linears(const char* op, const at::Tensor& x_in, a
   const float* xp = x.data_ptr<float>();
   std::vector<int8_t> q(M * K, 0);
   std::vector<float> sx(M);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * K;
-    float amax = 0.f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      const float a = std::fabs(row[k]);
-      finite = finite && a <= FLT_MAX;
-      amax = a > amax ? a : amax;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = xp + m * K;
+      float amax = 0.f;
+      bool finite = true;
+      for (int64_t k = 0; k < K; ++k) {
+        const float a = std::fabs(row[k]);
+        finite = finite && a <= FLT_MAX;
+        amax = a > amax ? a : amax;
+      }
+      if (!finite) { sx[m] = NAN; continue; }
+      const float s = (amax > 1e-12f ? amax : 1e-12f) / 127.f;
+      for (int64_t k = 0; k < K; ++k)
+        q[m * K + k] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(row[k] / s)));
+      sx[m] = s;
     }
-    if (!finite) { sx[m] = NAN; continue; }
-    const float s = (amax > 1e-12f ? amax : 1e-12f) / 127.f;
-    for (int64_t k = 0; k < K; ++k)
-      q[m * K + k] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(row[k] / s)));
-    sx[m] = s;
-  }
+  });
   std::vector<std::vector<int32_t>> acc;
   std::vector<Int8Segment> segments;
   for (size_t i = 0; i < w.size(); ++i) {
@@ -269,12 +271,15 @@ static std::vector<at::Tensor> linears(const char* op, const at::Tensor& x_in, a
     const float* sp = sc[i].data_ptr<float>();
     const float* bp = bs[i].defined() ? bs[i].data_ptr<float>() : nullptr;
     float* yp = ys[i].data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) {
-        float v = (float)acc[i][m * N + n] * sx[m];
-        v = v * sp[n];
-        yp[m * N + n] = bp ? v + bp[n] : v;
-      }
+    const int32_t* ap = acc[i].data();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          float v = (float)ap[m * N + n] * sx[m];
+          v = v * sp[n];
+          yp[m * N + n] = bp ? v + bp[n] : v;
+        }
+    });
   }
   return ys;
 }
