@@ -139,7 +139,7 @@ def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_res
     assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(out), "--device", "cpu"]) == 0
     said = capsys.readouterr().out
     assert "5 of 10 prompts" in said  # the blank line is no record
-    assert "continuous batching of up to 3 sequences" in said
+    assert "continuous batching of up to 3 sequences" in said and "new graph" not in said  # eager: none compiled
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["index"] for x in lines] == [0, 2, 4, 6, 7] and lines[1]["id"] == "b"
     errors = [json.loads(x) for x in out.with_name("completions.errors.jsonl").read_text().splitlines()]
@@ -175,6 +175,22 @@ def test_run_writes_the_plans_own_completions_in_order_files_bad_records_and_res
                      "--max-errors", "2"]) == 1
     assert "3 records failed, more than --max-errors 2" in capsys.readouterr().err
     assert [json.loads(x)["index"] for x in stopped.read_text().splitlines()] == [0, 2, 4]
+
+
+def test_run_says_when_the_decode_step_compiled_new_graphs_during_the_run(toy_pydoc_lm, tmp_path, capsys, monkeypatch):
+    """A compiled plan meets running batch sizes the warm-up did not (the batch shrinks as the last prompts end):
+    each new graph costs seconds inside the tokens/s printed, so the run says how many it compiled."""
+    from overdrive.core import measure
+
+    graphs = iter(range(100))
+    monkeypatch.setattr(measure, "compiled_graphs", lambda: 3 * next(graphs))  # 3 more between the two reads
+    plan_path = tmp_path / "plan.json"
+    GenerationPlan(workload="pydoc-lm", device="cpu", batch_size=2, max_new_tokens=3, steps=[]).save(plan_path)
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps({"prompt": "A list is"}) + "\n")
+    assert cli.main(["run", str(plan_path), "--input", str(source), "--output", str(tmp_path / "out.jsonl"),
+                     "--device", "cpu"]) == 0
+    assert "torch.compile compiled 3 new graph(s) of the decode step during the run" in capsys.readouterr().out
 
 
 def test_run_of_a_prompt_lookup_plan_answers_one_prompt_at_a_time_with_the_same_greedy_tokens(toy_pydoc_lm, tmp_path,

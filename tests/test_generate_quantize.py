@@ -110,8 +110,30 @@ def test_the_fused_int8_linear_gives_the_bits_of_the_layers_own_arithmetic():
         rows_mm.LINEAR_OP(x, weight[:, :200], sums, scale.double(), None)
     with pytest.raises(RuntimeError, match="as many weights, weight_sums and scales, got 1, 2, 1"):
         rows_mm.LINEARS_OP(x, [weight[:, :200]], [sums, sums], [scale])
+    with pytest.raises(RuntimeError, match="takes float32 x, scale and bias, got float, float, double"):
+        rows_mm.LINEAR_OP(x, weight[:, :200], sums, scale, bias.double())
+    with pytest.raises(RuntimeError, match=r"got shapes \[4, 200\], \[33, 200\], \[33\], \[3\]"):
+        rows_mm.LINEAR_OP(x, weight[:, :200].contiguous(), sums, scale, bias[:3])
     with pytest.raises(RuntimeError, match=r"scale \[out\], bias \[out\], got shapes"):
         rows_mm.LINEAR_OP(x, weight[:, :200], sums, scale[:3], None)
+
+
+def test_int8_rowwise_keeps_its_dtype_and_leaves_the_kernel_when_gradients_are_asked_for():
+    """A bfloat16 x through a layer with a float32 bias answers in bfloat16 (x's dtype, as documented); x asking for
+    gradients takes the layer's PyTorch path (the op has no backward), with the same values."""
+    import warnings
+
+    from overdrive.generate.quantize import Int8RowwiseLinear
+
+    _rows_mm_or_skip()
+    torch.manual_seed(0)
+    layer = Int8RowwiseLinear(nn.Linear(64, 16))
+    assert layer(torch.randn(2, 64).bfloat16()).dtype == torch.bfloat16
+    x = torch.randn(2, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "autograd kernel was not registered" warning
+        asked = layer(x.clone().requires_grad_())
+    assert torch.equal(asked.detach(), layer(x))
 
 
 def test_projections_of_one_x_in_one_kernel_call_give_each_layers_own_bits():

@@ -39,6 +39,7 @@ def _claim(manifest_path: Path, done: set[int], manifest: dict) -> None:
 def run_main(args) -> int:
     """`overdrive run PLAN.json --input prompts.jsonl --output completions.jsonl` for a generation plan."""
     from overdrive.core import devices
+    from overdrive.core.measure import compiled_graphs
     from overdrive.core.report import make_console
     from overdrive.generate.continuous import SchedulerStats
     from overdrive.generate.engine import SamplingParams
@@ -90,6 +91,7 @@ def run_main(args) -> int:
     if continuous:
         gen.stats = SchedulerStats()  # the figures printed at the end are the run's, not the warm-up's
     setup_s = time.perf_counter() - setup_started
+    graphs_before = compiled_graphs()
     default = {"max_new_tokens": args.max_new_tokens or plan.max_new_tokens}
     eos = getattr(workload.tokenizer, "eos_token_id", None)
     if eos is not None:  # a completion ends at the end of its text, as Hugging Face's generate ends it
@@ -164,6 +166,11 @@ def run_main(args) -> int:
                   f"{devices.describe(device)}, {scheduling} (plan: {' + '.join(plan.names) or 'baseline'}); set-up "
                   f"before that {setup_s:.1f} s (model, warm-up)",
                   highlight=False)
+    recompiles = compiled_graphs() - graphs_before
+    if recompiles:  # as `run` of any other plan says it
+        console.print(f"warning: torch.compile compiled {recompiles} new graph(s) of the decode step during the run "
+                      "(running batch sizes or cache lengths the warm-up did not meet: the batch shrinks as the last "
+                      "prompts end); each costs seconds, counted in the tokens/s above", highlight=False)
     return 0
 
 

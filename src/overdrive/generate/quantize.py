@@ -178,11 +178,14 @@ class Int8RowwiseLinear(nn.Module):
 
     def takes_rows_kernel(self, x: torch.Tensor) -> bool:
         """Whether this call is `rows_mm.int8_rows_linear`'s (the rounding, product, scales and bias in one call):
-        float32 x on the CPU, 1 to `rows_mm.ROWS` rows, where the kernels are built."""
+        float32 x on the CPU, 1 to `rows_mm.ROWS` rows, where the kernels are built, no gradient asked for (the op
+        has no backward; the layer's PyTorch path gives the rounding's)."""
         rows = x.numel() // max(x.shape[-1], 1)
         return (rows_mm.LINEAR_OP is not None and x.device.type == "cpu" and x.dtype == torch.float32
                 and 0 < rows <= rows_mm.ROWS and self.in_features <= rows_mm.MAX_IN
-                and (self.bias is None or self.bias.dtype == torch.float32))
+                and (self.bias is None or self.bias.dtype == torch.float32)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.bias is not None
+                                                      and self.bias.requires_grad)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -204,7 +207,7 @@ class Int8RowwiseLinear(nn.Module):
             acc = torch._int_mm(qx, self.weight_int8.t())
         y = acc.float() * sx[:, None] * self.scale[None, :]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else (y + self.bias).to(x.dtype)  # x's dtype, whatever the bias's
 
     def _sum_weights(self) -> None:
         self.weight_sums = self.weight_int8.sum(1, dtype=torch.int32)

@@ -227,11 +227,12 @@ static std::vector<at::Tensor> linears(const char* op, const at::Tensor& x_in, a
     const auto& bias = biases[i];
     const int64_t N = weights[i].size(0);
     TORCH_CHECK(scales[i].dtype() == torch::kFloat32 && (!bias || bias->dtype() == torch::kFloat32), op,
-                " takes float32 x, scale and bias, got ", x_in.dtype(), ", ", scales[i].dtype());
+                " takes float32 x, scale and bias, got ", x_in.dtype(), ", ", scales[i].dtype(), ", ",
+                bias ? std::string(bias->dtype().name()) : std::string("no bias"));
     TORCH_CHECK(weights[i].size(1) == K && scales[i].dim() == 1 && scales[i].size(0) == N &&
                 (!bias || (bias->dim() == 1 && bias->size(0) == N)), op,
                 " takes x [M, in], weight [out, in], scale [out], bias [out], got shapes ", x_in.sizes(), ", ",
-                weights[i].sizes(), ", ", scales[i].sizes());
+                weights[i].sizes(), ", ", scales[i].sizes(), ", ", bias ? bias->sizes() : c10::IntArrayRef{});
     TORCH_CHECK(scales[i].device().is_cpu() && (!bias || bias->device().is_cpu()), op, " takes CPU tensors");
     w.push_back(weights[i].contiguous()); ws.push_back(sums[i].contiguous()); sc.push_back(scales[i].contiguous());
     bs.push_back(bias ? bias->contiguous() : at::Tensor());
@@ -621,7 +622,8 @@ def available() -> tuple[bool, str | None]:
       float32 [B, kv, S, D] (H a multiple of kv), mask bool [B, S] (True: attend), scale float → float32
       [B, H, D], softmax(q · kᵀ · scale) · v over the attended slots, zeros for a row with none (no backward).
 
-    Each raises RuntimeError on other dtypes, shapes or devices (the int8 ones also beyond `MAX_IN` inputs).
+    Each raises RuntimeError on other dtypes, shapes or devices (the int8 ones also beyond `MAX_IN` inputs); meta
+    tensors get their shapes (the fake kernels torch.compile traces with).
     `OVERDRIVE_NO_ROW_KERNELS=1` turns them off (before the first call)."""
     if os.environ.get("OVERDRIVE_NO_ROW_KERNELS") == "1" and OP is None:
         return False, "turned off by OVERDRIVE_NO_ROW_KERNELS=1"
