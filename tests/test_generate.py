@@ -267,8 +267,8 @@ def test_the_float_row_kernel_is_float32_products_whose_rows_do_not_depend_on_th
 @pytest.mark.parametrize("form", ["decode_attention", "written-out"])
 @pytest.mark.parametrize("heads,kv,scale", [(4, 4, None), (8, 2, 0.3)])
 def test_attend_for_one_query_token_under_compile_is_sdpa(heads, kv, scale, form, monkeypatch):
-    """`decoder.attend` compiled at one query token (`rows_mm.decode_attention` where built, else written out)
-    against `F.scaled_dot_product_attention` with grouped key/value heads: rows of 1 to 5 batch-mates, each with its
+    """`decoder.attend` compiled at one query token (`rows_mm.decode_attention` where built, eager too, else written
+    out; eager then SDPA) against `F.scaled_dot_product_attention` with grouped key/value heads: rows of 1 to 5 batch-mates, each with its
     own masked-out slots (padding, unused cache), one with none to attend to (a batch's padding row: zeros, as SDPA
     gives, not NaN)."""
     from overdrive.generate import rows_mm
@@ -294,7 +294,11 @@ def test_attend_for_one_query_token_under_compile_is_sdpa(heads, kv, scale, form
         out = compiled(q, keys, values, mask, scale)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(out[3], torch.zeros_like(out[3]))
-        assert torch.equal(attend(q, keys, values, mask, scale), expected)  # eager: SDPA itself
+        eager = attend(q, keys, values, mask, scale)
+        if form == "written-out":
+            assert torch.equal(eager, expected)  # eager without the kernel: SDPA itself
+        else:  # eager with it: the kernel, as compiled
+            assert torch.equal(eager, out)
     torch._dynamo.reset()
 
 

@@ -251,20 +251,24 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
            scale: float | None) -> torch.Tensor:
     """Attention of q [B, H, T, D] over keys/values [B, kv, S, D] (query head h reads key/value head
     h // (H / kv), as Hugging Face's repeat_kv pairs them) under mask [B, 1, T, S] bool (True: attend), softmax
-    scaled by `scale` (None: 1/√D) → [B, H, T, D]. `F.scaled_dot_product_attention`; but one query token traced
-    by torch.compile on the CPU (the CPU's flash-attention kernel costs ~0.1 ms a call there, most of a small
-    model's decode step) is `rows_mm.decode_attention` for float32 without gradients where it is built (each key
-    and value read once for a key/value head's query heads; a row's bits independent of its padding and its
-    batch-mates), else written out (scores, a float32 softmax, the weighted sum) for Inductor to fuse."""
+    scaled by `scale` (None: 1/√D) → [B, H, T, D]. `F.scaled_dot_product_attention`; but one query token on the
+    CPU (the CPU's flash-attention kernel costs ~0.1 ms a call there, most of a small model's decode step) is
+    `rows_mm.decode_attention` for float32 without gradients where it is built, eager or compiled (each key and
+    value read once for a key/value head's query heads; a row's bits independent of its padding and its
+    batch-mates), else, traced by torch.compile, written out (scores, a float32 softmax, the weighted sum) for
+    Inductor to fuse."""
     b, heads, t, d = q.shape
     kv, slots = keys.shape[1], keys.shape[2]
-    if not (t == 1 and torch.compiler.is_compiling() and q.device.type == "cpu"):
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv)
-    if (rows_mm.ATTENTION_OP is not None and q.dtype == keys.dtype == values.dtype == torch.float32
+    if t == 1 and q.device.type == "cpu" and not torch.compiler.is_compiling():
+        rows_mm.available()  # built (or refused) once per process: eager decode the same whatever ran before
+    if (t == 1 and q.device.type == "cpu" and rows_mm.ATTENTION_OP is not None
+            and q.dtype == keys.dtype == values.dtype == torch.float32
             and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))):
         out = rows_mm.ATTENTION_OP(q.reshape(b, heads, d), keys, values, mask.expand(b, 1, 1, slots).reshape(b, slots),
                                    scale if scale is not None else d ** -0.5)
         return out.reshape(b, heads, 1, d)
+    if not (t == 1 and torch.compiler.is_compiling() and q.device.type == "cpu"):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv)
     grouped = q.reshape(b, kv, heads // kv, d)  # T = 1: the query heads of each key/value head together
     scores = (grouped @ keys.transpose(-1, -2)).float() * (scale if scale is not None else d ** -0.5)
     scores = scores.masked_fill(~mask, float("-inf"))  # [B, 1, 1, S] over [B, kv, group, S]
