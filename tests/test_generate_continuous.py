@@ -69,6 +69,24 @@ def test_the_compiled_decode_step_gives_the_eager_tokens():
     assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
 
 
+def test_an_offline_batch_padded_to_its_compiled_graph_compiles_nothing_as_it_shrinks_and_keeps_its_tokens():
+    """`pad_to_compiled` (what `overdrive run` sets): once a batch of 4 has compiled its step, the same prompts with
+    answers of different lengths (the batch shrinking 4 → 1) run padded to that graph, compiling none, and each
+    request keeps the tokens it gets alone (padding rows and masked slots change nothing in a row)."""
+    from overdrive.core.measure import compiled_graphs
+
+    decoder = Decoder.from_hf(_hf())
+    prompts, params = _prompts(4, seed=11), _lengths(4)
+    gen = ContinuousGenerator(decoder, max_batch_size=4, block_size=8, compile=True, pad_to_compiled=True)
+    gen.generate(prompts, [SamplingParams(max_new_tokens=2)] * 4)  # the warm-up: a batch of 4
+    before = compiled_graphs()
+    padded = gen.generate(prompts, params)
+    assert compiled_graphs() == before and {shape[0] for shape in gen._shapes} == {4}
+    eager = ContinuousGenerator(decoder, max_batch_size=4, block_size=8).generate(prompts, params)
+    assert [c.token_ids for c in padded] == [c.token_ids for c in eager]
+    assert len({len(c.token_ids) for c in padded}) > 1  # the batch did shrink
+
+
 def test_a_compiled_step_in_a_servers_engine_thread_may_build_more_than_dynamos_default_8_graphs(monkeypatch):
     """A server steps the generator in a thread of its own; torch ≥ 2.13 keeps a config value set by the user per
     thread, so a recompile limit raised in the main thread left the engine thread at 8 graphs, and the ninth shape

@@ -87,6 +87,8 @@ def run_main(args) -> int:
     continuous = not set(SPECULATIVE) & set(plan.names)
     gen = build_generator(workload.model, workload.tokenizer, plan.steps, device=device, max_batch_size=batch,
                           continuous=continuous)
+    if continuous:  # the batch shrinks as the last prompts end: padded to the warm-up's graph, not compiled again
+        gen.pad_to_compiled = True
     gen.generate([workload.prompts[0]] * batch, SamplingParams(max_new_tokens=2))  # compiles, as serving would first
     if continuous:
         gen.stats = SchedulerStats()  # the figures printed at the end are the run's, not the warm-up's

@@ -127,6 +127,10 @@ class ContinuousGenerator(Generator):
         scheduling: "continuous" (default), or "static" — a batch is admitted only when the last one has ended
             entirely (rows that end early wait for the longest, as static batching does); for comparison.
         prefix_caching: reuse the blocks of a context's leading tokens computed before (the module docstring).
+        pad_to_compiled: with `compile`, run a decode step at the smallest batch size and span already compiled that
+            holds it (padding rows and masked slots), compiling a new graph only when none does, as vLLM pads a
+            batch up to a captured CUDA graph's size: an offline run, whose batch shrinks as its last prompts end,
+            then compiles nothing after its warm-up; a server (off: the default) keeps small batches small.
 
     Raises:
         ValueError: max_batch_size, block_size or max_prefill_tokens not an integer ≥ 1, a speculative generator
@@ -138,7 +142,7 @@ class ContinuousGenerator(Generator):
                  num_blocks: int | None = None, kv_memory_fraction: float = 0.25,
                  cache_dtype: torch.dtype | None = None, compile: bool = False,
                  defaults: SamplingParams | None = None, scheduling: str = "continuous",
-                 max_prefill_tokens: int = 1024, prefix_caching: bool = True):
+                 max_prefill_tokens: int = 1024, prefix_caching: bool = True, pad_to_compiled: bool = False):
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling is 'continuous' or 'static', got {scheduling!r}")
         for name, value in (("max_batch_size", max_batch_size), ("block_size", block_size),
@@ -162,6 +166,8 @@ class ContinuousGenerator(Generator):
         self.prefilling: list[_Sequence] = []  # admitted, their blocks held, part of their prompt still to prefill
         self.running: list[_Sequence] = []  # in admission order: the last is the first preempted
         self._next_id = 0
+        self.pad_to_compiled = pad_to_compiled
+        self._shapes: set[tuple[int, int]] = set()  # (batch, span) of the decode steps compiled so far
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
         """Queues one request and returns its id (ids count up from 0).
@@ -356,6 +362,10 @@ class ContinuousGenerator(Generator):
         span = -(-span // size) * size
         if self.compiled:
             span = -(-span // self.SLOT_ROUNDING) * self.SLOT_ROUNDING
+            fits = [shape for shape in self._shapes if shape[0] >= padded and shape[1] >= span]
+            if self.pad_to_compiled and fits:
+                padded, span = min(fits, key=lambda shape: shape[0] * shape[1])
+            self._shapes.add((padded, span))
         blocks = torch.zeros((padded, span // size), dtype=torch.long)  # block 0: scratch, masked
         for row, s in enumerate(self.running):
             blocks[row, :len(s.blocks)] = torch.tensor(s.blocks)
