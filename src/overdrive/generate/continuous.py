@@ -362,8 +362,9 @@ class ContinuousGenerator(Generator):
         span = -(-span // size) * size
         if self.compiled:
             span = -(-span // self.SLOT_ROUNDING) * self.SLOT_ROUNDING
-            fits = [shape for shape in self._shapes if shape[0] >= padded and shape[1] >= span]
-            if self.pad_to_compiled and fits:
+            fits = ([shape for shape in self._shapes if shape[0] >= padded and shape[1] >= span]
+                    if self.pad_to_compiled else [])
+            if fits:
                 padded, span = min(fits, key=lambda shape: shape[0] * shape[1])
             self._shapes.add((padded, span))
         blocks = torch.zeros((padded, span // size), dtype=torch.long)  # block 0: scratch, masked
